@@ -1,0 +1,53 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv when missing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.eaas-deps
+# Installed as a strict editable link tree so mypy can follow it (see CONVENTIONS.md).
+EDITABLE := --config-settings editable_mode=strict
+
+.PHONY: help install demo test lint typecheck unit e2e crds clean
+help:
+	@echo "make demo   - run EaaS locally (expert servers + attention client) on a tiny random model"
+	@echo "make test   - ruff, mypy and the whole pytest suite (builds the Kubernetes test binaries once)"
+
+# Heavy dependencies (torch is several GB) are installed once per .venv.
+$(DEPS_STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]' $(EDITABLE)
+	@touch $@
+
+# Cheap re-link so new modules appear in the editable tree.
+install: $(DEPS_STAMP)
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(EDITABLE)
+
+demo: install
+	$(VENV)/bin/eaas local --preset tiny --servers 4 --replication 2 --prompts 8 --max-new-tokens 24 --kill-server-after 8
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	MYPYPATH=$$(ls -d build/__editable__.eaas-*) $(VENV)/bin/mypy -p eaas
+
+unit: install
+	$(PY) -m pytest -m "not e2e"
+
+e2e: install k8s-bins
+	$(PY) -m pytest -m e2e
+
+test: install k8s-bins
+	$(MAKE) --no-print-directory lint typecheck
+	$(PY) -m pytest
+
+crds: install
+	$(PY) -m eaas.operator.crdgen --out crds --chart charts/eaas/crds
+
+clean:
+	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# Kubernetes control-plane binaries and cluster-up/cluster-down (e2e/k8s.mk).
+include e2e/k8s.mk

@@ -1,0 +1,65 @@
+"""Kernel backends by name. A backend is a function with the ``experts_forward`` signature.
+
+Built-in backends:
+
+| name | what | where |
+|---|---|---|
+| ``torch`` | per-group loop in plain PyTorch (the reference) | anywhere |
+| ``triton`` | Triton kernels: device-side alignment, group shrink, fused SiLU·mul, fused combine | CUDA; CPU only under ``TRITON_INTERPRET=1`` |
+| ``grouped_mm`` | ``torch._grouped_mm`` over all hosted groups | CUDA SM80+ (CUTLASS fast path on SM90/SM100, bf16); torch's CPU fallback |
+
+``triton`` and ``grouped_mm`` live in their own modules and are imported on first use, so
+``import eaas.kernels`` never imports Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from eaas.kernels.reference import experts_forward_reference
+
+ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_BACKENDS: dict[str, ExpertsForward] = {"torch": experts_forward_reference}
+
+# Built-ins imported lazily: name -> "module:function".
+_LAZY_BACKENDS: dict[str, str] = {
+    "triton": "eaas.kernels.triton_backend:experts_forward_triton",
+    "grouped_mm": "eaas.kernels.grouped_mm_backend:experts_forward_grouped_mm",
+}
+
+
+def register_backend(name: str, fn: ExpertsForward) -> None:
+    """Register ``fn`` under ``name`` (overwrites an earlier registration of the same name)."""
+    _LAZY_BACKENDS.pop(name, None)
+    _BACKENDS[name] = fn
+
+
+def available_backends() -> list[str]:
+    """Names that :func:`get_backend` accepts (a listed backend may still refuse a device)."""
+    return sorted({*_BACKENDS, *_LAZY_BACKENDS})
+
+
+def get_backend(name: str) -> ExpertsForward:
+    if name not in _BACKENDS and name in _LAZY_BACKENDS:
+        module_name, attribute = _LAZY_BACKENDS[name].split(":")
+        _BACKENDS[name] = getattr(importlib.import_module(module_name), attribute)
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel backend {name!r}; available: {', '.join(available_backends())}") from None
+
+
+def experts_forward(
+    x: torch.Tensor,  # [T, H]
+    group_of: torch.Tensor,  # [T, K] int, -1 = skip
+    weight_of: torch.Tensor,  # [T, K]
+    w13: torch.Tensor,  # [G, 2I, H]
+    w2: torch.Tensor,  # [G, H, I]
+    backend: str = "torch",
+) -> torch.Tensor:  # [T, H]
+    """For each token, the router-weighted sum over its K entries of the group's SwiGLU expert."""
+    return get_backend(backend)(x, group_of, weight_of, w13, w2)

@@ -1,0 +1,60 @@
+"""The ``eaas`` command line. Subcommands load lazily (torch is slow to import) and are listed by role."""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+import click
+
+
+class Entry(NamedTuple):
+    module: str  # module holding the click command
+    attr: str  # the command object's name in that module
+    role: str  # heading in ``eaas --help``
+    summary: str  # one line for ``eaas --help`` (read without importing the module)
+
+
+ROLES = ("Run locally", "Serve", "Operate on Kubernetes", "Tools")
+
+COMMANDS: dict[str, Entry] = {
+    "model": Entry(
+        "eaas.runtime.model.cli", "model", "Tools", "Make random checkpoints, list presets, generate."
+    ),
+}
+
+
+class RoleGroup(click.Group):
+    """A group whose commands are imported on first use and listed under role headings."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        command = getattr(importlib.import_module(entry.module), entry.attr)
+        assert isinstance(command, click.Command), f"{entry.module}.{entry.attr} is not a click command"
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        for role in ROLES:
+            rows = [(name, e.summary) for name, e in sorted(COMMANDS.items()) if e.role == role]
+            if rows:
+                with formatter.section(role):
+                    formatter.write_dl(rows)
+
+
+@click.group(cls=RoleGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="eaas")
+def main() -> None:
+    """EaaS: Mixture-of-Experts serving with experts as a service.
+
+    Attention clients send each token to the expert servers hosting its experts; expert
+    servers are stateless, scale one GPU at a time and fail over to replicas.
+    """
+
+
+if __name__ == "__main__":
+    main()

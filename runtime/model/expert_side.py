@@ -1,0 +1,98 @@
+"""The expert side: routed-expert weights of any set of (layer, expert) pairs, stacked in groups.
+
+An expert server hosts the pairs its placement gives it; the reference model hosts them all.
+Legend: G = hosted groups (one per (layer, expert)), T = tokens, K = top-k, H = hidden,
+I = expert intermediate size, L = layers, E = experts per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from eaas.kernels import experts_forward
+from eaas.runtime.model.checkpoint import CheckpointReader
+from eaas.runtime.model.config import MoEConfig
+from eaas.runtime.model.naming import expert_tensor_names
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+class ExpertStack:
+    """Stacked weights ``w13`` [G, 2I, H] (gate rows then up rows) and ``w2`` [G, H, I]."""
+
+    def __init__(
+        self, config: MoEConfig, pairs: list[ExpertKey], w13: torch.Tensor, w2: torch.Tensor
+    ) -> None:
+        self.config = config
+        self.pairs = pairs
+        self.w13 = w13
+        self.w2 = w2
+        # [L, E] group index of each hosted pair, -1 where not hosted here.
+        self.group_table = torch.full((config.num_layers, config.num_experts), -1, dtype=torch.int64)
+        for group, (layer, expert) in enumerate(pairs):
+            self.group_table[layer, expert] = group
+
+    @classmethod
+    def load(
+        cls,
+        reader: CheckpointReader,
+        pairs: Iterable[ExpertKey],
+        dtype: torch.dtype | None = None,
+    ) -> ExpertStack:
+        """Loads only the tensors of ``pairs`` from the checkpoint."""
+        config = reader.config
+        pairs = sorted(set(pairs))
+        for layer, expert in pairs:
+            if not config.is_moe_layer(layer) or not 0 <= expert < config.num_experts:
+                raise ValueError(
+                    f"(layer={layer}, expert={expert}) is not a routed expert of this model "
+                    f"(MoE layers {config.num_dense_layers}..{config.num_layers - 1}, "
+                    f"experts 0..{config.num_experts - 1})"
+                )
+        names = [expert_tensor_names(config, layer, expert) for layer, expert in pairs]
+        tensors = reader.load([n for triple in names for n in triple], dtype=dtype)
+        h, i = config.hidden_size, config.expert_intermediate_size
+        if not pairs:
+            dt = dtype or torch.float32
+            return cls(config, [], torch.zeros(0, 2 * i, h, dtype=dt), torch.zeros(0, h, i, dtype=dt))
+        w13 = torch.stack([torch.cat((tensors[gate], tensors[up]), dim=0) for gate, up, _ in names])
+        w2 = torch.stack([tensors[down] for _, _, down in names])
+        return cls(config, pairs, w13, w2)
+
+    def groups_for(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, K] of ``layer`` (-1 = skip) -> group ids [T, K] (-1 where not hosted)."""
+        groups = self.group_table[layer][expert_ids.clamp(min=0)]
+        return torch.where(expert_ids >= 0, groups, torch.full_like(groups, -1))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        group_of: torch.Tensor,  # [T, K]
+        weight_of: torch.Tensor,  # [T, K]
+        backend: str = "torch",
+    ) -> torch.Tensor:  # [T, H]
+        return experts_forward(x, group_of, weight_of, self.w13, self.w2, backend=backend)
+
+
+class LocalExperts:
+    """The MoE executor of the monolithic reference: every expert in this process."""
+
+    def __init__(self, stack: ExpertStack, backend: str = "torch") -> None:
+        self.stack = stack
+        self.backend = backend
+
+    @classmethod
+    def from_checkpoint(
+        cls, reader: CheckpointReader, dtype: torch.dtype | None = None, backend: str = "torch"
+    ) -> LocalExperts:
+        config = reader.config
+        pairs = [(layer, e) for layer in config.moe_layers for e in range(config.num_experts)]
+        return cls(ExpertStack.load(reader, pairs, dtype=dtype), backend=backend)
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed-expert output [T, H] for x [T, H], expert ids [T, K], router weights [T, K]."""
+        return self.stack.forward(x, self.stack.groups_for(layer, expert_ids), weights, self.backend)
