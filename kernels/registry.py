@@ -2,11 +2,11 @@
 
 Built-in backends:
 
-| name | what | where |
-|---|---|---|
-| ``torch`` | per-group loop in plain PyTorch (the reference) | anywhere |
-| ``triton`` | Triton kernels: device-side alignment, group shrink, fused SiLU·mul, fused combine | CUDA; CPU only under ``TRITON_INTERPRET=1`` |
-| ``grouped_mm`` | ``torch._grouped_mm`` over all hosted groups | CUDA SM80+ (CUTLASS fast path on SM90/SM100, bf16); torch's CPU fallback |
+- ``torch``: the per-group loop in plain PyTorch (the reference); runs anywhere.
+- ``triton``: Triton kernels (device-side alignment, group shrink, SiLU·mul fused into the first
+  GEMM, router weight and combine fused into the second); CUDA, or CPU under ``TRITON_INTERPRET=1``.
+- ``grouped_mm``: ``torch._grouped_mm`` over all hosted groups; CUDA SM80+ (CUTLASS fast path for
+  bf16 on SM90/SM100), or torch's CPU fallback.
 
 ``triton`` and ``grouped_mm`` live in their own modules and are imported on first use, so
 ``import eaas.kernels`` never imports Triton.
@@ -21,7 +21,9 @@ import torch
 
 from eaas.kernels.reference import experts_forward_reference
 
-ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ExpertsForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 _BACKENDS: dict[str, ExpertsForward] = {"torch": experts_forward_reference}
 
@@ -50,7 +52,9 @@ def get_backend(name: str) -> ExpertsForward:
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown kernel backend {name!r}; available: {', '.join(available_backends())}") from None
+        raise ValueError(
+            f"unknown kernel backend {name!r}; available: {', '.join(available_backends())}"
+        ) from None
 
 
 def experts_forward(
