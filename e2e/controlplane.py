@@ -1,0 +1,368 @@
+"""A real Kubernetes control plane from local binaries: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok (which plays the kubelet of fake GPU nodes, so scheduled Pods become Running).
+
+Like controller-runtime's envtest and kwokctl's ``binary`` runtime, everything listens on free
+127.0.0.1 ports and lives in one temporary directory (certificates, etcd data, logs, kubeconfig).
+
+In tests use it through the ``cluster`` fixture (``e2e/conftest.py``); in code::
+
+    with ControlPlane() as plane:        # plane.kubeconfig, plane.server, plane.node_names
+        ...
+
+By hand, detached: ``make cluster-up`` / ``make cluster-down`` (:mod:`e2e.handrun`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import yaml
+
+from e2e import binaries as bins
+from e2e.pki import Pki, write_pki
+from e2e.processes import ManagedProcess, free_port
+from e2e.waiting import wait_until
+
+SERVICE_CIDR = "10.0.0.0/24"  # only allocated, never routed: no traffic goes there
+POD_CIDR = "10.244.0.0/16"  # pod IPs kwok writes into Pod status
+FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+GPU_RESOURCE = "nvidia.com/gpu"
+STATE_FILE = "state.json"
+KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
+START_TIMEOUT_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class FakeNodeSpec:
+    """Shape of the fake nodes kwok manages (no taints, so ordinary Pods schedule onto them)."""
+
+    count: int = 2
+    gpus: int = 8
+    cpu: str = "64"
+    memory: str = "512Gi"
+    pods: int = 110
+    name_prefix: str = "kwok-gpu-"
+
+    def names(self) -> list[str]:
+        return [f"{self.name_prefix}{index}" for index in range(self.count)]
+
+    def manifest(self, name: str) -> dict:
+        resources = {
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "pods": str(self.pods),
+            GPU_RESOURCE: str(self.gpus),
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {FAKE_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "kubernetes.io/role": "agent",
+                    "node-role.kubernetes.io/agent": "",
+                    "type": "kwok",
+                    "nvidia.com/gpu.present": "true",
+                },
+            },
+            "spec": {},
+            "status": {"capacity": resources, "allocatable": resources},
+        }
+
+
+def _kubeconfig(server: str, pki: Pki) -> dict:
+    def b64(path: Path) -> str:
+        return base64.b64encode(path.read_bytes()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "eaas-e2e",
+                "cluster": {"server": server, "certificate-authority-data": b64(pki.ca_cert)},
+            }
+        ],
+        "users": [
+            {
+                "name": "eaas-e2e-admin",
+                "user": {
+                    "client-certificate-data": b64(pki.admin_cert),
+                    "client-key-data": b64(pki.admin_key),
+                },
+            }
+        ],
+        "contexts": [{"name": "eaas-e2e", "context": {"cluster": "eaas-e2e", "user": "eaas-e2e-admin"}}],
+        "current-context": "eaas-e2e",
+    }
+
+
+def _https_ok(url: str, context: ssl.SSLContext) -> bool:
+    with urllib.request.urlopen(url, timeout=2, context=context) as response:
+        return bool(response.status == 200)
+
+
+class ControlPlane:
+    """Start with :meth:`start` (or ``with ControlPlane(...) as plane``), stop with :meth:`stop`.
+
+    Attributes after start: ``kubeconfig`` (path), ``server`` (https URL), ``work_dir``,
+    ``node_names`` (the fake GPU nodes), ``startup_seconds``.
+    """
+
+    def __init__(
+        self,
+        binaries: bins.Binaries | None = None,
+        work_dir: Path | None = None,
+        nodes: FakeNodeSpec | None = None,
+        attached: bool = True,
+        keep_work_dir: bool = False,
+    ) -> None:
+        self.binaries = binaries or bins.Binaries.locate()
+        self._own_work_dir = work_dir is None
+        self.work_dir = work_dir or Path(tempfile.mkdtemp(prefix="eaas-k8s-"))
+        self.nodes = nodes or FakeNodeSpec()
+        self.attached = attached
+        self.keep_work_dir = keep_work_dir
+        self.kubeconfig = self.work_dir / "kubeconfig"
+        self.log_dir = self.work_dir / "logs"
+        self.server = ""
+        self.node_names = self.nodes.names()
+        self.startup_seconds = 0.0
+        self.processes: list[ManagedProcess] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> ControlPlane:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every component and return once the cluster can run Pods (or raise, cleaned up)."""
+        started = time.monotonic()
+        try:
+            self._start()
+        except Exception as error:
+            # Keep the directory so the component logs can be read; say where it is.
+            self.stop(remove_work_dir=False)
+            error.add_note(f"control-plane logs kept in {self.log_dir}")
+            raise
+        except BaseException:  # KeyboardInterrupt, SystemExit: just clean up
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+
+    def stop(self, remove_work_dir: bool | None = None) -> None:
+        """Stop all components, newest first (idempotent), and remove the work dir unless kept."""
+        while self.processes:
+            self.processes.pop().stop()
+        remove = (
+            (self._own_work_dir and not self.keep_work_dir) if remove_work_dir is None else remove_work_dir
+        )
+        if remove:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", attached=self.attached)
+        process.start()
+        self.processes.append(process)
+        return process
+
+    def _wait(
+        self, condition: Callable[[], object], description: str, timeout: float = START_TIMEOUT_SECONDS
+    ) -> None:
+        """Wait for `condition`, failing fast (with the log) if a component exits meanwhile."""
+
+        def check() -> bool:
+            for process in self.processes:
+                if not process.running():
+                    raise RuntimeError(f"while waiting for {description}: {process.describe_exit()}")
+            return bool(condition())
+
+        wait_until(check, timeout, description, ignore=(OSError, ValueError))
+
+    def _start(self) -> None:
+        b = self.binaries
+        pki = write_pki(self.work_dir / "pki")
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        kcm_port, scheduler_port = free_port(), free_port()
+        etcd_url = f"http://127.0.0.1:{etcd_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        self.server = f"https://127.0.0.1:{api_port}"
+
+        self._spawn(
+            "etcd",
+            [
+                str(b.etcd),
+                f"--data-dir={self.work_dir / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self._wait(lambda: _etcd_healthy(etcd_url), "etcd /health")
+
+        cert_dir = self.work_dir / "certs"
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(b.kube_apiserver),
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                "--endpoint-reconciler-type=none",  # loopback IPs are not valid Endpoints
+                f"--secure-port={api_port}",
+                f"--cert-dir={cert_dir}",
+                f"--tls-cert-file={pki.serving_cert}",
+                f"--tls-private-key-file={pki.serving_key}",
+                f"--client-ca-file={pki.ca_cert}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki.service_account_public_key}",
+                f"--service-account-signing-key-file={pki.service_account_key}",
+                "--profiling=false",
+            ],
+        )
+        self.kubeconfig.write_text(yaml.safe_dump(_kubeconfig(self.server, pki)))
+        admin = ssl.create_default_context(cafile=str(pki.ca_cert))
+        admin.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
+        self._wait(lambda: _https_ok(f"{self.server}/readyz", admin), "kube-apiserver /readyz")
+
+        kubeconfig = f"--kubeconfig={self.kubeconfig}"
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(b.kube_controller_manager),
+                kubeconfig,
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                f"--cert-dir={cert_dir / 'kcm'}",
+                f"--service-account-private-key-file={pki.service_account_key}",
+                f"--root-ca-file={pki.ca_cert}",
+                f"--cluster-signing-cert-file={pki.ca_cert}",
+                f"--cluster-signing-key-file={pki.ca_key}",
+                "--profiling=false",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(b.kube_scheduler),
+                kubeconfig,
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={scheduler_port}",
+                f"--cert-dir={cert_dir / 'scheduler'}",
+                "--profiling=false",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                str(b.kwok),
+                kubeconfig,
+                f"--config={KWOK_STAGES}",  # also keeps kwok from reading ~/.kwok/kwok.yaml
+                "--node-lease-duration-seconds=40",  # leases keep the nodes Ready for node-lifecycle
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
+                "--manage-nodes-with-label-selector=",
+                "--manage-single-node=",
+                f"--cidr={POD_CIDR}",
+                "--node-ip=10.244.0.1",
+            ],
+        )
+        self._create_fake_nodes()
+
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE  # self-signed serving certs of kcm/scheduler, loopback only
+        self._wait(lambda: _https_ok(f"https://127.0.0.1:{kcm_port}/healthz", insecure), "controller-manager")
+        self._wait(lambda: _https_ok(f"https://127.0.0.1:{scheduler_port}/healthz", insecure), "scheduler")
+        self._wait(self._default_service_account_exists, "the 'default' ServiceAccount (controller-manager)")
+        self._wait(self._fake_nodes_ready, f"fake nodes {self.node_names} to be Ready (kwok)")
+
+    def _kubectl_json(self, *args: str) -> dict:
+        output = subprocess.run(
+            [str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", *args, "-o", "json"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        ).stdout
+        return dict(json.loads(output))
+
+    def _create_fake_nodes(self) -> None:
+        manifests = "\n---\n".join(yaml.safe_dump(self.nodes.manifest(name)) for name in self.node_names)
+        subprocess.run(
+            [str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", "apply", "-f", "-"],
+            input=manifests.encode(),
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+    def _default_service_account_exists(self) -> bool:
+        try:
+            return bool(self._kubectl_json("get", "serviceaccount", "default", "-n", "default"))
+        except Exception:
+            return False
+
+    def _fake_nodes_ready(self) -> bool:
+        nodes = self._kubectl_json("get", "nodes")["items"]
+        ready = {
+            node["metadata"]["name"]
+            for node in nodes
+            for condition in node.get("status", {}).get("conditions", [])
+            if condition["type"] == "Ready" and condition["status"] == "True"
+        }
+        return set(self.node_names) <= ready
+
+    # -- detached mode (cluster-up / cluster-down) -------------------------------------------------
+    def write_state(self) -> Path:
+        state = {
+            "kubeconfig": str(self.kubeconfig),
+            "server": self.server,
+            "processes": [
+                {"name": p.name, "pid": p.pid, "binary": str(p.argv[0]), "log": str(p.log_path)}
+                for p in self.processes
+            ],
+        }
+        path = self.work_dir / STATE_FILE
+        path.write_text(json.dumps(state, indent=2))
+        return path
+
+
+def _etcd_healthy(url: str) -> bool:
+    with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+        return bool(json.loads(response.read()).get("health") == "true")
+
+
+if __name__ == "__main__":  # `python -m e2e.controlplane up|down|status` (see e2e/handrun.py)
+    from e2e.handrun import run
+
+    run()

@@ -1,0 +1,115 @@
+"""Run the local control plane by hand, detached from any Python process (``make cluster-up``).
+
+    python -m e2e.handrun up [--dir DIR] [--gpu-nodes N]   # prints `export KUBECONFIG=...`
+    python -m e2e.handrun status [--dir DIR]
+    python -m e2e.handrun down [--dir DIR]
+
+(``python -m e2e.controlplane ...`` is the same.) The default DIR is ``<cache>/cluster``; it holds
+the kubeconfig, logs and ``state.json`` with the pids and binaries of the components.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from e2e import binaries as bins
+from e2e.controlplane import STATE_FILE, ControlPlane, FakeNodeSpec
+from e2e.processes import kill_group, process_alive
+from e2e.waiting import WaitTimeout
+
+
+def default_cluster_dir() -> Path:
+    return bins.cache_dir() / "cluster"
+
+
+def _state(directory: Path) -> dict | None:
+    try:
+        return dict(json.loads((directory / STATE_FILE).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _our_process(entry: dict) -> bool:
+    """The recorded pid is still the binary we started (not a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return False
+    return bool(cmdline == entry["binary"] and process_alive(int(entry["pid"])))
+
+
+def cluster_down(directory: Path) -> int:
+    state = _state(directory)
+    if state is None:
+        print(f"no cluster state in {directory}; nothing to stop")
+        return 0
+    for entry in reversed(state["processes"]):
+        if _our_process(entry):
+            kill_group(int(entry["pid"]))
+            print(f"stopped {entry['name']} (pid {entry['pid']})")
+    shutil.rmtree(directory, ignore_errors=True)
+    print(f"removed {directory}")
+    return 0
+
+
+def cluster_up(directory: Path, node_count: int) -> int:
+    state = _state(directory)
+    if state is not None:
+        if all(_our_process(entry) for entry in state["processes"]):
+            print(f"# already running; to use it:\nexport KUBECONFIG={state['kubeconfig']}")
+            print(f"export PATH={Path(state['processes'][0]['binary']).parent}:$PATH")
+            return 0
+        cluster_down(directory)  # a stale or half-dead one
+    directory.mkdir(parents=True, exist_ok=True)
+    plane = ControlPlane(work_dir=directory, nodes=FakeNodeSpec(count=node_count), attached=False)
+    try:
+        plane.start()
+    except (RuntimeError, WaitTimeout, bins.MissingBinariesError) as error:
+        print(f"cluster-up failed: {error}\nlogs kept in {plane.log_dir}", file=sys.stderr)
+        return 1
+    plane.write_state()
+    print(f"# control plane up in {plane.startup_seconds:.1f} s ({plane.server}); logs in {plane.log_dir}")
+    print(f"# fake GPU nodes: {' '.join(plane.node_names)}; stop with `make cluster-down`")
+    print(f"export KUBECONFIG={plane.kubeconfig}")
+    print(f"export PATH={plane.binaries.kubectl.parent}:$PATH")
+    return 0
+
+
+def cluster_status(directory: Path) -> int:
+    state = _state(directory)
+    if state is None:
+        print(f"no cluster in {directory}")
+        return 1
+    alive = {entry["name"]: _our_process(entry) for entry in state["processes"]}
+    print(json.dumps({"kubeconfig": state["kubeconfig"], "running": alive}, indent=2))
+    return 0 if all(alive.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.handrun", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--dir", type=Path, default=None, help="state directory (default: <cache>/cluster)")
+    parser.add_argument("--gpu-nodes", type=int, default=2, help="number of fake GPU nodes (default 2)")
+    args = parser.parse_args(argv)
+    directory = (args.dir or default_cluster_dir()).expanduser().resolve()
+    if args.command == "up":
+        return cluster_up(directory, args.gpu_nodes)
+    if args.command == "down":
+        return cluster_down(directory)
+    return cluster_status(directory)
+
+
+def run() -> None:
+    """Entry point: exit with main()'s status (130 on Ctrl-C)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
+    sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

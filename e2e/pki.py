@@ -1,0 +1,158 @@
+"""Certificates and keys for the local control plane (Python `cryptography`, ECDSA P-256).
+
+One throwaway CA signs the kube-apiserver serving certificate and an admin client certificate in the
+``system:masters`` group; a separate key pair signs service-account tokens. All files are PEM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALIDITY = datetime.timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Pki:
+    """Paths of the PEM files written by :func:`write_pki`."""
+
+    ca_cert: Path
+    ca_key: Path
+    serving_cert: Path
+    serving_key: Path
+    admin_cert: Path
+    admin_key: Path
+    service_account_key: Path
+    service_account_public_key: Path
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(common_name: str, organization: str | None = None) -> x509.Name:
+    attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if organization:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+    return x509.Name(attributes)
+
+
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey
+) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALIDITY)
+    )
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    path.chmod(0o600)
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def write_pki(directory: Path, service_ip: str = "10.0.0.1") -> Pki:
+    """Write a CA, a serving certificate for 127.0.0.1/localhost, an admin client certificate
+    (CN=eaas-e2e-admin, O=system:masters) and a service-account signing key pair into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pki = Pki(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        service_account_key=directory / "sa.key",
+        service_account_public_key=directory / "sa.pub",
+    )
+
+    ca_key = _new_key()
+    ca_name = _name("eaas-e2e-ca")
+    ca_cert = (
+        _builder(ca_name, ca_name, ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_key(pki.ca_key, ca_key)
+    _write_cert(pki.ca_cert, ca_cert)
+
+    def leaf(
+        subject: x509.Name, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]
+    ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        key = _new_key()
+        builder = (
+            _builder(subject, ca_name, key.public_key())
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return key, builder.sign(ca_key, hashes.SHA256())
+
+    dns_names = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ]
+    serving_sans: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
+    serving_sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", service_ip)]
+    serving_key, serving_cert = leaf(_name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, serving_sans)
+    _write_key(pki.serving_key, serving_key)
+    _write_cert(pki.serving_cert, serving_cert)
+
+    admin_subject = _name("eaas-e2e-admin", "system:masters")
+    admin_key, admin_cert = leaf(admin_subject, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    _write_key(pki.admin_key, admin_key)
+    _write_cert(pki.admin_cert, admin_cert)
+
+    sa_key = _new_key()
+    _write_key(pki.service_account_key, sa_key)
+    pki.service_account_public_key.write_bytes(
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return pki
