@@ -1,0 +1,142 @@
+"""The latency model every planner optimises (seed 002, "Latency-Optimal Load Balancing").
+
+Load is routed tokens per (layer, expert): ``load[L, E]`` float, rows in ``placement.layers`` order
+(L = MoE layers, E = experts, S = servers in ordinal order, T = steps). An expert's tokens are
+spread evenly over its replicas, so server ``s`` serves ``load[l, e] / replicas[l, e]`` of every
+(l, e) it hosts.
+
+Predicted latency of running ``candidate`` for ``horizon_steps`` steps, starting from ``current``::
+
+    horizon_steps * sum_l (seconds_per_layer + seconds_per_token * max_s tokens[l, s])   # compute
+    + seconds_per_expert_load * max_s (experts server s must newly load)                 # movement
+    + planner_seconds                                    (only when the placement changes)
+
+Each MoE layer is synchronous, so its time is that of its busiest server; servers load weights in
+parallel, so movement costs the busiest loader's time. Dropping an expert is free. A server that
+is not in ``current`` loads before the new placement is committed and stalls nobody.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from eaas.runtime.placement.placement import Placement, PlacementError
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Linear cost functions, profiled per deployment (defaults: a DeepSeek-V3 FP8 expert on an
+    H100-class GPU — 3 x 7168 x 2048 weights, ~44 MB — loaded over a ~50 GB/s link).
+
+    seconds_per_token: compute time per routed token on one server (slope of the linear model).
+    seconds_per_layer: fixed time per MoE layer per step (launch, weight reads, round trip).
+    seconds_per_expert_load: time for one server to load one expert's weights.
+    planner_seconds: the planner's own runtime, charged to any rebalance that changes placement.
+    """
+
+    seconds_per_token: float = 0.25e-6
+    seconds_per_layer: float = 50e-6
+    seconds_per_expert_load: float = 1e-3
+    planner_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("seconds_per_token", "seconds_per_layer", "seconds_per_expert_load", "planner_seconds"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise PlacementError(f"CostModel.{field} must be a finite number >= 0, got {value!r}")
+        if self.seconds_per_token <= 0:
+            raise PlacementError("CostModel.seconds_per_token must be > 0")
+
+
+def check_load(load: object, num_layers: int, num_experts: int) -> np.ndarray:
+    """Validate ``load`` as float ``[L, E]`` tokens (finite, >= 0) and return it as float64."""
+    array = np.asarray(load, dtype=np.float64)
+    if array.shape != (num_layers, num_experts):
+        raise PlacementError(
+            f"load has shape {array.shape}; expected [L, E] = ({num_layers}, {num_experts}) tokens per "
+            "(layer, expert), rows in placement.layers order"
+        )
+    if not np.isfinite(array).all() or (array < 0).any():
+        raise PlacementError("load must hold finite token counts >= 0")
+    return array
+
+
+def routing_weights(placement: Placement) -> np.ndarray:
+    """float64 ``[L, E, S]``: the share of (l, e)'s tokens that server s serves (1/replicas or 0)."""
+    return placement.replica_shares()
+
+
+def server_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
+    """Tokens each server serves per layer: ``load [..., L, E]`` → ``[..., L, S]`` float64."""
+    array = np.asarray(load, dtype=np.float64)
+    if array.shape[-2:] != (len(placement.layers), placement.num_experts):
+        raise PlacementError(
+            f"load has shape {array.shape}; expected [..., L, E] with L={len(placement.layers)}, "
+            f"E={placement.num_experts}"
+        )
+    weights = routing_weights(placement)  # [L, E, S]
+    # [L, ..., E] @ [L, E, S] -> [L, ..., S], then layers back to axis -2.
+    moved = np.moveaxis(array, -2, 0)
+    flat = moved.reshape(moved.shape[0], -1, moved.shape[-1])
+    result = np.matmul(flat, weights).reshape(*moved.shape[:-1], weights.shape[-1])
+    return np.moveaxis(result, 0, -2)
+
+
+def imbalance(placement: Placement, load: np.ndarray) -> float:
+    """Per-server max/mean tokens, averaged over layers (1.0 = perfectly balanced). The mean is over
+    all servers; a layer without tokens counts as 1.0."""
+    per_server = server_loads(placement, check_load(load, len(placement.layers), placement.num_experts))
+    return float(np.mean(max_over_mean(per_server)))
+
+
+def max_over_mean(per_server: np.ndarray) -> np.ndarray:
+    """``[..., S]`` tokens per server → ``[...]`` max/mean (1.0 where there are no tokens)."""
+    mean = per_server.mean(axis=-1)
+    peak = per_server.max(axis=-1)
+    return np.where(mean > 0, peak / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def step_seconds(placement: Placement, load: np.ndarray, cost: CostModel) -> float:
+    """Modelled MoE time of one step with per-step ``load [L, E]``: sum over layers of the busiest
+    server's time."""
+    per_server = server_loads(placement, check_load(load, len(placement.layers), placement.num_experts))
+    peaks = per_server.max(axis=-1)  # [L]
+    return float(len(peaks) * cost.seconds_per_layer + cost.seconds_per_token * peaks.sum())
+
+
+def movement_seconds(current: Placement, candidate: Placement, cost: CostModel) -> float:
+    """Time the busiest already-serving server spends loading experts to go from ``current`` to
+    ``candidate`` (servers new in ``candidate`` load before they serve and are not counted)."""
+    if current.layers != candidate.layers or current.num_experts != candidate.num_experts:
+        raise PlacementError("current and candidate place different models (layers/num_experts differ)")
+    old_matrix = current.hosting_matrix()
+    new_matrix = candidate.hosting_matrix()
+    worst = 0
+    current_ordinals = set(current.ordinals)
+    for column, ordinal in enumerate(candidate.ordinals):
+        if ordinal in current_ordinals:
+            loads = int((new_matrix[column] & ~old_matrix[current.server_index(ordinal)]).sum())
+            worst = max(worst, loads)
+    return worst * cost.seconds_per_expert_load
+
+
+def predicted_seconds(
+    current: Placement, candidate: Placement, load: np.ndarray, cost: CostModel, horizon_steps: int
+) -> float:
+    """The objective: latency of serving ``horizon_steps`` steps of per-step ``load [L, E]`` on
+    ``candidate``, plus moving there from ``current``, plus the planner's runtime if it moved."""
+    check_horizon(horizon_steps)
+    total = horizon_steps * step_seconds(candidate, load, cost) + movement_seconds(current, candidate, cost)
+    if not current.same_assignment(candidate):
+        total += cost.planner_seconds
+    return total
+
+
+def check_horizon(horizon_steps: int) -> None:
+    if not isinstance(horizon_steps, int) or isinstance(horizon_steps, bool) or horizon_steps < 1:
+        raise PlacementError(
+            f"horizon_steps must be an int >= 1 (steps until the next rebalance), got {horizon_steps!r}"
+        )

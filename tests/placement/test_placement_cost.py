@@ -1,0 +1,72 @@
+"""The latency model: hand-checked values, and its validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eaas.runtime.placement import (
+    CostModel,
+    Placement,
+    PlacementError,
+    Server,
+    imbalance,
+    movement_seconds,
+    predicted_seconds,
+    server_loads,
+    step_seconds,
+)
+from eaas.runtime.placement.cost import check_load
+
+COST = CostModel(seconds_per_token=1e-6, seconds_per_layer=1e-4, seconds_per_expert_load=1e-3)
+
+
+def pair_placement(hosted: dict[int, list[tuple[int, int]]], ordinals: tuple[int, ...] = (0, 1)) -> Placement:
+    return Placement([0, 1], 2, [Server(o, 4) for o in ordinals], hosted)
+
+
+def test_server_loads_split_an_expert_evenly_over_its_replicas() -> None:
+    placement = pair_placement({0: [(0, 0), (0, 1), (1, 0)], 1: [(0, 0), (1, 1)]})
+    load = np.array([[100.0, 10.0], [40.0, 60.0]])
+    assert server_loads(placement, load).tolist() == [[60.0, 50.0], [40.0, 60.0]]
+    batch = server_loads(placement, np.stack([load, 2 * load]))
+    assert batch.shape == (2, 2, 2) and batch[1].tolist() == [[120.0, 100.0], [80.0, 120.0]]
+    # Per layer max/mean: 60/55 and 60/50.
+    assert imbalance(placement, load) == pytest.approx((60 / 55 + 60 / 50) / 2)
+    # Sum over layers of (fixed + per-token x busiest server).
+    assert step_seconds(placement, load, COST) == pytest.approx(2 * 1e-4 + 1e-6 * (60 + 60))
+
+
+def test_movement_is_the_busiest_loader_and_ignores_new_servers() -> None:
+    old = pair_placement({0: [(0, 0), (0, 1), (1, 0), (1, 1)], 1: [(0, 0)]})
+    new = Placement(
+        [0, 1], 2, [Server(0, 4), Server(1, 4), Server(2, 4)],
+        {0: [(0, 0), (0, 1)], 1: [(0, 0), (1, 0), (1, 1)], 2: [(0, 1), (1, 0), (1, 1)]},
+    )  # fmt: skip
+    # Server 1 loads two experts, server 0 none; server 2 is new (loads before it serves).
+    assert movement_seconds(old, new, COST) == pytest.approx(2e-3)
+    load = np.ones((2, 2))
+    expected = 10 * step_seconds(new, load, COST) + 2e-3 + 0.5
+    assert predicted_seconds(
+        old, new, load, CostModel(1e-6, 1e-4, 1e-3, planner_seconds=0.5), 10
+    ) == pytest.approx(expected)
+    # Keeping the current placement costs no movement and no planner time.
+    assert predicted_seconds(old, old, load, CostModel(planner_seconds=0.5), 10) == pytest.approx(
+        10 * step_seconds(old, load, CostModel())
+    )
+
+
+def test_inputs_are_validated() -> None:
+    with pytest.raises(PlacementError, match=r"load has shape \(3,\); expected \[L, E\] = \(2, 2\)"):
+        check_load(np.ones(3), 2, 2)
+    with pytest.raises(PlacementError, match="finite token counts >= 0"):
+        check_load(np.array([[1.0, -1.0], [0.0, 0.0]]), 2, 2)
+    with pytest.raises(PlacementError, match="finite token counts >= 0"):
+        check_load(np.array([[1.0, np.nan], [0.0, 0.0]]), 2, 2)
+    with pytest.raises(PlacementError, match="seconds_per_expert_load must be a finite number >= 0"):
+        CostModel(seconds_per_expert_load=-1.0)
+    with pytest.raises(PlacementError, match="seconds_per_token must be > 0"):
+        CostModel(seconds_per_token=0.0)
+    placement = pair_placement({0: [(0, 0), (0, 1), (1, 0), (1, 1)]})
+    with pytest.raises(PlacementError, match="horizon_steps must be an int >= 1"):
+        predicted_seconds(placement, placement, np.ones((2, 2)), COST, 0)

@@ -1,0 +1,209 @@
+"""Planners: EPLB baseline, cost-aware rebalance, ILP oracle — invariants, quality, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from placement_helpers import assert_invariants, domain_servers, trace_load
+
+from eaas.runtime.placement import (
+    CostModel,
+    Placement,
+    PlacementError,
+    Server,
+    cost_aware,
+    ilp,
+    imbalance,
+    layer_quotas,
+    num_moves,
+    predicted_seconds,
+    replicate_and_pack,
+    round_robin,
+)
+from eaas.runtime.placement.diff import diff
+
+
+def mid_instance(seed: int = 0) -> tuple[Placement, np.ndarray]:
+    """8 layers x 64 experts on 16 servers in 4 nodes, R=1, 12.5% redundant slots (like DSV3's 32/256)."""
+    servers = domain_servers(16, capacity=36, num_domains=4)  # 8 x 72 / 16
+    return round_robin(range(3, 11), 64, servers), trace_load(8, 64, seed=seed, steps=50)
+
+
+# -- replicate_and_pack (EPLB) -------------------------------------------------------------------
+
+
+def test_layer_quotas_rotate_the_remainder() -> None:
+    quotas = layer_quotas([261] * 64, 58, 288, 256)
+    assert quotas.shape == (58, 64)
+    assert (quotas.sum(axis=1) == 288).all()
+    assert (quotas.sum(axis=0) <= 261).all() and quotas.sum() == 58 * 288
+    assert set(np.unique(quotas)) == {4, 5}
+    uneven = layer_quotas([10, 20, 30], 4, 12, 8)
+    assert (uneven.sum(axis=1) == 12).all() and (uneven.sum(axis=0) <= [10, 20, 30]).all()
+    with pytest.raises(PlacementError, match="exceed the servers' usable capacity"):
+        layer_quotas([4, 4], 2, 5, 8)
+
+
+def test_eplb_balances_and_uses_every_slot() -> None:
+    current, load = mid_instance()
+    plan = replicate_and_pack(current, load, slots_per_layer=72)
+    assert_invariants(plan)
+    assert plan.version == current.version + 1
+    counts = plan.replica_counts()
+    assert (counts.sum(axis=1) == 72).all()
+    # The hottest expert of every layer gets the most replicas.
+    assert (counts[np.arange(8), load.argmax(axis=1)] == counts.max(axis=1)).all()
+    before, after = imbalance(current, load), imbalance(plan, load)
+    assert before > 1.5 and after < 1.1
+    assert replicate_and_pack(current, load, slots_per_layer=72) == plan  # deterministic
+
+
+def test_eplb_hierarchical_keeps_groups_on_one_node() -> None:
+    current, load = mid_instance()
+    plan = replicate_and_pack(current, load, slots_per_layer=72, num_groups=8)
+    assert_invariants(plan)
+    for layer in plan.layers:
+        for group in range(8):
+            nodes = {
+                plan.server(o).domain
+                for e in range(group * 8, group * 8 + 8)
+                for o in plan.servers_of(layer, e)
+            }
+            assert len(nodes) == 1, (layer, group, nodes)
+    assert imbalance(plan, load) < imbalance(current, load)
+    # 8 groups do not divide over 3 nodes: the global policy is used instead.
+    three_nodes = round_robin(range(8), 64, domain_servers(15, capacity=40, num_domains=3))
+    assert_invariants(replicate_and_pack(three_nodes, load, num_groups=8))
+
+
+def test_eplb_with_replication_spreads_over_domains() -> None:
+    current = round_robin(4, 8, domain_servers(4, capacity=18, num_domains=2), replication=2)
+    for seed in range(6):
+        plan = replicate_and_pack(current, trace_load(4, 8, seed=seed))
+        assert_invariants(plan)
+
+
+def test_eplb_bad_inputs() -> None:
+    current, load = mid_instance()
+    with pytest.raises(PlacementError, match="slots_per_layer must be an int >= replication x experts = 64"):
+        replicate_and_pack(current, load, slots_per_layer=60)
+    with pytest.raises(PlacementError, match="num_groups must divide num_experts=64"):
+        replicate_and_pack(current, load, num_groups=7)
+    with pytest.raises(PlacementError, match=r"load has shape \(8, 32\); expected \[L, E\] = \(8, 64\)"):
+        replicate_and_pack(current, load[:, :32])
+    replicated = round_robin(8, 64, domain_servers(16, capacity=72, num_domains=4), replication=2)
+    with pytest.raises(PlacementError, match="hierarchical packing keeps an expert group on one node"):
+        replicate_and_pack(replicated, load, num_groups=8)
+
+
+# -- cost_aware ---------------------------------------------------------------------------------
+
+
+def test_cost_aware_skips_when_balanced() -> None:
+    current, _ = mid_instance()
+    uniform = np.full((8, 64), 50.0)
+    assert cost_aware(current, uniform) is current
+
+
+def test_cost_aware_returns_current_when_the_gain_does_not_pay() -> None:
+    current, load = mid_instance()
+    expensive = CostModel(seconds_per_expert_load=5.0)
+    assert cost_aware(current, load, expensive, horizon_steps=10) is current
+    slow_planner = CostModel(planner_seconds=1e3)
+    assert cost_aware(current, load, slow_planner, horizon_steps=100) is current
+
+
+def test_cost_aware_improves_the_objective_with_few_moves() -> None:
+    current, load = mid_instance()
+    cost = CostModel()
+    plan = cost_aware(current, load, cost, horizon_steps=100)
+    assert_invariants(plan)
+    assert plan.version == current.version + 1
+    baseline = replicate_and_pack(current, load, slots_per_layer=72)
+    keep = predicted_seconds(current, current, load, cost, 100)
+    ours = predicted_seconds(current, plan, load, cost, 100)
+    eplb = predicted_seconds(current, baseline, load, cost, 100)
+    assert ours < keep and ours < eplb
+    assert imbalance(plan, load) < 1.1 * imbalance(baseline, load)
+    assert num_moves(current, plan) < 0.3 * num_moves(current, baseline)
+    assert cost_aware(current, load, cost, horizon_steps=100) == plan  # deterministic
+
+
+def test_cost_aware_longer_horizons_buy_more_balance() -> None:
+    current, load = mid_instance(seed=1)
+    short = cost_aware(current, load, horizon_steps=20)
+    long = cost_aware(current, load, horizon_steps=2000)
+    assert num_moves(current, short) <= num_moves(current, long)
+    assert imbalance(long, load) <= imbalance(short, load)
+
+
+def test_cost_aware_respects_the_move_budget() -> None:
+    current, load = mid_instance()
+    plan = cost_aware(current, load, horizon_steps=100, max_moves=10)
+    assert 0 < num_moves(current, plan) <= 20  # a swap loads two experts
+    assert cost_aware(current, load, max_moves=0) is current
+    with pytest.raises(PlacementError, match="max_moves must be an int >= 0"):
+        cost_aware(current, load, max_moves=-1)
+
+
+def test_cost_aware_keeps_replication_and_domains(small: tuple[Placement, np.ndarray]) -> None:
+    current, load = small
+    plan = cost_aware(current, load, horizon_steps=1000)
+    assert plan is not current
+    assert_invariants(plan)
+    assert plan.replication == 2
+
+
+def test_cost_aware_from_a_balanced_start_moves_little() -> None:
+    current, load = mid_instance()
+    balanced = cost_aware(current, load, horizon_steps=100)
+    # Slightly different load (next window): an incremental rebalance, not a reshuffle.
+    drifted = load * np.random.default_rng(0).uniform(0.9, 1.1, size=load.shape)
+    again = cost_aware(balanced, drifted, horizon_steps=100)
+    reshuffle = replicate_and_pack(balanced, drifted, slots_per_layer=72)
+    assert 0 < num_moves(balanced, again) < 0.2 * num_moves(balanced, reshuffle)
+
+
+# -- ilp ----------------------------------------------------------------------------------------
+
+
+def test_ilp_is_a_lower_bound_for_the_heuristics() -> None:
+    servers = [Server(i, 4, domain=f"n{i % 2}") for i in range(3)]
+    current = round_robin(1, 10, servers)
+    load = trace_load(1, 10, seed=5) * np.linspace(3.0, 0.2, 10)
+    cost = CostModel()
+    solution = ilp(current, load, cost, horizon_steps=100, time_limit_seconds=20)
+    assert solution.is_optimal
+    assert_invariants(solution.placement)
+    best = solution.predicted_seconds
+    assert best == pytest.approx(predicted_seconds(current, solution.placement, load, cost, 100))
+    for plan in (
+        current,
+        cost_aware(current, load, cost, horizon_steps=100),
+        replicate_and_pack(current, load),
+    ):
+        assert best <= predicted_seconds(current, plan, load, cost, 100) + 1e-12
+    assert best < predicted_seconds(current, current, load, cost, 100)
+
+
+def test_ilp_keeps_current_when_nothing_pays() -> None:
+    current = round_robin(1, 4, 2, capacity=3)
+    solution = ilp(current, np.full((1, 4), 10.0), horizon_steps=1)
+    assert solution.placement is current and solution.is_optimal
+
+
+def test_ilp_refuses_large_instances() -> None:
+    current = round_robin(20, 64, 16)
+    with pytest.raises(PlacementError, match="oracle for small instances"):
+        ilp(current, np.ones((20, 64)))
+    with pytest.raises(PlacementError, match="time_limit_seconds must be > 0"):
+        ilp(round_robin(1, 4, 2), np.ones((1, 4)), time_limit_seconds=0)
+
+
+def test_diff_of_a_rebalance_names_every_load() -> None:
+    current, load = mid_instance()
+    plan = cost_aware(current, load)
+    change = diff(current, plan)
+    for move in change.loads:
+        assert move.server in plan.servers_of(move.layer, move.expert)
+        assert move.server not in current.servers_of(move.layer, move.expert)

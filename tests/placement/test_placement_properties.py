@@ -1,0 +1,112 @@
+"""Property tests: planners never return an invalid placement, whatever the instance and load."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from placement_helpers import assert_invariants
+
+from eaas.runtime.placement import (
+    CostModel,
+    Placement,
+    PlacementError,
+    Server,
+    add_server,
+    cost_aware,
+    drain_server,
+    predicted_seconds,
+    recover,
+    replicate_and_pack,
+    round_robin,
+)
+
+# EAAS_PLACEMENT_EXAMPLES=1000 for a thorough local run; the default keeps the suite fast.
+EXAMPLES = int(os.environ.get("EAAS_PLACEMENT_EXAMPLES", "40"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[Placement, np.ndarray]:
+    """A random valid round-robin placement (uneven capacities, optional domains) and load."""
+    num_layers = draw(st.integers(1, 3))
+    num_experts = draw(st.integers(2, 8))
+    num_servers = draw(st.integers(2, 6))
+    replication = draw(st.integers(1, min(3, num_servers)))
+    num_domains = draw(st.integers(0, num_servers))  # 0 = no domains
+    pairs = num_layers * num_experts
+    base = -(-replication * pairs // num_servers)
+    spare = draw(st.lists(st.integers(0, 4), min_size=num_servers, max_size=num_servers))
+    servers = [
+        Server(i, min(base + spare[i], pairs), domain=f"d{i % num_domains}" if num_domains else None)
+        for i in range(num_servers)
+    ]
+    load = np.array(
+        draw(st.lists(st.floats(0, 1000, allow_nan=False), min_size=pairs, max_size=pairs)), dtype=np.float64
+    ).reshape(num_layers, num_experts)
+    return round_robin(num_layers, num_experts, servers, replication), load
+
+
+COSTS = st.builds(
+    CostModel,
+    seconds_per_token=st.sampled_from([1e-7, 1e-6, 1e-5]),
+    seconds_per_expert_load=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]),
+)
+
+
+@SETTINGS
+@given(instances(), COSTS, st.integers(1, 1000))
+def test_cost_aware_output_is_valid_and_never_worse(
+    instance: tuple[Placement, np.ndarray], cost: CostModel, horizon: int
+) -> None:
+    current, load = instance
+    plan = cost_aware(current, load, cost, horizon_steps=horizon)
+    assert_invariants(plan)
+    if plan is not current:
+        assert plan.version == current.version + 1
+        keep = predicted_seconds(current, current, load, cost, horizon)
+        assert predicted_seconds(current, plan, load, cost, horizon) < keep
+    assert cost_aware(current, load, cost, horizon_steps=horizon) == plan
+
+
+@SETTINGS
+@given(instances())
+def test_eplb_output_is_valid(instance: tuple[Placement, np.ndarray]) -> None:
+    current, load = instance
+    plan = replicate_and_pack(current, load)
+    assert_invariants(plan)
+    assert replicate_and_pack(current, load) == plan
+
+
+@SETTINGS
+@given(instances(), st.data())
+def test_elastic_outputs_keep_every_expert_served(
+    instance: tuple[Placement, np.ndarray], data: st.DataObject
+) -> None:
+    current, load = instance
+    if data.draw(st.booleans()):
+        # Start from a rebalanced placement, whose spare slots hold extra replicas.
+        current = cost_aware(current, load, CostModel(seconds_per_expert_load=0.0), horizon_steps=1000)
+    grown = add_server(current, Server(99, data.draw(st.integers(0, 6)), domain="d0"), load)
+    assert_invariants(grown)
+    leaving = data.draw(st.sampled_from(current.ordinals))
+    try:
+        drained = drain_server(current, leaving, load)
+    except PlacementError as error:
+        assert "cannot drain" in str(error)
+    else:
+        assert_invariants(drained)
+        assert leaving not in drained.ordinals and drained.replication == current.replication
+    failed = data.draw(
+        st.lists(st.sampled_from(current.ordinals), max_size=current.num_servers - 1, unique=True)
+    )
+    try:
+        survivors = recover(current, failed, load)
+    except PlacementError as error:
+        assert "cannot recover" in str(error)
+    else:
+        assert_invariants(survivors)
+        assert 1 <= survivors.replication <= current.replication
+        assert not set(failed) & set(survivors.ordinals)
