@@ -44,7 +44,7 @@ test: install k8s-bins
 	$(PY) -m pytest
 
 crds: install
-	$(PY) -m eaas.operator.crdgen --out crds --chart charts/eaas/crds
+	$(PY) -m eaas.operator.crdgen --out crds --chart charts/eaas/crds --docs docs/crd-reference.md
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache

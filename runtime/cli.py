@@ -21,6 +21,10 @@ COMMANDS: dict[str, Entry] = {
     "model": Entry(
         "eaas.runtime.model.cli", "model", "Tools", "Make random checkpoints, list presets, generate."
     ),
+    "operator": Entry(
+        "eaas.operator.cli", "operator", "Operate on Kubernetes", "Run the operator (MoEService, pools)."
+    ),
+    "crds": Entry("eaas.operator.crdgen", "main", "Tools", "Generate the eaas.io CRDs from the models."),
 }
 
 

@@ -1,0 +1,1 @@
+"""End-to-end tests of the operator: the Helm chart, the CRDs and `eaas operator` on a real control plane."""

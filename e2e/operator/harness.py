@@ -1,0 +1,114 @@
+"""Running `eaas operator` as a local process with the chart's ServiceAccount credentials."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.cluster import Cluster
+from e2e.processes import ManagedProcess, free_port, tail
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "eaas"
+RESYNC_SECONDS = 1
+
+
+def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as ServiceAccount `namespace/account` (a bound token), so
+    the operator has exactly the chart's RBAC, nothing of the admin's."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration", "2h").stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])["cluster"]
+    cluster_entry: dict[str, Any] = {"server": server["server"]}
+    if "certificate-authority-data" in server:
+        cluster_entry["certificate-authority-data"] = server["certificate-authority-data"]
+    elif "certificate-authority" in server:
+        ca = Path(server["certificate-authority"]).read_bytes()
+        cluster_entry["certificate-authority-data"] = base64.b64encode(ca).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "e2e", "cluster": cluster_entry}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": "e2e", "user": account}}],
+        "current-context": account,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass
+class OperatorProcess:
+    """`eaas operator` started from this checkout's Python, logging to `log_path`."""
+
+    kubeconfig: Path
+    log_path: Path
+    process: ManagedProcess | None = None
+    metrics_port: int = 0
+    health_port: int = 0
+
+    def start(self) -> None:
+        self.metrics_port, self.health_port = free_port(), free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "eaas.runtime.cli",
+            "operator",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--health-port",
+            str(self.health_port),
+            "--request-timeout",
+            "10",
+        ]
+        env = {**os.environ, "EAAS_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.process = ManagedProcess("eaas-operator", argv, self.log_path, env=env)
+        self.process.start()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an evicted pod would: no cleanup runs."""
+        assert self.process is not None and self.process.popen is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.popen.wait(timeout=10)
+        self.process = None
+
+    def check_alive(self) -> None:
+        assert self.process is not None and self.process.running(), (
+            self.process.describe_exit() if self.process else ""
+        )
+
+    def forbidden(self) -> list[str]:
+        """Log lines where the API server refused the ServiceAccount (missing RBAC)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [line for line in text.splitlines() if "403 Forbidden" in line or " is forbidden: " in line]
+
+    def log_tail(self, lines: int = 60) -> str:
+        return tail(self.log_path, lines)
+
+    def wait_started(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if "eaas operator watching" in (
+                self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            ):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the operator did not start in {timeout} s:\n{self.log_tail()}")

@@ -1,0 +1,120 @@
+"""The API server itself rejects invalid eaas.io objects (schema + CEL), naming the field, and the
+chart's RBAC is least-privilege. No operator runs here."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import Cluster
+from e2e.operator.conftest import Release
+from e2e.operator.harness import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def manifest(name: str, **changes: Any) -> str:
+    """The tiny MoEService renamed, with dotted-path changes to its spec."""
+    document = copy.deepcopy(yaml.safe_load((ROOT / "manifests" / "moeservice-tiny-cpu.yaml").read_text()))
+    document["metadata"]["name"] = name
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = document["spec"]
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return yaml.safe_dump(document)
+
+
+INVALID: list[tuple[str, dict[str, Any], str, str]] = [
+    ("topk", {"model.topK": 9}, "spec.model.topK: Invalid value", "topK must be <= numExperts"),
+    (
+        "replication",
+        {"expertPool.replicationFactor": 4},
+        "spec.expertPool.replicationFactor: Invalid value",
+        "replicationFactor must be <= replicas",
+    ),
+    (
+        "transport",
+        {"transport": "rdma"},
+        "spec.transport: Unsupported value",
+        '"tcp", "shm", "cuda_ipc", "nvshmem"',
+    ),
+    (
+        "minmax",
+        {"autoscaling.minReplicas": 5, "autoscaling.maxReplicas": 4},
+        "spec.autoscaling.minReplicas: Invalid value",
+        "minReplicas must be <= maxReplicas",
+    ),
+    ("gpus", {"transport": "nvshmem"}, "spec.transport: Invalid value", "need expertPool.gpusPerPod = 1"),
+    (
+        "checkpoint",
+        {"model.checkpoint": {"hostPath": {"path": "/m"}, "persistentVolumeClaim": {"claimName": "w"}}},
+        "spec.model.checkpoint: Invalid value",
+        "set exactly one of persistentVolumeClaim or hostPath",
+    ),
+]
+
+
+def test_invalid_moeservices_are_rejected_with_the_field_named(
+    cluster: Cluster, release: Release, namespace: str
+) -> None:
+    for name, changes, where, message in INVALID:
+        result = cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=manifest(f"bad-{name}", **changes), check=False
+        )
+        assert result.returncode != 0, f"{name} was accepted"
+        assert where in result.stderr and message in result.stderr, result.stderr
+    long_name = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("x" * 46), check=False)
+    assert long_name.returncode != 0 and "metadata.name must be a DNS label of at most 45" in long_name.stderr
+    assert cluster.kubectl("get", "moeservices", "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def test_model_identity_is_immutable_and_defaults_are_materialised(
+    cluster: Cluster, release: Release, namespace: str
+) -> None:
+    cluster.apply(manifest("keep"), namespace)
+    stored = yaml.safe_load(cluster.kubectl("get", "moeservice/keep", "-n", namespace, "-o", "yaml").stdout)
+    assert stored["spec"]["placement"] == {"policy": "cost_aware", "rebalanceIntervalSeconds": 300}
+    assert stored["spec"]["expertPool"]["port"] == 9100 and stored["spec"]["model"]["numDenseLayers"] == 0
+    changed = cluster.kubectl(
+        "patch",
+        "moeservice/keep",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"model":{"numExperts":16}}}',
+        check=False,
+    )
+    assert changed.returncode != 0
+    assert "spec.model: Forbidden: model identity" in changed.stderr and "is immutable" in changed.stderr
+    # Everything else may change, e.g. the image.
+    cluster.kubectl(
+        "patch",
+        "moeservice/keep",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"expertPool":{"image":"eaas:2"}}}',
+    )
+
+
+def test_chart_rbac_is_least_privilege(cluster: Cluster, release: Release, namespace: str) -> None:
+    subject = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+
+    def can(*args: str) -> bool:
+        result = cluster.kubectl("auth", "can-i", *args, "-n", namespace, "--as", subject, check=False)
+        return result.stdout.strip() == "yes"
+
+    assert can("patch", "expertpools.eaas.io", "--subresource=scale")
+    assert can("patch", "moeservices.eaas.io", "--subresource=status")
+    assert can("create", "pods") and can("delete", "pods")
+    assert not can("list", "secrets")
+    assert not can("delete", "moeservices.eaas.io")
+    assert not can("update", "pods")
+    assert not can("delete", "deployments.apps") and not can("delete", "services")

@@ -1,0 +1,264 @@
+"""Models shared by the three kinds: the model identity, pod settings, heartbeats, conditions.
+
+Numeric bounds of the model shape come from :class:`eaas.runtime.model.config.MoEConfig` (one type
+per concept); the CRD repeats them so the API server enforces them on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Le
+from pydantic import Field, model_validator
+
+from eaas.operator.api.base import CRDModel, Rule
+from eaas.runtime.model.config import Family, MoEConfig
+from eaas.runtime.model.presets import PRESETS, preset
+
+Transport = Literal["tcp", "shm", "cuda_ipc", "nvshmem"]
+TRANSPORTS: tuple[Transport, ...] = ("tcp", "shm", "cuda_ipc", "nvshmem")
+GPU_TRANSPORTS: tuple[Transport, ...] = ("cuda_ipc", "nvshmem")
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+# Kubernetes name shapes (RFC 1123 label / subdomain) and resource quantities.
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _moe_bounds(name: str) -> tuple[int, int]:
+    """The (``ge``, ``le``) bounds MoEConfig puts on field `name`."""
+    low = high = None
+    for item in MoEConfig.model_fields[name].metadata:
+        if isinstance(item, Ge):
+            low = int(item.ge)  # type: ignore[call-overload]
+        elif isinstance(item, Le):
+            high = int(item.le)  # type: ignore[call-overload]
+    assert low is not None and high is not None, f"MoEConfig.{name} has no ge/le bounds"
+    return low, high
+
+
+LAYERS_MIN, LAYERS_MAX = _moe_bounds("num_layers")
+EXPERTS_MIN, EXPERTS_MAX = _moe_bounds("num_experts")
+TOPK_MIN, TOPK_MAX = _moe_bounds("top_k")
+
+
+class PersistentVolumeClaimSource(CRDModel):
+    """A PersistentVolumeClaim in the object's namespace that holds the checkpoint."""
+
+    claim_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    """Name of the PersistentVolumeClaim."""
+    read_only: bool = True
+    """Mount the claim read-only (servers only read weights)."""
+
+
+class HostPathSource(CRDModel):
+    """A directory on every node that may run a pool's pods (pre-staged weights)."""
+
+    path: str = Field(min_length=1, max_length=4096, pattern=r"^/")
+    """Absolute path on the node."""
+
+
+class CheckpointSpec(CRDModel):
+    """Where the model's safetensors checkpoint (with its ``config.json``) lives; exactly one source."""
+
+    rules = (
+        Rule(
+            "has(self.persistentVolumeClaim) != has(self.hostPath)",
+            "set exactly one of persistentVolumeClaim or hostPath",
+            check=lambda c: (c.persistent_volume_claim is None) != (c.host_path is None),
+        ),
+        Rule(
+            "!self.subPath.matches('(^|/)[.][.](/|$)')",
+            "subPath must not contain '..' segments",
+            field_path=".subPath",
+            check=lambda c: ".." not in c.sub_path.split("/"),
+        ),
+    )
+
+    persistent_volume_claim: PersistentVolumeClaimSource | None = None
+    """The checkpoint is on this PersistentVolumeClaim."""
+    host_path: HostPathSource | None = None
+    """The checkpoint is in this directory on the node."""
+    sub_path: str = Field(default="", max_length=1024, pattern=r"^([^/].*)?$")
+    """Directory of the checkpoint inside the volume (relative; empty = the volume's root)."""
+
+
+class ModelSpec(CRDModel):
+    """The served model: family, shape and checkpoint. Its identity is immutable."""
+
+    rules = (
+        Rule(
+            "self.topK <= self.numExperts",
+            "topK must be <= numExperts (each token picks topK distinct experts)",
+            field_path=".topK",
+            check=lambda m: m.top_k <= m.num_experts,
+        ),
+        Rule(
+            "self.numDenseLayers < self.numLayers",
+            "numDenseLayers must be < numLayers (at least one layer must be MoE)",
+            field_path=".numDenseLayers",
+            check=lambda m: m.num_dense_layers < m.num_layers,
+        ),
+        Rule(
+            "self.family == oldSelf.family && self.preset == oldSelf.preset"
+            " && self.numLayers == oldSelf.numLayers && self.numDenseLayers == oldSelf.numDenseLayers"
+            " && self.numExperts == oldSelf.numExperts && self.topK == oldSelf.topK",
+            "model identity (family, preset, numLayers, numDenseLayers, numExperts, topK) is immutable;"
+            " create a new MoEService to serve another model",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+    family: Family
+    """Model family (the Hugging Face ``model_type``)."""
+    preset: str = Field(default="", max_length=63, pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$")
+    """Named shape from ``eaas model presets`` (e.g. ``tiny``, ``deepseek-v3``); empty for a custom shape.
+    When set, the operator checks that the shape fields below match it."""
+    num_layers: int = Field(ge=LAYERS_MIN, le=LAYERS_MAX)
+    """Decoder layers in total (dense and MoE)."""
+    num_dense_layers: int = Field(default=0, ge=0, le=1024)
+    """Leading layers with a dense FFN instead of experts; MoE layers are [numDenseLayers, numLayers)."""
+    num_experts: int = Field(ge=EXPERTS_MIN, le=EXPERTS_MAX)
+    """Routed experts per MoE layer."""
+    top_k: int = Field(ge=TOPK_MIN, le=TOPK_MAX)
+    """Experts each token is routed to."""
+    checkpoint: CheckpointSpec
+    """Where the weights are."""
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Ids of the MoE layers, in order."""
+        return list(range(self.num_dense_layers, self.num_layers))
+
+    @model_validator(mode="after")
+    def _match_preset(self) -> ModelSpec:
+        """A named preset must agree with the shape fields (errors name the field and both values)."""
+        if not self.preset:
+            return self
+        if self.preset not in PRESETS.get(self.family, {}):
+            known = ", ".join(PRESETS.get(self.family, {}))
+            raise ValueError(f"preset: {self.family} has no preset {self.preset!r} (known: {known})")
+        config = preset(self.family, self.preset)
+        expected = {
+            "num_layers": config.num_layers,
+            "num_dense_layers": config.num_dense_layers,
+            "num_experts": config.num_experts,
+            "top_k": config.top_k,
+        }
+        for field, value in expected.items():
+            if getattr(self, field) != value:
+                alias = type(self).model_fields[field].alias
+                raise ValueError(
+                    f"{alias}: preset {self.preset} ({self.family}) has {value}, got {getattr(self, field)}"
+                )
+        return self
+
+
+class Toleration(CRDModel):
+    """A pod toleration (as in the core Pod API), e.g. for tainted GPU nodes."""
+
+    key: str = Field(default="", max_length=316)
+    """Taint key; empty with operator Exists tolerates everything."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """How key and value are compared."""
+    value: str = Field(default="", max_length=63)
+    """Taint value (operator Equal)."""
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = ""
+    """Taint effect to tolerate; empty = all effects."""
+    toleration_seconds: int | None = Field(default=None, ge=0)
+    """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class ResourceRequirements(CRDModel):
+    """Compute resources of one pod's container (GPUs are set by gpusPerPod, not here)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    """Minimum resources, e.g. ``cpu: 500m``, ``memory: 2Gi``."""
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    """Maximum resources."""
+
+
+class PodSettings(CRDModel):
+    """What every pool's pods share: image, resources, scheduling."""
+
+    image: str = Field(min_length=1, max_length=1024)
+    """Container image with the ``eaas`` command."""
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    """When the kubelet pulls the image."""
+    gpu_resource_name: str = Field(default="nvidia.com/gpu", max_length=253, pattern=RESOURCE_NAME)
+    """Extended resource that counts GPUs on the nodes."""
+    resources: ResourceRequirements = ResourceRequirements()
+    """CPU/memory requests and limits of the container."""
+    service_account_name: str = Field(
+        default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"
+    )
+    """ServiceAccount of the pods (it must be allowed to renew Leases for heartbeats); empty = default."""
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    """Node labels the pods require."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    """Taints the pods tolerate."""
+
+
+class HeartbeatSpec(CRDModel):
+    """Liveness of servers and clients through ``coordination.k8s.io/v1`` Leases."""
+
+    rules = (
+        Rule(
+            "self.timeoutSeconds > self.intervalSeconds",
+            "timeoutSeconds must be greater than intervalSeconds (a Lease must survive one missed renewal)",
+            field_path=".timeoutSeconds",
+            check=lambda h: h.timeout_seconds > h.interval_seconds,
+        ),
+    )
+
+    interval_seconds: int = Field(default=2, ge=1, le=300)
+    """How often each pod renews its Lease."""
+    timeout_seconds: int = Field(default=10, ge=2, le=3600)
+    """A Lease not renewed for this long marks its pod dead."""
+
+
+class PlacementSpec(CRDModel):
+    """How experts are placed on expert servers and re-balanced."""
+
+    policy: Literal["cost_aware", "eplb"] = "cost_aware"
+    """``cost_aware``: few expert moves, skips a rebalance whose cost exceeds its gain;
+    ``eplb``: DeepSeek EPLB-style replicate-and-pack."""
+    rebalance_interval_seconds: int = Field(default=300, ge=0, le=86400)
+    """How often load-based re-planning runs; 0 = only on scaling. Takes effect once expert servers
+    report per-expert load to the operator (docs/operations.md, "Placement")."""
+
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class Condition(CRDModel):
+    """One observation in ``status.conditions`` (the shape of ``metav1.Condition``)."""
+
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+        r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+    )
+    """``Ready``, ``Progressing`` or ``Degraded``."""
+    status: ConditionStatus
+    """Whether the condition holds."""
+    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    """One CamelCase word for machines."""
+    message: str = Field(default="", max_length=32768)
+    """What happened, for humans."""
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    """When status last changed (RFC 3339)."""
+    observed_generation: int = Field(default=0, ge=0)
+    """``metadata.generation`` this condition was computed from."""
+
+
+def conditions_field() -> Any:
+    """``status.conditions``: a list-map keyed by type."""
+    return Field(
+        default_factory=list,
+        max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )

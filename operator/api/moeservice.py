@@ -1,0 +1,130 @@
+"""MoEService: a served MoE model, split into an AttentionPool and an ExpertPool."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from eaas.operator.api.base import CRDModel, Rule
+from eaas.operator.api.common import (
+    GPU_TRANSPORTS,
+    Condition,
+    HeartbeatSpec,
+    ModelSpec,
+    PlacementSpec,
+    Transport,
+    conditions_field,
+)
+from eaas.operator.api.pools import AttentionPoolTemplate, ExpertPoolTemplate, capacity_rule
+
+AutoscalingMode = Literal["off", "builtin", "external"]
+
+
+class AutoscalingSpec(CRDModel):
+    """Who changes the number of expert servers (exactly one writer of ``ExpertPool.spec.replicas``)."""
+
+    rules = (
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "minReplicas must be <= maxReplicas",
+            field_path=".minReplicas",
+            check=lambda a: a.min_replicas <= a.max_replicas,
+        ),
+    )
+
+    mode: AutoscalingMode = "off"
+    """``off``: replicas follow ``spec.expertPool.replicas`` of this MoEService.
+    ``builtin``: the operator scales on the servers' utilisation, within [minReplicas, maxReplicas].
+    ``external``: an HPA, KEDA or ``kubectl scale`` owns the ExpertPool's ``/scale``; the MoEService
+    sets replicas only when it creates the pool."""
+    min_replicas: int = Field(default=2, ge=1, le=4096)
+    """Fewest expert servers (builtin mode)."""
+    max_replicas: int = Field(default=16, ge=1, le=4096)
+    """Most expert servers (builtin mode)."""
+    target_utilization_milli: int = Field(default=700, ge=1, le=1000)
+    """Mean busy fraction the builtin autoscaler aims for, in thousandths (700 = 70%)."""
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    """Builtin: scale up to the lowest recommendation of this window (0 = at once)."""
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    """Builtin: scale down to the highest recommendation of this window."""
+
+
+def _replicas_in_range(spec: MoEServiceSpec) -> bool:
+    scaling = spec.autoscaling
+    return (
+        scaling.mode != "builtin" or scaling.min_replicas <= spec.expert_pool.replicas <= scaling.max_replicas
+    )
+
+
+class MoEServiceSpec(CRDModel):
+    """Desired state of a served model."""
+
+    rules = (
+        Rule(
+            "!(self.transport in ['cuda_ipc', 'nvshmem']) || self.expertPool.gpusPerPod == 1",
+            "transports cuda_ipc and nvshmem need expertPool.gpusPerPod = 1",
+            field_path=".transport",
+            check=lambda s: s.transport not in GPU_TRANSPORTS or s.expert_pool.gpus_per_pod == 1,
+        ),
+        Rule(
+            "self.autoscaling.mode != 'builtin'"
+            " || self.autoscaling.minReplicas >= self.expertPool.replicationFactor",
+            "autoscaling.minReplicas must be >= expertPool.replicationFactor",
+            field_path=".autoscaling.minReplicas",
+            check=lambda s: (
+                s.autoscaling.mode != "builtin"
+                or s.autoscaling.min_replicas >= s.expert_pool.replication_factor
+            ),
+        ),
+        Rule(
+            "self.autoscaling.mode != 'builtin' || (self.expertPool.replicas >= self.autoscaling.minReplicas"
+            " && self.expertPool.replicas <= self.autoscaling.maxReplicas)",
+            "expertPool.replicas must be within [autoscaling.minReplicas, autoscaling.maxReplicas]",
+            field_path=".expertPool.replicas",
+            check=_replicas_in_range,
+        ),
+        capacity_rule(".expertPool"),
+    )
+
+    model: ModelSpec
+    """The model and where its checkpoint is."""
+    attention_pool: AttentionPoolTemplate
+    """The attention clients (OpenAI-compatible front)."""
+    expert_pool: ExpertPoolTemplate
+    """The expert servers."""
+    transport: Transport = "tcp"
+    """``tcp`` (CPU, across hosts), ``shm`` (CPU, one host), ``cuda_ipc`` (GPU, one node),
+    ``nvshmem`` (GPU, across nodes)."""
+    heartbeat: HeartbeatSpec = HeartbeatSpec()
+    """Lease heartbeats of every pod."""
+    placement: PlacementSpec = PlacementSpec()
+    """Expert placement policy."""
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    """Scaling of the expert pool."""
+
+
+class PoolSummary(CRDModel):
+    """Replica counts of one pool, as its status reports them."""
+
+    replicas: int = Field(default=0, ge=0)
+    """Pods that exist."""
+    ready_replicas: int = Field(default=0, ge=0)
+    """Pods that are Ready."""
+
+
+class MoEServiceStatus(CRDModel):
+    """Observed state of a served model."""
+
+    observed_generation: int = Field(default=0, ge=0)
+    """``metadata.generation`` the operator last reconciled."""
+    attention: PoolSummary = PoolSummary()
+    """The AttentionPool's pods."""
+    experts: PoolSummary = PoolSummary()
+    """The ExpertPool's pods."""
+    placement_version: int = Field(default=0, ge=0)
+    """Version of the ExpertPool's published placement."""
+    endpoint: str = Field(default="", max_length=1024)
+    """In-cluster URL of the OpenAI-compatible API."""
+    conditions: list[Condition] = conditions_field()
+    """``Ready``, ``Progressing``, ``Degraded``."""

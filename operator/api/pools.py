@@ -1,0 +1,148 @@
+"""AttentionPool and ExpertPool: the two halves of a served model, each owned by its MoEService.
+
+The ``*Template`` models are what a user writes inside a MoEService; the ``*Spec`` models add what
+the MoEService copies down (model, transport, heartbeat, placement) so each pool reconciles alone.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from eaas.operator.api.base import CRDModel, Rule
+from eaas.operator.api.common import (
+    Condition,
+    HeartbeatSpec,
+    ModelSpec,
+    PlacementSpec,
+    PodSettings,
+    Port,
+    Transport,
+    conditions_field,
+)
+
+
+class AttentionPoolTemplate(PodSettings):
+    """Attention clients: embeddings, attention with KV cache, router, LM head; the OpenAI-compatible API."""
+
+    replicas: int = Field(default=1, ge=1, le=1024)
+    """Attention-client pods (each holds whole sequences; scale on requests)."""
+    gpus_per_pod: int = Field(default=1, ge=0, le=16)
+    """GPUs of one attention-client pod; 0 runs on CPU."""
+    port: Port = 8000
+    """Port of the OpenAI-compatible HTTP API."""
+
+
+class ExpertPoolTemplate(PodSettings):
+    """Expert servers: one pod per GPU, each hosting the (layer, expert) pairs the placement gives it."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.replicationFactor <= self.replicas",
+            "replicationFactor must be <= replicas: every expert needs that many distinct expert servers",
+            field_path=".replicationFactor",
+            check=lambda p: p.replication_factor <= p.replicas,
+        ),
+    )
+
+    replicas: int = Field(default=2, ge=1, le=4096)
+    """Expert-server pods, i.e. GPUs: the pool scales one GPU at a time."""
+    gpus_per_pod: int = Field(default=1, ge=0, le=1)
+    """1: one GPU per expert server (the unit of scaling); 0: CPU expert servers (tcp/shm transports)."""
+    replication_factor: int = Field(default=2, ge=1, le=16)
+    """R: every expert is hosted on at least R distinct servers, so R-1 server failures lose nothing."""
+    port: Port = 9100
+    """Control port of each expert server (handshake, health, metrics)."""
+    data_port: Port = 9101
+    """Data port of the tcp transport (slot frames)."""
+    expert_slots_per_server: int = Field(default=0, ge=0, le=1048576)
+    """(layer, expert) weights one server can hold; 0 = as many as the placement needs
+    (``ceil(R * MoE layers * experts / replicas)``)."""
+
+
+def capacity_rule(prefix: str) -> Rule:
+    """Fixed server slots must hold R copies of every (layer, expert); `prefix` locates the pool."""
+    pool = f"self{prefix}"
+    return Rule(
+        f"{pool}.expertSlotsPerServer == 0 || {pool}.expertSlotsPerServer * {pool}.replicas >= "
+        f"{pool}.replicationFactor * (self.model.numLayers - self.model.numDenseLayers)"
+        " * self.model.numExperts",
+        "replicas * expertSlotsPerServer must be >= replicationFactor * MoE layers * numExperts "
+        "(every expert needs R slots)",
+        field_path=f"{prefix}.replicas",
+        check=lambda spec: _has_capacity(spec, prefix),
+    )
+
+
+def _has_capacity(spec: object, prefix: str) -> bool:
+    pool = getattr(spec, "expert_pool", spec) if prefix else spec
+    model = spec.model  # type: ignore[attr-defined]
+    slots = pool.expert_slots_per_server  # type: ignore[attr-defined]
+    needed = pool.replication_factor * len(model.moe_layers) * model.num_experts  # type: ignore[attr-defined]
+    return slots == 0 or slots * pool.replicas >= needed  # type: ignore[attr-defined]
+
+
+class ExpertPoolSpec(ExpertPoolTemplate):
+    """Desired state of an ExpertPool (written by its MoEService; ``replicas`` also through ``/scale``)."""
+
+    rules = (*ExpertPoolTemplate.rules, capacity_rule(""))
+
+    model: ModelSpec
+    """The served model (copied from the MoEService)."""
+    transport: Transport = "tcp"
+    """How attention clients reach expert servers."""
+    heartbeat: HeartbeatSpec = HeartbeatSpec()
+    """Lease renewal of the expert servers."""
+    placement: PlacementSpec = PlacementSpec()
+    """Placement policy."""
+
+
+class AttentionPoolSpec(AttentionPoolTemplate):
+    """Desired state of an AttentionPool (written by its MoEService)."""
+
+    model: ModelSpec
+    """The served model (copied from the MoEService)."""
+    transport: Transport = "tcp"
+    """How attention clients reach expert servers."""
+    heartbeat: HeartbeatSpec = HeartbeatSpec()
+    """Lease renewal of the attention clients."""
+    expert_pool_name: str = Field(min_length=1, max_length=253)
+    """The ExpertPool whose servers these clients route to."""
+    placement_config_map: str = Field(min_length=1, max_length=253)
+    """ConfigMap with the ExpertPool's placement, mounted into every client."""
+
+
+class PoolStatus(CRDModel):
+    """Observed state shared by both pools."""
+
+    observed_generation: int = Field(default=0, ge=0)
+    """``metadata.generation`` the operator last reconciled."""
+    replicas: int = Field(default=0, ge=0)
+    """Pods that exist."""
+    ready_replicas: int = Field(default=0, ge=0)
+    """Pods that are Ready."""
+    selector: str = Field(default="", max_length=4096)
+    """Label selector of the pool's pods, as a string (for the scale subresource and HPAs)."""
+    conditions: list[Condition] = conditions_field()
+    """``Ready``, ``Progressing``, ``Degraded``."""
+
+
+class AttentionPoolStatus(PoolStatus):
+    """Observed state of an AttentionPool."""
+
+    endpoint: str = Field(default="", max_length=1024)
+    """In-cluster URL of the OpenAI-compatible API."""
+
+
+class ExpertPoolStatus(PoolStatus):
+    """Observed state of an ExpertPool."""
+
+    placement_version: int = Field(default=0, ge=0)
+    """Version of the published placement (increases with every change)."""
+    placement_config_map: str = Field(default="", max_length=253)
+    """ConfigMap holding the placement JSON."""
+    servers: list[int] = Field(default_factory=list, max_length=4096)
+    """Ordinals of the expert servers in the published placement."""
+    utilization_milli: int | None = Field(default=None, ge=0, le=1000)
+    """Mean busy fraction of the servers (0-1000) from their heartbeats; absent when none report."""

@@ -1,0 +1,57 @@
+"""The built-in autoscaler of an ExpertPool (``spec.autoscaling.mode: builtin``), pure logic.
+
+It follows the HorizontalPodAutoscaler's algorithm on one metric, the servers' mean busy
+fraction: ``desired = ceil(current * utilization / target)``, nothing within a 10% tolerance,
+clamped to [min, max]; scale up to the lowest and down to the highest recommendation of the
+respective stabilisation window. The operator writes the result through the ExpertPool's
+``/scale`` subresource, exactly like an HPA would (and never while an HPA owns it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from eaas.operator.api.moeservice import AutoscalingSpec
+
+TOLERANCE = 0.1
+
+
+def raw_recommendation(current: int, utilization_milli: int, spec: AutoscalingSpec) -> int:
+    """Replicas that would bring the mean utilisation to the target, clamped to [min, max]."""
+    ratio = utilization_milli / spec.target_utilization_milli
+    desired = current if abs(ratio - 1.0) <= TOLERANCE else math.ceil(current * ratio)
+    return min(max(desired, spec.min_replicas), spec.max_replicas)
+
+
+@dataclass
+class Autoscaler:
+    """Recommendation history of one ExpertPool (in memory: a restarted operator starts cautious,
+    because scaling down needs a full window of low recommendations)."""
+
+    history: deque[tuple[float, int]] = field(default_factory=deque)
+    started: float | None = None
+
+    def recommend(
+        self, now: float, current: int, utilization_milli: int | None, spec: AutoscalingSpec
+    ) -> int:
+        """The replicas to set now (`current` when nothing should change). `now` is in seconds."""
+        if self.started is None:
+            self.started = now
+        if utilization_milli is None:  # no server reports load: keep what we have, within bounds
+            return min(max(current, spec.min_replicas), spec.max_replicas)
+        recommendation = raw_recommendation(current, utilization_milli, spec)
+        self.history.append((now, recommendation))
+        horizon = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
+        while self.history and self.history[0][0] < now - horizon:
+            self.history.popleft()
+        if recommendation > current:
+            window = [r for t, r in self.history if t >= now - spec.scale_up_stabilization_seconds]
+            return max(current, min(window))
+        if recommendation < current:
+            if now - self.started < spec.scale_down_stabilization_seconds:
+                return current  # not a full window observed yet
+            window = [r for t, r in self.history if t >= now - spec.scale_down_stabilization_seconds]
+            return min(current, max(window))
+        return current

@@ -1,0 +1,102 @@
+"""AttentionPool → a Deployment of attention clients (placement ConfigMap mounted) and its Service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eaas.operator import naming
+from eaas.operator.api.pools import AttentionPoolSpec
+from eaas.operator.builders.common import (
+    Body,
+    checkpoint_volume,
+    common_env,
+    env,
+    http_probe,
+    owned,
+    placement_volume,
+    resources,
+    scheduling,
+    service_of,
+    volume_mounts,
+)
+from eaas.operator.builders.expertpool import co_location
+
+CONTAINER = "attention-client"
+
+
+def selector(pool: str) -> dict[str, str]:
+    return naming.pool_selector(pool, naming.ATTENTION_COMPONENT)
+
+
+def labels(pool: Body) -> dict[str, str]:
+    return naming.common_labels(service_of(pool), naming.ATTENTION_COMPONENT) | selector(
+        pool["metadata"]["name"]
+    )
+
+
+def endpoint(pool: Body, spec: AttentionPoolSpec) -> str:
+    """In-cluster URL of the OpenAI-compatible API."""
+    return f"http://{pool['metadata']['name']}.{pool['metadata']['namespace']}.svc:{spec.port}/v1"
+
+
+def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
+    """Attention clients: stateless towards Kubernetes (KV caches are per request), so a Deployment."""
+    name = pool["metadata"]["name"]
+    namespace = pool["metadata"]["namespace"]
+    service = service_of(pool)
+    settings = common_env(
+        service, name, spec.model, spec.transport, spec.heartbeat, spec.placement_config_map
+    ) | {
+        naming.ENV_PORT: spec.port,
+        naming.ENV_EXPERT_SERVICE: f"{spec.expert_pool_name}.{namespace}.svc",
+    }
+    container = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(naming.ATTENTION_CLIENT_COMMAND),
+        "env": env(settings),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "readinessProbe": http_probe("/readyz", "http", spec.heartbeat.interval_seconds, 3),
+        "livenessProbe": http_probe("/healthz", "http", max(spec.heartbeat.interval_seconds, 5), 6),
+        "resources": resources(spec, spec.gpus_per_pod),
+        "volumeMounts": volume_mounts(),
+    }
+    pod_labels = labels(pool)
+    body = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": pod_labels},
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "enableServiceLinks": False,
+                    "containers": [container],
+                    "volumes": [checkpoint_volume(spec.model), placement_volume(spec.placement_config_map)],
+                    **scheduling(spec),
+                    **co_location(service, spec.transport),
+                },
+            },
+        },
+    }
+    return owned(body, pool)
+
+
+def service(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
+    """The OpenAI-compatible API inside the cluster (expose it with an Ingress/Gateway of your own)."""
+    name = pool["metadata"]["name"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": pool["metadata"]["namespace"], "labels": labels(pool)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(name),
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    return owned(body, pool)

@@ -1,0 +1,168 @@
+"""Pieces every builder shares: ownership, volumes, environment, resources, hashing."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from eaas.operator import naming
+from eaas.operator.api.common import HeartbeatSpec, ModelSpec, PodSettings
+
+Body = Mapping[str, Any]  # an object as the API returns it (camelCase dict)
+
+# Bump when the operator changes the pods it builds, so existing pods are rolled.
+POD_TEMPLATE_REVISION = 1
+
+
+def owned(obj: dict[str, Any], owner: Body) -> dict[str, Any]:
+    """`obj` adopted by `owner` (controller ownerReference, owner's namespace and labels)."""
+    kopf.adopt(obj, owner=owner)  # type: ignore[arg-type]
+    return obj
+
+
+def owner_stub(body: Body) -> dict[str, Any]:
+    """The parts of an object that adoption reads (kopf bodies are live views; copy them)."""
+    metadata = body.get("metadata", {})
+    return {
+        "apiVersion": body["apiVersion"],
+        "kind": body["kind"],
+        "metadata": {
+            "name": metadata["name"],
+            "namespace": metadata.get("namespace"),
+            "uid": metadata["uid"],
+            "labels": dict(metadata.get("labels") or {}),
+        },
+    }
+
+
+def service_of(body: Body) -> str:
+    """The MoEService an object belongs to (its label, else its own name)."""
+    metadata = body.get("metadata", {})
+    return str((metadata.get("labels") or {}).get(naming.SERVICE_LABEL) or metadata["name"])
+
+
+def checkpoint_volume(model: ModelSpec) -> dict[str, Any]:
+    checkpoint = model.checkpoint
+    if checkpoint.persistent_volume_claim is not None:
+        claim = checkpoint.persistent_volume_claim
+        return {
+            "name": "checkpoint",
+            "persistentVolumeClaim": {"claimName": claim.claim_name, "readOnly": claim.read_only},
+        }
+    assert checkpoint.host_path is not None  # the CRD allows exactly one source
+    return {"name": "checkpoint", "hostPath": {"path": checkpoint.host_path.path, "type": "Directory"}}
+
+
+def checkpoint_path(model: ModelSpec) -> str:
+    sub = model.checkpoint.sub_path.strip("/")
+    return f"{naming.CHECKPOINT_MOUNT}/{sub}" if sub else naming.CHECKPOINT_MOUNT
+
+
+def placement_volume(config_map: str) -> dict[str, Any]:
+    return {"name": "placement", "configMap": {"name": config_map}}
+
+
+def volume_mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "checkpoint", "mountPath": naming.CHECKPOINT_MOUNT, "readOnly": True},
+        {"name": "placement", "mountPath": naming.PLACEMENT_MOUNT, "readOnly": True},
+    ]
+
+
+def env(pairs: Mapping[str, str | int]) -> list[dict[str, Any]]:
+    """Literal environment variables plus the Downward-API ones every pod gets."""
+    downward = [
+        {"name": naming.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": naming.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    return downward + [{"name": name, "value": str(value)} for name, value in pairs.items()]
+
+
+def common_env(
+    service: str, pool: str, model: ModelSpec, transport: str, heartbeat: HeartbeatSpec, config_map: str
+) -> dict[str, str | int]:
+    """Settings both kinds of pods read (see :mod:`eaas.operator.naming`)."""
+    return {
+        naming.ENV_SERVICE: service,
+        naming.ENV_POOL: pool,
+        naming.ENV_TRANSPORT: transport,
+        naming.ENV_CHECKPOINT: checkpoint_path(model),
+        naming.ENV_PLACEMENT_CONFIGMAP: config_map,
+        naming.ENV_PLACEMENT_FILE: f"{naming.PLACEMENT_MOUNT}/{naming.PLACEMENT_KEY}",
+        naming.ENV_PENDING_FILE: f"{naming.PLACEMENT_MOUNT}/{naming.PENDING_KEY}",
+        naming.ENV_HEARTBEAT_INTERVAL: heartbeat.interval_seconds,
+        naming.ENV_HEARTBEAT_TIMEOUT: heartbeat.timeout_seconds,
+    }
+
+
+def resources(settings: PodSettings, gpus: int) -> dict[str, Any]:
+    """Container resources: the user's CPU/memory plus exactly `gpus` GPUs (requests = limits)."""
+    requests = {key: str(value) for key, value in settings.resources.requests.items()}
+    limits = {key: str(value) for key, value in settings.resources.limits.items()}
+    requests.pop(settings.gpu_resource_name, None)
+    limits.pop(settings.gpu_resource_name, None)
+    if gpus:
+        requests[settings.gpu_resource_name] = str(gpus)
+        limits[settings.gpu_resource_name] = str(gpus)
+    result: dict[str, Any] = {}
+    if requests:
+        result["requests"] = requests
+    if limits:
+        result["limits"] = limits
+    return result
+
+
+def scheduling(settings: PodSettings) -> dict[str, Any]:
+    """serviceAccountName, nodeSelector and tolerations of a pod spec (only those set)."""
+    spec: dict[str, Any] = {}
+    if settings.service_account_name:
+        spec["serviceAccountName"] = settings.service_account_name
+    if settings.node_selector:
+        spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.tolerations:
+        spec["tolerations"] = [toleration.to_k8s() for toleration in settings.tolerations]
+        for toleration in spec["tolerations"]:
+            for key in ("key", "value", "effect"):
+                if toleration.get(key) == "":
+                    del toleration[key]
+    return spec
+
+
+def http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": max(1, min(period, 5)),
+    }
+
+
+def content_hash(value: Any) -> str:
+    """A short stable hash of JSON-able `value` (template change detection)."""
+    text = json.dumps([POD_TEMPLATE_REVISION, value], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """RFC 7386 JSON merge patch turning `old` into `new` (None when they are equal).
+
+    Keys missing from `new` become ``null`` (removed); lists are replaced whole.
+    """
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None if old == new else copy.deepcopy(new)
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = copy.deepcopy(value)
+        else:
+            child = merge_patch(old[key], value)
+            if child is not None or (old[key] is not None and value is None):
+                patch[key] = child
+    return patch or None

@@ -1,0 +1,178 @@
+"""ExpertPool → expert-server Pods (one per GPU, stable ordinals), a headless Service and the
+placement ConfigMap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eaas.operator import naming
+from eaas.operator.api.pools import ExpertPoolSpec
+from eaas.operator.builders.common import (
+    Body,
+    checkpoint_volume,
+    common_env,
+    content_hash,
+    env,
+    http_probe,
+    owned,
+    placement_volume,
+    resources,
+    scheduling,
+    service_of,
+    volume_mounts,
+)
+from eaas.runtime.placement.placement import Placement
+
+CONTAINER = "expert-server"
+# The server loads the newest placement it is part of: pending.json during a change, else placement.json.
+SERVER_SCRIPT = (
+    f'p="${naming.ENV_PENDING_FILE}"; [ -f "$p" ] || p="${naming.ENV_PLACEMENT_FILE}"; '
+    f'exec {" ".join(naming.EXPERT_SERVER_COMMAND)} --checkpoint "${naming.ENV_CHECKPOINT}" --placement "$p" '
+    f'--ordinal "${naming.ENV_ORDINAL}" --host 0.0.0.0 --control-port "${naming.ENV_PORT}" '
+    f'--tcp-port "${naming.ENV_DATA_PORT}" --transports "${naming.ENV_TRANSPORT}"'
+)
+# Spec fields that change the placement or the pod count, not the pods themselves.
+_NOT_IN_TEMPLATE = ("replicas", "replicationFactor", "expertSlotsPerServer", "placement")
+
+
+def selector(pool: str) -> dict[str, str]:
+    """Labels selecting every expert-server pod of `pool` (``status.selector``)."""
+    return naming.pool_selector(pool, naming.EXPERT_COMPONENT)
+
+
+def labels(pool: Body) -> dict[str, str]:
+    name = pool["metadata"]["name"]
+    return naming.common_labels(service_of(pool), naming.EXPERT_COMPONENT) | selector(name)
+
+
+def template_hash(spec: ExpertPoolSpec) -> str:
+    """Changes exactly when the pods must be replaced (image, resources, model, transport, ...)."""
+    template = {key: value for key, value in spec.to_k8s().items() if key not in _NOT_IN_TEMPLATE}
+    return content_hash(template)
+
+
+def co_location(service: str, transport: str) -> dict[str, Any]:
+    """Single-node transports (shm, cuda_ipc): every pod of the MoEService on one node, sharing IPC."""
+    if transport not in ("shm", "cuda_ipc"):
+        return {}
+    return {
+        "hostIPC": True,
+        "affinity": {
+            "podAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "labelSelector": {"matchLabels": {naming.SERVICE_LABEL: service}},
+                        "topologyKey": "kubernetes.io/hostname",
+                    }
+                ]
+            }
+        },
+    }
+
+
+def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
+    """The expert-server Pod of `ordinal`: hostname ``<pool>-<n>`` under the headless Service."""
+    name = pool["metadata"]["name"]
+    namespace = pool["metadata"]["namespace"]
+    service = service_of(pool)
+    pod_name = naming.pod_name(name, ordinal)
+    config_map = naming.placement_config_map_name(name)
+    settings = common_env(service, name, spec.model, spec.transport, spec.heartbeat, config_map) | {
+        naming.ENV_ORDINAL: ordinal,
+        naming.ENV_PORT: spec.port,
+        naming.ENV_DATA_PORT: spec.data_port,
+        naming.ENV_EXPERT_SERVICE: f"{name}.{namespace}.svc",
+    }
+    container = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["/bin/sh", "-c", SERVER_SCRIPT],
+        "env": env(settings),
+        "ports": [
+            {"name": "control", "containerPort": spec.port, "protocol": "TCP"},
+            {"name": "data", "containerPort": spec.data_port, "protocol": "TCP"},
+        ],
+        "readinessProbe": http_probe("/readyz", "control", spec.heartbeat.interval_seconds, 3),
+        "livenessProbe": http_probe("/healthz", "control", max(spec.heartbeat.interval_seconds, 5), 6),
+        "resources": resources(spec, spec.gpus_per_pod),
+        "volumeMounts": volume_mounts(),
+    }
+    pod_spec: dict[str, Any] = {
+        "hostname": pod_name,
+        "subdomain": name,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": [checkpoint_volume(spec.model), placement_volume(config_map)],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector(name)},
+            }
+        ],
+        **scheduling(spec),
+        **co_location(service, spec.transport),
+    }
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name,
+            "namespace": namespace,
+            "labels": labels(pool) | {naming.ORDINAL_LABEL: str(ordinal)},
+            "annotations": {naming.TEMPLATE_HASH_ANNOTATION: template_hash(spec)},
+        },
+        "spec": pod_spec,
+    }
+    return owned(body, pool)
+
+
+def headless_service(pool: Body, spec: ExpertPoolSpec) -> dict[str, Any]:
+    """DNS ``<pool>-<n>.<pool>.<namespace>.svc`` for every server, ready or not (they handshake first)."""
+    name = pool["metadata"]["name"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": pool["metadata"]["namespace"], "labels": labels(pool)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(name),
+            "ports": [
+                {"name": "control", "port": spec.port, "targetPort": "control", "protocol": "TCP"},
+                {"name": "data", "port": spec.data_port, "targetPort": "data", "protocol": "TCP"},
+            ],
+        },
+    }
+    return owned(body, pool)
+
+
+def placement_config_map(
+    pool: Body, committed: Placement | None, pending: Placement | None
+) -> dict[str, Any]:
+    """The placement ConfigMap: ``placement.json`` (committed) and ``pending.json`` (being loaded).
+
+    Both hold exactly ``Placement.to_json()``; a key is absent when there is no such placement.
+    """
+    name = pool["metadata"]["name"]
+    data: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if committed is not None:
+        data[naming.PLACEMENT_KEY] = committed.to_json()
+        annotations[naming.PLACEMENT_VERSION_ANNOTATION] = str(committed.version)
+    if pending is not None:
+        data[naming.PENDING_KEY] = pending.to_json()
+    body = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": naming.placement_config_map_name(name),
+            "namespace": pool["metadata"]["namespace"],
+            "labels": labels(pool),
+            "annotations": annotations,
+        },
+        "data": data,
+    }
+    return owned(body, pool)

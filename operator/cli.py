@@ -1,0 +1,66 @@
+"""``eaas operator``: run the Kubernetes operator (in a pod, or locally with a kubeconfig)."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+
+@click.command("operator")
+@click.option(
+    "-n",
+    "--namespace",
+    "namespaces",
+    multiple=True,
+    envvar="EAAS_OPERATOR_NAMESPACES",
+    help="Watch only this namespace (repeatable); default: all namespaces. "
+    "Env: EAAS_OPERATOR_NAMESPACES (space-separated).",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(exists=True, dir_okay=False),
+    envvar="KUBECONFIG",
+    help="Kubeconfig to use; default: in-cluster ServiceAccount, else ~/.kube/config.",
+)
+@click.option("--context", "kube_context", default=None, help="Kubeconfig context (default: current).")
+@click.option(
+    "--metrics-port",
+    default=8080,
+    show_default=True,
+    envvar="EAAS_OPERATOR_METRICS_PORT",
+    help="Port of /metrics (0 = off).",
+)
+@click.option(
+    "--health-port",
+    default=8081,
+    show_default=True,
+    envvar="EAAS_OPERATOR_HEALTH_PORT",
+    help="Port of /healthz for liveness probes (0 = off).",
+)
+@click.option("--request-timeout", default=30.0, show_default=True, help="Seconds per API request.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def operator(
+    namespaces: tuple[str, ...],
+    kubeconfig: str | None,
+    kube_context: str | None,
+    metrics_port: int,
+    health_port: int,
+    request_timeout: float,
+    verbose: bool,
+) -> None:
+    """Run the EaaS operator: reconciles MoEServices, AttentionPools and ExpertPools."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from eaas.operator.main import run  # kopf and the handlers load only when the command runs
+
+    run(
+        namespaces=list(namespaces),
+        kubeconfig=kubeconfig,
+        context=kube_context,
+        metrics_port=metrics_port,
+        health_port=health_port,
+        request_timeout=request_timeout,
+    )

@@ -1,0 +1,298 @@
+"""The ExpertPool's next step, decided from what is observed (pure; no API calls).
+
+The reconciler calls :func:`plan` on every pass, applies the returned :class:`Step` and comes back
+later; every step is small and safe to repeat, so a restarted operator picks up where the
+ConfigMap and the pods say it is. The placement ConfigMap holds the committed placement (what
+clients route by) and, during a change, the pending one (what servers load):
+
+* **create**: publish the initial placement as pending, create pods ``0..N-1``.
+* **scale up** (one GPU at a time): pending = committed + server ``k``; create pod ``k``.
+* **scale down** (highest ordinal first): pending = committed without server ``h``, its experts
+  re-homed on the others (R kept); pod ``h`` is deleted only after that placement is committed.
+* **commit**: once every server of the pending placement is ready for it (pod Ready, and its
+  Lease, if it keeps one, reports that version loaded), pending becomes committed.
+* **repair**: a missing pod of a placed server is recreated under the same name; pods whose
+  template changed are replaced one at a time while all others are Ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eaas.operator import planning
+from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, Observation
+from eaas.runtime.placement.placement import Placement, PlacementError
+
+
+@dataclass(frozen=True)
+class PodState:
+    """One expert-server pod as observed."""
+
+    ordinal: int
+    ready: bool
+    terminating: bool = False
+    template_hash: str = ""
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """What a server's Lease says (absent when the server keeps no Lease)."""
+
+    expired: bool
+    loaded_version: int | None = None
+    utilization_milli: int | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything :func:`plan` needs about one ExpertPool."""
+
+    pool: str
+    desired_replicas: int
+    shape: planning.PoolShape
+    template_hash: str
+    pods: dict[int, PodState]
+    committed: Placement | None
+    pending: Placement | None
+    reports: dict[int, ServerReport] = field(default_factory=dict)
+    placement_error: str = ""  # the ConfigMap could not be parsed
+    last_version: int = 0  # the placement version last reported in status (versions never go back)
+
+    def is_live(self, ordinal: int) -> bool:
+        """Pod Ready and not terminating, and its heartbeat (if it keeps one) not expired."""
+        pod = self.pods.get(ordinal)
+        report = self.reports.get(ordinal)
+        return pod is not None and pod.ready and not pod.terminating and not (report and report.expired)
+
+    def is_ready_for(self, ordinal: int, version: int) -> bool:
+        """Live, and has loaded the experts of placement `version` (servers without a Lease: when Ready)."""
+        report = self.reports.get(ordinal)
+        if not self.is_live(ordinal):
+            return False
+        return report is None or (report.loaded_version is not None and report.loaded_version >= version)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the ExpertPool."""
+
+    reason: str
+    message: str
+    type: str = "Normal"
+
+
+@dataclass
+class Step:
+    """What to do now. ``publish`` = (committed, pending) to write to the ConfigMap, or None."""
+
+    create_pods: list[int] = field(default_factory=list)
+    delete_pods: list[int] = field(default_factory=list)
+    publish: tuple[Placement | None, Placement | None] | None = None
+    events: list[Event] = field(default_factory=list)
+    conditions: list[Observation] = field(default_factory=list)
+    progressing: str = ""  # reason when a change is in flight
+    progress_message: str = ""
+
+    def working(self, reason: str, message: str) -> Step:
+        self.progressing, self.progress_message = reason, message
+        return self
+
+
+def plan(observed: Observed) -> Step:
+    """The next step for one ExpertPool, with its conditions."""
+    step = _decide(observed)
+    step.conditions = _conditions(observed, step)
+    return step
+
+
+def _decide(o: Observed) -> Step:
+    step = Step()
+    if o.placement_error:
+        return step
+    existing = set(o.pods)
+    desired = max(o.desired_replicas, o.shape.replication)
+    try:
+        if o.committed is None and o.pending is None:
+            servers = dict.fromkeys(range(desired))
+            first = planning.initial(o.shape, servers, _names(o, range(desired)), version=o.last_version + 1)
+            step.publish = (None, first)
+            step.create_pods = [n for n in range(desired) if n not in existing]
+            step.events.append(
+                Event("PlacementProposed", f"initial placement v{first.version} over {desired} servers")
+            )
+            return step.working("Creating", f"creating {desired} expert servers")
+
+        stale = sorted(
+            n
+            for n, pod in o.pods.items()
+            if pod.template_hash != o.template_hash and not pod.terminating and not o.is_live(n)
+        )
+        if stale:  # not serving anyway: replace them at once (a live one is rolled below)
+            step.delete_pods = stale
+            step.events.append(
+                Event("RollingUpdate", f"replacing not-ready servers {stale} (template changed)")
+            )
+            return step.working("RollingUpdate", f"replacing not-ready servers {stale}")
+
+        if o.pending is not None:
+            return _finish_pending(o, step, existing)
+
+        assert o.committed is not None
+        placed = list(o.committed.ordinals)
+        # Pods of servers that are no longer placed (drained and committed): delete them now.
+        leftovers = sorted(n for n in existing if n not in placed and not o.pods[n].terminating)
+        if leftovers:
+            step.delete_pods = leftovers
+            step.events += [
+                Event("ServerRemoved", f"deleted drained expert server {o.pool}-{n}") for n in leftovers
+            ]
+            return step.working("ScalingDown", f"removing drained servers {leftovers}")
+        missing = [n for n in placed if n not in existing]
+        if missing:
+            step.create_pods = missing
+            step.events += [
+                Event("ServerRecreated", f"recreated missing expert server {o.pool}-{n}", "Warning")
+                for n in missing
+            ]
+            return step.working("Recreating", f"recreating servers {missing}")
+
+        if len(placed) < desired:
+            new = max(placed) + 1
+            if new in o.pods and o.pods[new].terminating:
+                return step.working("ScalingUp", f"waiting for the old pod {o.pool}-{new} to terminate")
+            pending = planning.add_server(o.committed, o.shape, new, _names(o, [new])[new], None)
+            step.publish = (o.committed, pending)
+            step.create_pods = [new] if new not in existing else []
+            step.events.append(
+                Event(
+                    "ScalingUp", f"adding expert server {o.pool}-{new}: placement v{pending.version} pending"
+                )
+            )
+            return step.working("ScalingUp", f"adding server {new} ({len(placed)} -> {desired})")
+        if len(placed) > desired:
+            leaving = max(placed)
+            pending = planning.drain_server(o.committed, o.shape, leaving)
+            step.publish = (o.committed, pending)
+            step.events.append(
+                Event(
+                    "ScalingDown",
+                    f"draining expert server {o.pool}-{leaving}: its experts move to others in "
+                    f"placement v{pending.version} (R={o.shape.replication} kept)",
+                )
+            )
+            return step.working("ScalingDown", f"draining server {leaving} ({len(placed)} -> {desired})")
+
+        if o.committed.replication != o.shape.replication:
+            names = _names(o, placed)
+            pending = planning.initial(o.shape, dict.fromkeys(placed), names, version=o.committed.version + 1)
+            step.publish = (o.committed, pending)
+            step.events.append(
+                Event(
+                    "Replanning",
+                    f"replication factor {o.committed.replication} -> {o.shape.replication}: "
+                    f"placement v{pending.version} pending",
+                )
+            )
+            return step.working("Replanning", f"re-placing experts for R={o.shape.replication}")
+
+        outdated = sorted(n for n in placed if o.pods[n].template_hash != o.template_hash)
+        if outdated:
+            others_ready = all(o.is_live(n) for n in placed if n != outdated[-1])
+            if others_ready and not o.pods[outdated[-1]].terminating:
+                step.delete_pods = [outdated[-1]]
+                step.events.append(
+                    Event("RollingUpdate", f"replacing {o.pool}-{outdated[-1]} (template changed)")
+                )
+            return step.working("RollingUpdate", f"{len(outdated)} server(s) run an outdated template")
+    except PlacementError as error:
+        step.events.append(Event("PlacementFailed", str(error), "Warning"))
+        return step.working("PlacementFailed", str(error))
+    return step
+
+
+def _finish_pending(o: Observed, step: Step, existing: set[int]) -> Step:
+    """Create the pending placement's pods, and commit it once all its servers are ready."""
+    assert o.pending is not None
+    missing = [n for n in o.pending.ordinals if n not in existing]
+    if missing:
+        step.create_pods = missing
+        return step.working(
+            "LoadingPlacement", f"creating servers {missing} for placement v{o.pending.version}"
+        )
+    waiting = [n for n in o.pending.ordinals if not o.is_ready_for(n, o.pending.version)]
+    if waiting:
+        return step.working(
+            "LoadingPlacement", f"waiting for servers {waiting} to load placement v{o.pending.version}"
+        )
+    step.publish = (o.pending, None)
+    step.events.append(
+        Event(
+            "PlacementCommitted",
+            f"placement v{o.pending.version} committed: servers {list(o.pending.ordinals)}, "
+            f"R={o.pending.replication}",
+        )
+    )
+    return step.working("Committing", f"committing placement v{o.pending.version}")
+
+
+def _names(o: Observed, ordinals: range | list[int]) -> dict[int, str]:
+    return {n: f"{o.pool}-{n}" for n in ordinals}
+
+
+def live_replicas(placement: Placement, live: set[int]) -> int:
+    """The fewest live replicas any (layer, expert) has (0 = some expert cannot be served)."""
+    columns = [i for i, ordinal in enumerate(placement.ordinals) if ordinal in live]
+    if not columns:
+        return 0
+    counts = placement.hosting_matrix()[columns].sum(axis=0)  # [L, E]
+    return int(np.min(counts))
+
+
+def _conditions(o: Observed, step: Step) -> list[Observation]:
+    if o.placement_error:
+        return [
+            Observation.of(READY, False, "PlacementInvalid", o.placement_error),
+            Observation.of(PROGRESSING, False, "PlacementInvalid", "fix or delete the placement ConfigMap"),
+            Observation.of(DEGRADED, True, "PlacementInvalid", o.placement_error),
+        ]
+    progressing = Observation.of(
+        PROGRESSING,
+        bool(step.progressing),
+        step.progressing or "Stable",
+        step.progress_message
+        or f"{len(o.committed.ordinals) if o.committed else 0} servers, no change in flight",
+    )
+    if o.committed is None:
+        return [
+            Observation.of(READY, False, "PlacementPending", "the first placement is not committed yet"),
+            progressing,
+            Observation.of(DEGRADED, False, "PlacementPending", "nothing is serving yet"),
+        ]
+    live = {n for n in o.committed.ordinals if o.is_live(n)}
+    down = sorted(set(o.committed.ordinals) - live)
+    fewest = live_replicas(o.committed, live)
+    if fewest == 0:
+        ready = Observation.of(
+            READY, False, "ExpertUnavailable", f"some experts have no live replica; servers down: {down}"
+        )
+    else:
+        ready = Observation.of(
+            READY, True, "ExpertsServed", f"placement v{o.committed.version} on {len(live)} live servers"
+        )
+    if step.progressing == "PlacementFailed":
+        degraded = Observation.of(DEGRADED, True, "PlacementFailed", step.progress_message)
+    elif down:
+        degraded = Observation.of(
+            DEGRADED,
+            True,
+            "ServersUnavailable",
+            f"servers {down} are not live; fewest live replicas of an expert: {fewest} "
+            f"(R={o.committed.replication})",
+        )
+    else:
+        degraded = Observation.of(
+            DEGRADED, False, "AllServersLive", f"every expert has >= {fewest} live replicas"
+        )
+    return [ready, progressing, degraded]

@@ -1,0 +1,118 @@
+"""kopf registration: thin handlers that serialise per object and call the reconcilers.
+
+Every kind gets two triggers of the same level-based reconcile:
+
+* ``@kopf.on.event`` — react at once to any change (creation, spec edits, ``/scale`` writes,
+  status updates of children). Event handlers persist nothing on the objects.
+* ``@kopf.timer`` — resync every ``EAAS_OPERATOR_RESYNC_SECONDS``: pods becoming Ready, Leases
+  expiring, drift, and retries after errors (exponential backoff via ``kopf.TemporaryError``).
+
+Import this module to register the handlers (``eaas operator`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, GROUP, MOESERVICE, VERSION, Kind
+from eaas.operator.kube import Kube, KubeError
+from eaas.operator.metrics import default as default_metrics
+from eaas.operator.reconcile import attentionpool, expertpool, moeservice
+from eaas.operator.reconcile.context import Context
+
+logger = logging.getLogger("eaas.operator")
+
+RESYNC_SECONDS = float(os.environ.get("EAAS_OPERATOR_RESYNC_SECONDS", "10"))
+MAX_BACKOFF_SECONDS = 60.0
+FINALIZER = f"{GROUP}/operator"
+
+_context: Context | None = None
+
+
+def install(context: Context) -> None:
+    """Set the context the handlers use (done by :func:`eaas.operator.main.run` before starting)."""
+    global _context
+    _context = context
+
+
+def context() -> Context:
+    if _context is None:
+        raise RuntimeError("eaas.operator.handlers.install(context) was not called")
+    return _context
+
+
+def backoff(retry: int) -> float:
+    """Seconds to wait after `retry` consecutive failures: 1, 2, 4, ... capped at 60."""
+    return min(MAX_BACKOFF_SECONDS, 2.0 ** max(retry, 0))
+
+
+Reconcile = Callable[[Context, Mapping[str, Any]], None]
+
+
+def run_reconcile(kind: Kind, reconcile: Reconcile, body: Mapping[str, Any], retry: int) -> None:
+    """Reconcile one object under its lock; API errors become kopf retries with backoff."""
+    metadata = body["metadata"]
+    if metadata.get("deletionTimestamp"):
+        return  # going away: its children are garbage-collected through ownerReferences
+    ctx = context()
+    with ctx.lock(kind.kind, metadata["namespace"], metadata["name"]), ctx.metrics.reconcile(kind.kind):
+        try:
+            reconcile(ctx, body)
+        except KubeError as error:
+            delay = backoff(retry) if error.retryable else MAX_BACKOFF_SECONDS
+            raise kopf.TemporaryError(f"{kind.kind} {metadata['name']}: {error}", delay=delay) from error
+
+
+def _register(kind: Kind, reconcile: Reconcile) -> None:
+    def on_event(body: kopf.Body, type: str | None, retry: int = 0, **_: Any) -> None:
+        if type == "DELETED":
+            context().forget(kind.kind, body["metadata"]["namespace"], body["metadata"]["name"])
+            return
+        try:
+            run_reconcile(kind, reconcile, body, 0)
+        except kopf.TemporaryError as error:
+            logger.info("%s (the resync timer retries)", error)
+
+    def on_timer(body: kopf.Body, **kwargs: Any) -> None:
+        run_reconcile(kind, reconcile, body, int(kwargs.get("retry", 0)))
+
+    on_event.__name__ = on_event.__qualname__ = f"{kind.singular}_event"
+    on_timer.__name__ = on_timer.__qualname__ = f"{kind.singular}_resync"
+    kopf.on.event(GROUP, VERSION, kind.plural)(on_event)
+    kopf.timer(GROUP, VERSION, kind.plural, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)(on_timer)
+
+
+_register(MOESERVICE, moeservice.reconcile)
+_register(ATTENTIONPOOL, attentionpool.reconcile)
+_register(EXPERTPOOL, expertpool.reconcile)
+
+
+def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
+    """Timeouts and storage prefixes (applied at startup; see :mod:`eaas.operator.main`).
+
+    Watches are re-established every ~5 minutes by the server, and the client gives up on a silent
+    connection after ~6, so a stalled watch cannot go unnoticed (kopf issues #204, #698).
+    """
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = request_timeout
+    settings.networking.request_timeout = request_timeout
+    settings.networking.connect_timeout = request_timeout
+    settings.networking.error_backoffs = [1, 2, 4, 8, 16, 32, 60]
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # our own Events are posted explicitly
+    settings.scanning.disabled = True  # no cluster-wide CRD/namespace watching (least privilege)
+    settings.execution.max_workers = 8
+
+
+def make_context(kube: Kube) -> Context:
+    return Context(kube=kube, metrics=default_metrics())

@@ -1,0 +1,83 @@
+"""What every reconciler shares: the API client, metrics, events and per-object serialisation."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from eaas.operator.autoscaler import Autoscaler
+from eaas.operator.builders.common import merge_patch
+from eaas.operator.conditions import Observation, merge
+from eaas.operator.kube import Kube
+from eaas.operator.metrics import OperatorMetrics
+
+FIELD_PATH = re.compile(r"[a-z][A-Za-z0-9]*(\.[a-z][A-Za-z0-9]*)*")
+EventPoster = Callable[[Mapping[str, Any], str, str, str], None]  # (object, type, reason, message)
+logger = logging.getLogger("eaas.operator")
+
+
+def kopf_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post a Kubernetes Event about `obj` through kopf's event queue."""
+    kopf.event(dict(obj), type=type_, reason=reason, message=message)  # type: ignore[arg-type]
+
+
+@dataclass
+class Context:
+    """Shared by all reconciles of one operator process."""
+
+    kube: Kube
+    metrics: OperatorMetrics
+    post_event: EventPoster = kopf_event
+    autoscalers: dict[tuple[str, str], Autoscaler] = field(default_factory=dict)
+    _locks: dict[tuple[str, str, str], threading.Lock] = field(default_factory=dict)
+    _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
+        """One lock per object: a timer and an event handler never reconcile it at the same time."""
+        with self._locks_guard:
+            return self._locks.setdefault((kind, namespace, name), threading.Lock())
+
+    def forget(self, kind: str, namespace: str, name: str) -> None:
+        with self._locks_guard:
+            self._locks.pop((kind, namespace, name), None)
+        self.autoscalers.pop((namespace, name), None)
+
+    def write_status(
+        self,
+        kind: str,
+        body: Mapping[str, Any],
+        status: dict[str, Any],
+        observations: list[Observation],
+    ) -> dict[str, Any]:
+        """Patch ``/status`` to `status` + merged conditions, only when something changed."""
+        old = dict(body.get("status") or {})
+        metadata = body["metadata"]
+        status = {
+            **{key: value for key, value in status.items() if value is not None},
+            "observedGeneration": metadata.get("generation", 0),
+            "conditions": merge(old.get("conditions"), observations, metadata.get("generation", 0)),
+        }
+        patch = merge_patch(old, status)
+        if patch:
+            self.kube.merge_patch(kind, metadata["namespace"], metadata["name"], {"status": patch}, "status")
+        return status
+
+
+def describe_validation_error(error: ValidationError, prefix: str = "spec") -> str:
+    """A pydantic error as ``spec.field.path: message; ...`` (camelCase paths, as users wrote them)."""
+    parts = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in (prefix, *item["loc"]))
+        message = str(item["msg"]).removeprefix("Value error, ")
+        field, separator, rest = message.partition(": ")
+        if separator and FIELD_PATH.fullmatch(field):  # "topK: must be ..." from a model rule
+            location, message = f"{location}.{field}", rest
+        parts.append(f"{location}: {message}")
+    return "; ".join(parts)

@@ -1,0 +1,156 @@
+"""ExpertPool reconcile: observe pods, Leases and the placement ConfigMap; take one planned step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from eaas.operator import expert_step, naming, planning
+from eaas.operator.api.kinds import EXPERTPOOL
+from eaas.operator.api.pools import ExpertPoolSpec
+from eaas.operator.builders import expertpool as build
+from eaas.operator.conditions import PROGRESSING, find
+from eaas.operator.reconcile.context import Context, describe_validation_error
+from eaas.operator.status import invalid_spec
+from eaas.runtime.placement.placement import Placement, PlacementError
+
+
+def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
+    metadata = body["metadata"]
+    namespace, name = metadata["namespace"], metadata["name"]
+    selector = build.selector(name)
+    base_status: dict[str, Any] = {
+        "selector": naming.selector_string(selector),
+        "placementConfigMap": naming.placement_config_map_name(name),
+    }
+    try:
+        spec = ExpertPoolSpec.from_k8s(body.get("spec"))
+    except ValidationError as error:
+        ctx.write_status(EXPERTPOOL.kind, body, base_status, invalid_spec(describe_validation_error(error)))
+        return
+
+    ctx.kube.apply(build.headless_service(body, spec))
+    pods = {}
+    uids = {}
+    for pod in ctx.kube.list("Pod", namespace, selector):
+        ordinal = naming.ordinal_of(name, pod["metadata"]["name"])
+        if ordinal is not None:
+            pods[ordinal] = pod_state(ordinal, pod)
+            uids[ordinal] = pod["metadata"]["uid"]
+    config_map = ctx.kube.get("ConfigMap", namespace, naming.placement_config_map_name(name))
+    committed, pending, placement_error = read_placements(config_map)
+    leases = ctx.kube.list("Lease", namespace, {naming.POOL_LABEL: name})
+    observed = expert_step.Observed(
+        pool=name,
+        desired_replicas=spec.replicas,
+        shape=planning.PoolShape.of(spec),
+        template_hash=build.template_hash(spec),
+        pods=pods,
+        committed=committed,
+        pending=pending,
+        reports=server_reports(name, leases, time.time()),
+        placement_error=placement_error,
+        last_version=int((body.get("status") or {}).get("placementVersion") or 0),
+    )
+    step = expert_step.plan(observed)
+
+    # Act: publish first (a created pod must find its experts), then pods, then tell the world.
+    if step.publish is not None:
+        new_committed, new_pending = step.publish
+        ctx.kube.apply(build.placement_config_map(body, new_committed, new_pending))
+        ctx.metrics.placement_changes.labels("committed" if new_pending is None else "proposed").inc()
+        committed = new_committed
+    for ordinal in step.create_pods:
+        ctx.kube.create(build.pod(body, spec, ordinal))
+    for ordinal in step.delete_pods:
+        ctx.kube.delete("Pod", namespace, naming.pod_name(name, ordinal), uid=uids.get(ordinal))
+    acted = step.publish is not None or bool(step.create_pods or step.delete_pods)
+    reported = find((body.get("status") or {}).get("conditions"), PROGRESSING) or {}
+    for event in step.events:
+        if not acted and (reported.get("reason"), reported.get("message")) == (event.reason, event.message):
+            continue  # a standing problem (e.g. PlacementFailed) is reported once, not every resync
+        ctx.post_event(body, event.type, event.reason, event.message)
+
+    live = [n for n in pods if not pods[n].terminating]
+    utilization = [
+        r.utilization_milli
+        for r in observed.reports.values()
+        if not r.expired and r.utilization_milli is not None
+    ]
+    status = {
+        **base_status,
+        "replicas": len(live),
+        "readyReplicas": sum(1 for n in live if pods[n].ready),
+        "placementVersion": committed.version if committed else 0,
+        "servers": list(committed.ordinals) if committed else [],
+        "utilizationMilli": round(sum(utilization) / len(utilization)) if utilization else None,
+    }
+    ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
+
+
+def pod_state(ordinal: int, pod: Mapping[str, Any]) -> expert_step.PodState:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    annotations = pod["metadata"].get("annotations") or {}
+    return expert_step.PodState(
+        ordinal=ordinal,
+        ready=ready,
+        terminating=bool(pod["metadata"].get("deletionTimestamp")),
+        template_hash=annotations.get(naming.TEMPLATE_HASH_ANNOTATION, ""),
+    )
+
+
+def read_placements(config_map: Mapping[str, Any] | None) -> tuple[Placement | None, Placement | None, str]:
+    """(committed, pending, error) from the placement ConfigMap (all None/empty when it is absent)."""
+    if config_map is None:
+        return None, None, ""
+    data = config_map.get("data") or {}
+    placements: list[Placement | None] = []
+    for key in (naming.PLACEMENT_KEY, naming.PENDING_KEY):
+        try:
+            placements.append(Placement.from_json(data[key]) if key in data else None)
+        except PlacementError as error:
+            return None, None, f"ConfigMap {config_map['metadata']['name']} key {key}: {error}"
+    return placements[0], placements[1], ""
+
+
+def server_reports(
+    pool: str, leases: Sequence[Mapping[str, Any]], now: float
+) -> dict[int, expert_step.ServerReport]:
+    """Heartbeats of the pool's servers from their Leases (named after their pods)."""
+    reports = {}
+    for lease in leases:
+        ordinal = naming.ordinal_of(pool, lease["metadata"]["name"])
+        if ordinal is None:
+            continue
+        spec = lease.get("spec") or {}
+        renewed = _timestamp(spec.get("renewTime") or spec.get("acquireTime"))
+        duration = spec.get("leaseDurationSeconds") or 0
+        expired = renewed is None or now > renewed + duration
+        annotations = lease["metadata"].get("annotations") or {}
+        reports[ordinal] = expert_step.ServerReport(
+            expired=expired,
+            loaded_version=_int(annotations.get(naming.LOADED_VERSION_ANNOTATION)),
+            utilization_milli=_int(annotations.get(naming.UTILIZATION_ANNOTATION)),
+        )
+    return reports
+
+
+def _timestamp(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

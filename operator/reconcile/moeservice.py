@@ -1,0 +1,117 @@
+"""MoEService reconcile: create/update its two pools, own ExpertPool replicas per the autoscaling
+mode, and summarise the pools' status."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
+from eaas.operator.api.moeservice import MoEServiceSpec
+from eaas.operator.autoscaler import Autoscaler
+from eaas.operator.builders import moeservice as build
+from eaas.operator.builders.common import merge_patch
+from eaas.operator.reconcile.context import Context, describe_validation_error
+from eaas.operator.status import aggregate, invalid_spec
+
+
+class NotOurs(Exception):
+    """A child with the expected name exists but another object controls it."""
+
+
+def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
+    try:
+        spec = MoEServiceSpec.from_k8s(body.get("spec"))
+    except ValidationError as error:
+        ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(describe_validation_error(error)))
+        return
+    try:
+        experts = ensure_child(ctx, body, build.expert_pool(body, spec), ignore=("replicas",))
+        attention = ensure_child(ctx, body, build.attention_pool(body, spec), ignore=())
+    except NotOurs as error:
+        ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(str(error)))
+        return
+    set_expert_replicas(ctx, body, spec, experts)
+
+    expert_status = experts.get("status") or {}
+    attention_status = attention.get("status") or {}
+    status = {
+        "attention": _counts(attention_status),
+        "experts": _counts(expert_status),
+        "placementVersion": int(expert_status.get("placementVersion") or 0),
+        "endpoint": attention_status.get("endpoint", ""),
+    }
+    observations = aggregate({EXPERTPOOL.kind: experts, ATTENTIONPOOL.kind: attention})
+    ctx.write_status(MOESERVICE.kind, body, status, observations)
+
+
+def ensure_child(
+    ctx: Context, owner: Mapping[str, Any], desired: dict[str, Any], ignore: tuple[str, ...]
+) -> dict[str, Any]:
+    """Create the pool, or merge-patch its spec to the desired one (except the `ignore`d fields)."""
+    kind, namespace, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
+    current = ctx.kube.get(kind, namespace, name)
+    if current is None:
+        created = ctx.kube.create(desired)
+        if created is not None:
+            ctx.post_event(owner, "Normal", "Created", f"created {kind} {name}")
+            return created
+        current = ctx.kube.get(kind, namespace, name) or desired
+    owners = [ref for ref in current["metadata"].get("ownerReferences") or [] if ref.get("controller")]
+    if not any(ref.get("uid") == owner["metadata"]["uid"] for ref in owners):
+        raise NotOurs(f"{kind} {name} exists but is not controlled by this MoEService; rename or delete it")
+    old_spec = {k: v for k, v in (current.get("spec") or {}).items() if k not in ignore}
+    new_spec = {k: v for k, v in desired["spec"].items() if k not in ignore}
+    patch: dict[str, Any] = {}
+    spec_patch = merge_patch(old_spec, new_spec)
+    if spec_patch:
+        patch["spec"] = spec_patch
+    labels = current["metadata"].get("labels") or {}
+    missing_labels = {k: v for k, v in desired["metadata"]["labels"].items() if labels.get(k) != v}
+    if missing_labels:
+        patch["metadata"] = {"labels": missing_labels}
+    if patch:
+        current = ctx.kube.merge_patch(kind, namespace, name, patch)
+    return current
+
+
+def set_expert_replicas(
+    ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, pool: dict[str, Any]
+) -> None:
+    """Write ``ExpertPool.spec.replicas`` through ``/scale`` when this MoEService is its writer."""
+    writer = build.replicas_writer(spec)
+    current = int((pool.get("spec") or {}).get("replicas") or 0)
+    metadata = pool["metadata"]
+    if writer == "external":
+        return
+    if writer == "moeservice":
+        desired = spec.expert_pool.replicas
+    else:
+        key = (metadata["namespace"], metadata["name"])
+        autoscaler = ctx.autoscalers.setdefault(key, Autoscaler())
+        utilization = (pool.get("status") or {}).get("utilizationMilli")
+        desired = autoscaler.recommend(time.monotonic(), current, utilization, spec.autoscaling)
+    if desired == current:
+        return
+    ctx.kube.merge_patch(
+        EXPERTPOOL.kind, metadata["namespace"], metadata["name"], {"spec": {"replicas": desired}}, "scale"
+    )
+    ctx.metrics.scale_writes.labels(writer).inc()
+    pool.setdefault("spec", {})["replicas"] = desired
+    reason = "ScaledUp" if desired > current else "ScaledDown"
+    ctx.post_event(
+        body,
+        "Normal",
+        reason,
+        f"{metadata['name']}: {current} -> {desired} expert servers (writer: {writer})",
+    )
+
+
+def _counts(status: Mapping[str, Any]) -> dict[str, int]:
+    return {
+        "replicas": int(status.get("replicas") or 0),
+        "readyReplicas": int(status.get("readyReplicas") or 0),
+    }

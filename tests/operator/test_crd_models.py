@@ -1,0 +1,153 @@
+"""The API models: what they accept, what they reject and how the rejection reads."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from eaas.operator.api import TRANSPORTS, ExpertPoolSpec, MoEServiceSpec
+from eaas.operator.api.common import EXPERTS_MAX, LAYERS_MAX, TOPK_MAX
+from eaas.operator.reconcile.context import describe_validation_error
+from eaas.runtime.model.config import MoEConfig
+from eaas.runtime.transport.registry import transport_names
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_manifest() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "manifests" / "moeservice-tiny-cpu.yaml").read_text())
+
+
+def spec_with(**changes: Any) -> dict[str, Any]:
+    """The tiny manifest's spec with dotted-path changes, e.g. ``{"model.topK": 9}``."""
+    spec = copy.deepcopy(tiny_manifest()["spec"])
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = spec
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return spec
+
+
+def rejection(spec: dict[str, Any]) -> str:
+    with pytest.raises(ValidationError) as caught:
+        MoEServiceSpec.from_k8s(spec)
+    return describe_validation_error(caught.value)
+
+
+@pytest.mark.parametrize("name", ["moeservice-tiny-cpu.yaml", "moeservice-deepseek-v3-gpu.yaml"])
+def test_example_manifests_are_valid(name: str) -> None:
+    document = yaml.safe_load((ROOT / "manifests" / name).read_text())
+    assert document["apiVersion"] == "eaas.io/v1alpha1" and document["kind"] == "MoEService"
+    spec = MoEServiceSpec.from_k8s(document["spec"])
+    assert spec.expert_pool.replication_factor <= spec.expert_pool.replicas
+
+
+def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
+    assert moes_spec.transport == "tcp"
+    assert moes_spec.expert_pool.gpus_per_pod == 0 and moes_spec.attention_pool.gpus_per_pod == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"model.topK": 9}, "spec.model.topK: topK must be <= numExperts"),
+        ({"model.numDenseLayers": 3}, "spec.model.numDenseLayers: numDenseLayers must be < numLayers"),
+        (
+            {"expertPool.replicationFactor": 4},
+            "spec.expertPool.replicationFactor: replicationFactor must be <= replicas",
+        ),
+        (
+            {"autoscaling.minReplicas": 5, "autoscaling.maxReplicas": 4},
+            "spec.autoscaling.minReplicas: minReplicas must be <= maxReplicas",
+        ),
+        ({"transport": "rdma"}, "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc' or 'nvshmem'"),
+        ({"transport": "nvshmem"}, "transports cuda_ipc and nvshmem need expertPool.gpusPerPod = 1"),
+        ({"heartbeat.intervalSeconds": 10}, "timeoutSeconds must be greater than intervalSeconds"),
+        (
+            {"model.checkpoint.persistentVolumeClaim": {"claimName": "w"}},
+            "spec.model.checkpoint: set exactly one of persistentVolumeClaim",
+        ),
+        ({"model.checkpoint.hostPath": None}, "set exactly one of persistentVolumeClaim"),
+        ({"model.checkpoint.subPath": "a/../b"}, "subPath must not contain '..' segments"),
+        ({"model.preset": "deepseek-v3"}, "spec.model.preset: mixtral has no preset 'deepseek-v3'"),
+        ({"model.numExperts": 16}, "spec.model.numExperts: preset tiny (mixtral) has 8, got 16"),
+        ({"expertPool.expertSlotsPerServer": 10}, "replicas * expertSlotsPerServer must be >="),
+        ({"expertPool.gpusPerPod": 2}, "spec.expertPool.gpusPerPod: Input should be less than or equal to 1"),
+        (
+            {"autoscaling.mode": "builtin", "autoscaling.minReplicas": 1},
+            "minReplicas must be >= expertPool.replicationFactor",
+        ),
+        ({"autoscaling.mode": "builtin", "autoscaling.maxReplicas": 2}, "expertPool.replicas must be within"),
+        ({"expertPool.image": ""}, "spec.expertPool.image: String should have at least 1 character"),
+    ],
+)
+def test_invalid_specs_are_rejected_naming_the_field(changes: dict[str, Any], expected: str) -> None:
+    assert expected in rejection(spec_with(**changes))
+
+
+def test_capacity_rule_accepts_exactly_enough_slots() -> None:
+    # tiny: 3 MoE layers x 8 experts x R=2 = 48 slots over 3 servers -> 16 each.
+    assert MoEServiceSpec.from_k8s(spec_with(**{"expertPool.expertSlotsPerServer": 16}))
+    assert "expertSlotsPerServer" in rejection(spec_with(**{"expertPool.expertSlotsPerServer": 15}))
+
+
+def test_expert_pool_spec_checks_capacity_too(pool_spec: ExpertPoolSpec) -> None:
+    data = pool_spec.to_k8s() | {"expertSlotsPerServer": 15}
+    with pytest.raises(ValidationError, match="expertSlotsPerServer"):
+        ExpertPoolSpec.from_k8s(data)
+
+
+def test_crd_transports_cover_the_runtime_registry() -> None:
+    assert set(transport_names()) <= set(TRANSPORTS)
+
+
+def test_model_bounds_come_from_moeconfig() -> None:
+    def bound(field: str, kind: str) -> int:
+        return next(int(getattr(m, kind)) for m in MoEConfig.model_fields[field].metadata if hasattr(m, kind))
+
+    assert (
+        bound("num_layers", "le"),
+        bound("num_experts", "le"),
+        bound("top_k", "le"),
+    ) == (LAYERS_MAX, EXPERTS_MAX, TOPK_MAX)
+
+
+def test_round_trip_is_lossless(moes_spec: MoEServiceSpec) -> None:
+    assert MoEServiceSpec.from_k8s(moes_spec.to_k8s()) == moes_spec
+    assert moes_spec.model.moe_layers == [0, 1, 2]
+
+
+def test_autoscaler_manifests_target_the_tiny_expert_pool_on_a_real_metric() -> None:
+    from eaas.operator import naming
+    from eaas.runtime.server.metrics import ServerMetrics
+
+    exported = {
+        metric.name + "_total" for metric in ServerMetrics().registry.collect() if metric.type == "counter"
+    }
+    assert "eaas_expert_server_tokens_total" in exported
+    tiny = MoEServiceSpec.from_k8s(tiny_manifest()["spec"])
+    hpa, adapter = yaml.safe_load_all((ROOT / "manifests" / "expertpool-hpa.yaml").read_text())
+    (keda,) = yaml.safe_load_all((ROOT / "manifests" / "expertpool-keda.yaml").read_text())
+    for target in (hpa["spec"]["scaleTargetRef"], keda["spec"]["scaleTargetRef"]):
+        assert target == {
+            "apiVersion": "eaas.io/v1alpha1",
+            "kind": "ExpertPool",
+            "name": naming.expert_pool_name("tiny"),
+        }
+    assert hpa["spec"]["minReplicas"] >= tiny.expert_pool.replication_factor
+    assert keda["spec"]["minReplicaCount"] >= tiny.expert_pool.replication_factor
+    assert tiny.autoscaling.mode == "external"  # the HPA/KEDA is then the one writer of replicas
+    (rule,) = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    assert "eaas_expert_server_tokens_total" in rule["seriesQuery"]
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "eaas_expert_server_tokens_per_second"
+    assert "eaas_expert_server_tokens_total" in keda["spec"]["triggers"][0]["metadata"]["query"]

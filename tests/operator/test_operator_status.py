@@ -1,0 +1,131 @@
+"""Conditions, status aggregation, the built-in autoscaler and the operator's metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from eaas.operator.api import AutoscalingSpec, Condition
+from eaas.operator.autoscaler import Autoscaler, raw_recommendation
+from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, Observation, merge
+from eaas.operator.handlers import backoff
+from eaas.operator.kube import KubeError
+from eaas.operator.metrics import OperatorMetrics
+from eaas.operator.status import aggregate, deployment_conditions
+
+
+def test_merge_keeps_transition_time_unless_status_changes() -> None:
+    first = merge(
+        None, [Observation.of(READY, False, "Creating")], generation=1, timestamp="2026-01-01T00:00:00Z"
+    )
+    assert first[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z" and first[0]["observedGeneration"] == 1
+    Condition.model_validate(first[0])  # the CRD's condition shape
+    same = merge(first, [Observation.of(READY, False, "StillCreating", "x")], 2, "2026-01-02T00:00:00Z")
+    assert same[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    assert (same[0]["reason"], same[0]["observedGeneration"]) == ("StillCreating", 2)
+    flipped = merge(same, [Observation.of(READY, True, "Serving")], 2, "2026-01-03T00:00:00Z")
+    assert flipped[0]["lastTransitionTime"] == "2026-01-03T00:00:00Z"
+
+
+def test_merge_keeps_foreign_conditions() -> None:
+    foreign = {"type": "Tested", "status": "True", "reason": "X", "message": "", "lastTransitionTime": "t"}
+    merged = merge([foreign], [Observation.of(READY, True, "Serving")], 1)
+    assert [c["type"] for c in merged] == [READY, "Tested"]
+
+
+def pool(ready: str, progressing: str = "False", degraded: str = "False") -> dict[str, Any]:
+    conditions = [
+        {"type": READY, "status": ready, "reason": "R", "message": "r"},
+        {"type": PROGRESSING, "status": progressing, "reason": "P", "message": "p"},
+        {"type": DEGRADED, "status": degraded, "reason": "D", "message": "d"},
+    ]
+    return {"status": {"conditions": conditions}}
+
+
+def by_type(observations: list[Observation]) -> dict[str, tuple[str, str]]:
+    return {o.type: (o.status, o.reason) for o in observations}
+
+
+def test_moeservice_is_ready_when_both_pools_are() -> None:
+    assert by_type(aggregate({"ExpertPool": pool("True"), "AttentionPool": pool("True")})) == {
+        READY: ("True", "Serving"),
+        PROGRESSING: ("False", "Stable"),
+        DEGRADED: ("False", "Healthy"),
+    }
+    mixed = aggregate({"ExpertPool": pool("True", "True", "True"), "AttentionPool": pool("False")})
+    assert by_type(mixed) == {
+        READY: ("False", "PoolsNotReady"),
+        PROGRESSING: ("True", "PoolsProgressing"),
+        DEGRADED: ("True", "PoolsDegraded"),
+    }
+    assert "AttentionPool: R: r" in mixed[0].message
+    assert by_type(aggregate({"ExpertPool": None, "AttentionPool": pool("True")}))[READY] == (
+        "False",
+        "Creating",
+    )
+
+
+def test_attention_conditions_from_the_deployment() -> None:
+    rolled = {"status": {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}}
+    assert by_type(deployment_conditions(2, rolled, True))[READY] == ("True", "ClientsReady")
+    assert by_type(deployment_conditions(2, rolled, True))[DEGRADED] == ("False", "AllClientsReady")
+    short = {"status": {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 1}}
+    assert by_type(deployment_conditions(2, short, True))[DEGRADED] == ("True", "ClientsUnavailable")
+    rolling = {"status": {"replicas": 3, "updatedReplicas": 1, "readyReplicas": 2}}
+    assert by_type(deployment_conditions(2, rolling, True))[PROGRESSING] == ("True", "RollingOut")
+    assert by_type(deployment_conditions(2, None, False))[READY] == ("False", "Creating")
+
+
+SCALING = AutoscalingSpec(
+    mode="builtin",
+    min_replicas=2,
+    max_replicas=10,
+    target_utilization_milli=500,
+    scale_up_stabilization_seconds=0,
+    scale_down_stabilization_seconds=60,
+)
+
+
+def test_recommendation_follows_the_hpa_formula() -> None:
+    assert raw_recommendation(4, 1000, SCALING) == 8
+    assert raw_recommendation(4, 520, SCALING) == 4  # within the 10% tolerance
+    assert raw_recommendation(4, 100, SCALING) == 2  # clamped to min
+    assert raw_recommendation(8, 1000, SCALING) == 10  # clamped to max
+
+
+def test_autoscaler_scales_up_at_once_and_down_after_the_window() -> None:
+    scaler = Autoscaler()
+    assert scaler.recommend(0.0, 4, 1000, SCALING) == 8
+    scaler = Autoscaler()
+    assert scaler.recommend(0.0, 4, 100, SCALING) == 4  # no full window seen yet
+    assert scaler.recommend(30.0, 4, 100, SCALING) == 4
+    assert scaler.recommend(61.0, 4, 100, SCALING) == 2
+    busy = Autoscaler()
+    busy.recommend(0.0, 4, 500, SCALING)
+    busy.recommend(30.0, 4, 1000, SCALING)
+    assert busy.recommend(61.0, 4, 100, SCALING) == 4  # a busy recommendation inside the window holds it
+    assert Autoscaler().recommend(0.0, 1, None, SCALING) == 2  # no load reports: just stay in bounds
+
+
+def test_reconcile_metrics_count_results() -> None:
+    metrics = OperatorMetrics(CollectorRegistry())
+    with metrics.reconcile("ExpertPool"):
+        pass
+    with pytest.raises(KubeError), metrics.reconcile("ExpertPool"):
+        raise KubeError(409, "Conflict", "stale", "PATCH x")
+    with pytest.raises(KubeError), metrics.reconcile("ExpertPool"):
+        raise KubeError(403, "Forbidden", "no", "PATCH x")
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, labels) or 0.0
+
+    assert value("eaas_operator_reconcile_total", kind="ExpertPool", result="success") == 1
+    assert value("eaas_operator_reconcile_total", kind="ExpertPool", result="retry") == 1
+    assert value("eaas_operator_reconcile_total", kind="ExpertPool", result="error") == 1
+    assert value("eaas_operator_reconcile_duration_seconds_count", kind="ExpertPool") == 3
+
+
+def test_backoff_is_exponential_and_capped() -> None:
+    assert [backoff(n) for n in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]

@@ -1,0 +1,164 @@
+"""Pure builders: the objects the operator creates for a MoEService and its pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from eaas.operator import naming
+from eaas.operator.api import AttentionPoolSpec, ExpertPoolSpec, MoEServiceSpec
+from eaas.operator.builders import attentionpool, expertpool, moeservice
+from eaas.operator.builders.common import merge_patch
+from eaas.operator.planning import PoolShape, initial
+from eaas.runtime.placement.placement import Placement
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item.get("value", "<downward>") for item in container["env"]}
+
+
+def test_moeservice_children_are_owned_named_and_carry_the_model(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    experts = moeservice.expert_pool(moes_body, moes_spec)
+    attention = moeservice.attention_pool(moes_body, moes_spec)
+    assert experts["metadata"]["name"] == "tiny-experts" and attention["metadata"]["name"] == "tiny-attention"
+    for child in (experts, attention):
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "eaas.io/v1alpha1",
+            "kind": "MoEService",
+            "name": "tiny",
+            "uid": "moes-uid",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert child["metadata"]["namespace"] == "ns"
+        assert child["metadata"]["labels"][naming.SERVICE_LABEL] == "tiny"
+    expert_spec = ExpertPoolSpec.from_k8s(experts["spec"])
+    assert expert_spec.model == moes_spec.model and expert_spec.replicas == 3
+    attention_spec = AttentionPoolSpec.from_k8s(attention["spec"])
+    assert attention_spec.placement_config_map == "tiny-experts-placement"
+    assert attention_spec.expert_pool_name == "tiny-experts"
+
+
+@pytest.mark.parametrize(
+    ("mode", "writer"), [("off", "moeservice"), ("builtin", "autoscaler"), ("external", "external")]
+)
+def test_one_writer_of_expert_replicas_per_mode(moes_spec: MoEServiceSpec, mode: str, writer: str) -> None:
+    spec = moes_spec.model_copy(
+        update={"autoscaling": moes_spec.autoscaling.model_copy(update={"mode": mode})}
+    )
+    assert moeservice.replicas_writer(spec) == writer
+
+
+def test_expert_pod_has_stable_identity_and_its_assignment(
+    pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    pod = expertpool.pod(pool_body, pool_spec, 2)
+    metadata, spec = pod["metadata"], pod["spec"]
+    assert metadata["name"] == "tiny-experts-2" == spec["hostname"]
+    assert spec["subdomain"] == "tiny-experts"  # DNS tiny-experts-2.tiny-experts.ns.svc
+    assert metadata["labels"][naming.ORDINAL_LABEL] == "2"
+    assert expertpool.selector("tiny-experts").items() <= metadata["labels"].items()
+    assert (
+        metadata["ownerReferences"][0]["kind"] == "ExpertPool"
+        and metadata["ownerReferences"][0]["uid"] == "pool-uid"
+    )
+    (container,) = spec["containers"]
+    env = env_of(container)
+    assert env[naming.ENV_ORDINAL] == "2"
+    assert env[naming.ENV_PLACEMENT_CONFIGMAP] == "tiny-experts-placement"
+    assert env[naming.ENV_PLACEMENT_FILE] == "/etc/eaas/placement/placement.json"
+    assert env[naming.ENV_TRANSPORT] == "tcp"
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes["placement"]["configMap"]["name"] == "tiny-experts-placement"
+    assert volumes["checkpoint"]["hostPath"]["path"] == "/var/lib/eaas/tiny-mixtral"
+    assert "nvidia.com/gpu" not in str(container["resources"])  # gpusPerPod: 0 in the tiny manifest
+    assert "--placement" in container["command"][-1] and "expert-server" in container["command"][-1]
+
+
+def test_gpu_expert_pod_requests_exactly_one_gpu(
+    pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    spec = pool_spec.model_copy(update={"gpus_per_pod": 1, "gpu_resource_name": "amd.com/gpu"})
+    resources = expertpool.pod(pool_body, spec, 0)["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["amd.com/gpu"] == "1" == resources["requests"]["amd.com/gpu"]
+    assert resources["requests"]["cpu"] == "250m"
+
+
+def test_single_node_transports_co_locate_pods(pool_body: dict[str, Any], pool_spec: ExpertPoolSpec) -> None:
+    shm = expertpool.pod(pool_body, pool_spec.model_copy(update={"transport": "shm"}), 0)["spec"]
+    assert shm["hostIPC"] is True
+    term = shm["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["labelSelector"]["matchLabels"] == {naming.SERVICE_LABEL: "tiny"}
+    tcp = expertpool.pod(pool_body, pool_spec, 0)["spec"]
+    assert "hostIPC" not in tcp and "affinity" not in tcp
+
+
+def test_template_hash_tracks_the_pod_template_only(pool_spec: ExpertPoolSpec) -> None:
+    base = expertpool.template_hash(pool_spec)
+    assert expertpool.template_hash(pool_spec.model_copy(update={"replicas": 7})) == base
+    assert expertpool.template_hash(pool_spec.model_copy(update={"replication_factor": 3})) == base
+    assert expertpool.template_hash(pool_spec.model_copy(update={"image": "eaas:2"})) != base
+
+
+def test_headless_service_publishes_every_server(
+    pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    service = expertpool.headless_service(pool_body, pool_spec)
+    assert service["metadata"]["name"] == "tiny-experts"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == expertpool.selector("tiny-experts")
+    assert {port["name"]: port["port"] for port in service["spec"]["ports"]} == {
+        "control": 9100,
+        "data": 9101,
+    }
+
+
+def test_placement_config_map_holds_placement_json_exactly(
+    pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    committed = initial(PoolShape.of(pool_spec), dict.fromkeys(range(3)), {})
+    pending = committed.with_version(2)
+    config_map = expertpool.placement_config_map(pool_body, committed, pending)
+    assert config_map["metadata"]["name"] == "tiny-experts-placement"
+    assert config_map["data"][naming.PLACEMENT_KEY] == committed.to_json()
+    assert Placement.from_json(config_map["data"][naming.PENDING_KEY]) == pending
+    assert config_map["metadata"]["annotations"][naming.PLACEMENT_VERSION_ANNOTATION] == "1"
+    only_pending = expertpool.placement_config_map(pool_body, None, committed)
+    assert set(only_pending["data"]) == {naming.PENDING_KEY}
+
+
+def test_attention_deployment_mounts_the_placement(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    pool = moeservice.attention_pool(moes_body, moes_spec)
+    pool["metadata"]["uid"] = "attention-uid"
+    spec = AttentionPoolSpec.from_k8s(pool["spec"])
+    deployment = attentionpool.deployment(pool, spec)
+    assert deployment["spec"]["replicas"] == 1
+    template = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    volumes = {volume["name"]: volume for volume in template["spec"]["volumes"]}
+    assert volumes["placement"]["configMap"]["name"] == "tiny-experts-placement"
+    (container,) = template["spec"]["containers"]
+    assert env_of(container)[naming.ENV_EXPERT_SERVICE] == "tiny-experts.ns.svc"
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    service = attentionpool.service(pool, spec)
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert attentionpool.endpoint(pool, spec) == "http://tiny-attention.ns.svc:8000/v1"
+
+
+def test_merge_patch_turns_old_into_new() -> None:
+    old = {"a": 1, "keep": {"x": 1, "gone": 2}, "list": [1, 2], "drop": {"y": 1}}
+    new = {"a": 2, "keep": {"x": 1}, "list": [1], "add": {"z": 3}}
+    assert merge_patch(old, new) == {
+        "a": 2,
+        "keep": {"gone": None},
+        "list": [1],
+        "drop": None,
+        "add": {"z": 3},
+    }
+    assert merge_patch(new, new) is None
