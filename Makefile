@@ -21,7 +21,8 @@ $(DEPS_STAMP): pyproject.toml setup.py
 
 # Cheap re-link so new modules appear in the editable tree.
 install: $(DEPS_STAMP)
-	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(EDITABLE)
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(EDITABLE) > $(VENV)/.eaas-install.log 2>&1 \
+		|| { cat $(VENV)/.eaas-install.log; exit 1; }
 
 demo: install
 	$(VENV)/bin/eaas local --preset tiny --servers 4 --replication 2 --prompts 8 --max-new-tokens 24 --kill-server-after 8

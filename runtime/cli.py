@@ -21,6 +21,15 @@ COMMANDS: dict[str, Entry] = {
     "model": Entry(
         "eaas.runtime.model.cli", "model", "Tools", "Make random checkpoints, list presets, generate."
     ),
+    "local": Entry(
+        "eaas.runtime.local.cli", "local", "Run locally", "A local EaaS cluster of processes; shows failover."
+    ),
+    "expert-server": Entry(
+        "eaas.runtime.server.cli", "expert_server", "Serve", "Serve one ordinal's experts."
+    ),
+    "attention-client": Entry(
+        "eaas.runtime.client.cli", "attention_client", "Serve", "Generate with the experts on expert servers."
+    ),
     "operator": Entry(
         "eaas.operator.cli", "operator", "Operate on Kubernetes", "Run the operator (MoEService, pools)."
     ),

@@ -1,0 +1,145 @@
+"""One attention client's link to one expert server: the HTTP handshake and the data channel."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from eaas.runtime.client.errors import HandshakeError
+from eaas.runtime.transport import Channel, ChannelError, get_transport
+
+log = logging.getLogger("eaas.client")
+
+# Control ports are reached directly, never through an HTTP proxy configured in the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_json(method: str, url: str, body: dict[str, Any] | None = None, timeout_s: float = 2.0) -> Any:
+    """A JSON request to a control port; ``HandshakeError`` on any failure."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with _OPENER.open(request, timeout=timeout_s) as response:
+            text = response.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace").strip()
+        raise HandshakeError(f"{method} {url}: HTTP {exc.code}: {detail}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise HandshakeError(f"{method} {url}: {exc}") from exc
+    return json.loads(text) if text.strip() else None
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a client needs from a server: its model's shape and the pairs the placement routes there."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    pairs: frozenset[tuple[int, int]]
+
+    def check(self, ordinal: int, info: dict[str, Any]) -> None:
+        """Raises ``HandshakeError`` unless ``info`` (the server's ``/v1/info``) satisfies this."""
+        model = info.get("model", {})
+        for field in ("hidden_size", "num_experts", "top_k"):
+            if model.get(field) != getattr(self, field):
+                raise HandshakeError(
+                    f"server {ordinal} serves a model with {field}={model.get(field)}, "
+                    f"this client's has {getattr(self, field)}"
+                )
+        hosted = {(int(layer), int(expert)) for layer, expert in info.get("hosted", [])}
+        missing = sorted(self.pairs - hosted)
+        if missing:
+            raise HandshakeError(
+                f"server {ordinal} does not host {len(missing)} (layer, expert) pair(s) that this client's "
+                f"placement routes to it, e.g. {missing[:3]} (server placement version "
+                f"{info.get('placement_version')})"
+            )
+
+
+class ServerConnection:
+    """Attaches to a slot of the server at ``url`` and holds the resulting channel.
+
+    With ``expected``, every handshake first checks (``GET /v1/info``) that the server serves
+    this model and hosts the pairs the placement routes to it, so a server started with another
+    checkpoint or placement is never used (it counts as down and its share goes to replicas).
+    """
+
+    def __init__(
+        self,
+        ordinal: int,
+        url: str,
+        transport: str,
+        client_id: str,
+        request_timeout_s: float,
+        connect_timeout_s: float,
+        expected: Expected | None = None,
+    ) -> None:
+        get_transport(transport)
+        self.ordinal = ordinal
+        self.url = url.rstrip("/")
+        self.host = urllib.parse.urlsplit(self.url).hostname or "127.0.0.1"
+        self.transport = transport
+        self.client_id = client_id
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.expected = expected
+        self.channel: Channel | None = None
+        self.handle: dict[str, Any] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.handle["max_tokens"])
+
+    @property
+    def instance(self) -> str:
+        return str(self.handle.get("instance", ""))
+
+    def open(self) -> tuple[Channel, dict[str, Any]]:
+        """Handshake and connect; returns the channel and handle without installing them."""
+        if self.expected is not None:
+            info = http_json("GET", f"{self.url}/v1/info", timeout_s=self.connect_timeout_s)
+            self.expected.check(self.ordinal, info)
+        body = {"client_id": self.client_id, "transport": self.transport}
+        handle = http_json("POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s)
+        spec = get_transport(str(handle.get("transport")))
+        try:
+            channel = spec.channel.connect(handle, self.host, self.request_timeout_s)
+        except ChannelError:
+            self.release_remote(handle)
+            raise
+        return channel, handle
+
+    def install(self, channel: Channel, handle: dict[str, Any]) -> None:
+        self.channel, self.handle = channel, handle
+
+    def connect(self) -> None:
+        self.install(*self.open())
+
+    def drop(self) -> dict[str, Any]:
+        """Closes the channel locally (never blocks on the server); returns the old handle."""
+        if self.channel is not None:
+            with contextlib.suppress(OSError):
+                self.channel.close()
+        self.channel = None
+        handle, self.handle = self.handle, {}
+        return handle
+
+    def release_remote(self, handle: dict[str, Any]) -> None:
+        """Best-effort DELETE of a slot on the server (it also reaps slots of vanished clients)."""
+        if not handle:
+            return
+        try:
+            http_json("DELETE", f"{self.url}/v1/slots/{handle['transport']}/{handle['slot']}", timeout_s=0.5)
+        except HandshakeError as exc:
+            log.debug("server %d: releasing slot %s failed: %s", self.ordinal, handle.get("slot"), exc)
+
+    def close(self) -> None:
+        self.release_remote(self.drop())

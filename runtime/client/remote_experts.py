@@ -1,0 +1,308 @@
+"""``RemoteExperts``: the attention client's ``MoEExecutor`` — routed experts on remote expert servers.
+
+For one MoE layer: pick a live replica for every (token, expert) entry (``RoutingTable``), send
+each server its tokens once with the expert ids it should apply, wait for all servers in
+parallel, and sum the partial results.
+
+Failover: a server that times out, closes its connection or dies is marked dead; the entries it
+owed are re-routed to live replicas of the same experts and sent again, so the layer's answer is
+the same. With no live replica left, ``ExpertUnavailable`` names the layer and expert. A
+background thread re-attaches dead servers (exponential backoff); a server that answers the
+handshake again rejoins the routing table at the start of the next layer.
+Legend: T = tokens, K = top-k, H = hidden, S = servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eaas.runtime.client.connection import Expected, ServerConnection
+from eaas.runtime.client.errors import HandshakeError
+from eaas.runtime.client.routing import RoutingTable, Share
+from eaas.runtime.model import MoEConfig
+from eaas.runtime.placement import Placement
+from eaas.runtime.transport import Channel, ChannelError, RemoteError
+
+log = logging.getLogger("eaas.client")
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    transport: str = "shm"
+    request_timeout_s: float = 30.0  # a server silent this long is failed over (deaths are seen sooner)
+    connect_timeout_s: float = 2.0
+    rejoin_min_s: float = 0.2  # first re-handshake delay after a failure (doubles up to rejoin_max_s)
+    rejoin_max_s: float = 5.0
+    spread_threshold: int = 32  # an expert with more tokens than this in a batch is split over replicas
+    client_id: str = field(default_factory=lambda: f"client-{uuid.uuid4().hex[:8]}")
+
+
+@dataclass(frozen=True)
+class FailoverEvent:
+    at: float  # time.time()
+    kind: str  # "failed", "resent" or "rejoined"
+    server: int  # ordinal
+    detail: str
+    layer: int = -1
+    resent_entries: int = 0
+
+
+@dataclass
+class ClientCounters:
+    requests: int = 0
+    tokens_sent: int = 0
+    failovers: int = 0
+    resent_entries: int = 0
+    rejoins: int = 0
+
+
+class RemoteExperts:
+    def __init__(
+        self,
+        config: MoEConfig,
+        placement: Placement,
+        servers: Mapping[int, str],
+        options: ClientOptions | None = None,
+    ) -> None:
+        if list(placement.layers) != config.moe_layers or placement.num_experts != config.num_experts:
+            raise ValueError(
+                f"placement: covers layers {list(placement.layers)} x {placement.num_experts} experts, "
+                f"the model has MoE layers {config.moe_layers} x {config.num_experts} experts"
+            )
+        missing = [o for o in placement.ordinals if o not in servers]
+        if missing:
+            raise ValueError(f"servers: no address for placement ordinal(s) {missing}")
+        self.config = config
+        self.placement = placement
+        self.options = options or ClientOptions()
+        self.table = RoutingTable(placement, spread_threshold=self.options.spread_threshold)
+        o = self.options
+        shape = (config.hidden_size, config.num_experts, config.top_k)
+        self.connections = [
+            ServerConnection(
+                ordinal,
+                servers[ordinal],
+                o.transport,
+                o.client_id,
+                o.request_timeout_s,
+                o.connect_timeout_s,
+                Expected(*shape, frozenset(placement.experts_of(ordinal))),
+            )
+            for ordinal in self.table.ordinals
+        ]
+        self.live = torch.zeros(len(self.connections), dtype=torch.bool)
+        self.events: deque[FailoverEvent] = deque(maxlen=1000)  # the most recent ones
+        self.counters = ClientCounters()
+        self._retry_at = [0.0] * len(self.connections)
+        self._retry_delay = [o.rejoin_min_s] * len(self.connections)
+        self._rejoined: dict[int, tuple[Channel, dict[str, Any]]] = {}  # index -> new channel, handle
+        self._stale_handles: dict[int, dict[str, Any]] = {}  # index -> slot to release on the server
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._rejoiner: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def connect(self, require_all: bool = True) -> RemoteExperts:
+        """Attaches to every server. With ``require_all=False`` unreachable servers start dead."""
+        errors = []
+        for index, conn in enumerate(self.connections):
+            try:
+                conn.connect()
+                self.live[index] = True
+            except (HandshakeError, ChannelError) as exc:
+                errors.append(f"server {conn.ordinal} at {conn.url}: {exc}")
+                self._mark_dead(index, f"connect failed: {exc}")
+        if errors and require_all:
+            self.close()
+            raise HandshakeError("; ".join(errors))
+        self._rejoiner = threading.Thread(
+            target=self._rejoin_loop, name=f"eaas-rejoin-{self.options.client_id}", daemon=True
+        )
+        self._rejoiner.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._rejoiner is not None:
+            self._rejoiner.join(timeout=5)
+        with self._lock:
+            pending, self._rejoined = self._rejoined, {}
+            stale, self._stale_handles = self._stale_handles, {}
+        for index, (channel, handle) in pending.items():
+            channel.close()
+            self.connections[index].release_remote(handle)
+        for index, handle in stale.items():
+            self.connections[index].release_remote(handle)
+        for conn in self.connections:
+            conn.close()
+        self.live[:] = False
+
+    def __enter__(self) -> RemoteExperts:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def live_servers(self) -> list[int]:
+        return [self.table.ordinals[i] for i in self.live.nonzero().squeeze(1).tolist()]
+
+    # --- the MoEExecutor -------------------------------------------------------------------------
+    def __call__(
+        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed-expert output [T, H] for x [T, H], expert ids [T, K], router weights [T, K]."""
+        self._apply_rejoins()
+        out = torch.zeros(x.shape, dtype=torch.float32)  # partial sums accumulate in float32
+        todo = expert_ids.to(torch.int64)  # [T, K]; entries already computed become -1
+        weights = weights.to(torch.float32)
+        while bool((todo >= 0).any()):
+            assignment = self.table.assign(layer, todo, self.live)  # [T, K]
+            failed_rows = self._exchange(layer, x, weights, RoutingTable.split(assignment, todo), out)
+            if not failed_rows:
+                break
+            redo = torch.zeros_like(todo, dtype=torch.bool)
+            for server, rows in failed_rows.items():
+                owed = torch.zeros_like(redo)
+                owed[rows] = assignment[rows] == server
+                redo |= owed
+                resent = int(owed.sum())
+                self.counters.resent_entries += resent
+                self.events.append(
+                    FailoverEvent(
+                        time.time(),
+                        "resent",
+                        self.table.ordinals[server],
+                        "share re-routed to replicas",
+                        layer,
+                        resent,
+                    )
+                )
+            todo = torch.where(redo, todo, -1)
+        return out.to(x.dtype)
+
+    def _exchange(
+        self, layer: int, x: torch.Tensor, weights: torch.Tensor, shares: list[Share], out: torch.Tensor
+    ) -> dict[int, torch.Tensor]:
+        """Sends every share (in slot-sized chunks, all servers at once), adds results into ``out``.
+
+        Returns, per failed server, the rows whose results did not arrive.
+        """
+        queues = {share.server: self._chunks(share) for share in shares}
+        failed: dict[int, list[torch.Tensor]] = {}
+        remote_error: RemoteError | None = None
+        while queues:
+            in_flight: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+            for server, chunks in list(queues.items()):
+                rows, ids = chunks.pop(0)
+                if not chunks:
+                    del queues[server]
+                channel = self.connections[server].channel
+                try:
+                    if channel is None:
+                        raise ChannelError("not connected")
+                    channel.send(layer, x[rows], ids, weights[rows])
+                    in_flight.append((server, rows, ids))
+                    self.counters.requests += 1
+                    self.counters.tokens_sent += int(rows.numel())
+                except ChannelError as exc:
+                    failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
+                    self._mark_dead(server, f"send failed: {exc}", layer)
+            deadline = time.monotonic() + self.options.request_timeout_s
+            for server, rows, _ids in in_flight:
+                channel = self.connections[server].channel
+                assert channel is not None
+                try:
+                    y = channel.receive(deadline)  # [T_s, H]
+                    out.index_add_(0, rows, y.to(torch.float32))
+                except ChannelError as exc:
+                    failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
+                    self._mark_dead(server, str(exc), layer)
+                except RemoteError as exc:
+                    remote_error = remote_error or RemoteError(
+                        exc.status, f"server {self.table.ordinals[server]}: {exc.message}"
+                    )
+                    queues.pop(server, None)
+            if remote_error is not None:
+                raise remote_error  # a refused request is a bug or a stale placement: never guess
+        return {server: torch.cat(rows) for server, rows in failed.items()}
+
+    def _chunks(self, share: Share) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size = self.connections[share.server].max_tokens
+        return [
+            (share.rows[i : i + size], share.expert_ids[i : i + size])
+            for i in range(0, share.rows.numel(), size)
+        ]
+
+    # --- failure and rejoin ----------------------------------------------------------------------
+    def _mark_dead(self, index: int, reason: str, layer: int = -1) -> None:
+        conn = self.connections[index]
+        was_live = bool(self.live[index])
+        self.live[index] = False
+        old_handle = conn.drop()
+        with self._lock:
+            self._retry_delay[index] = self.options.rejoin_min_s
+            self._retry_at[index] = time.monotonic() + self.options.rejoin_min_s
+            if old_handle:
+                self._stale_handles[index] = old_handle
+        if was_live:
+            self.counters.failovers += 1
+            log.warning("expert server %d failed (%s); failing over to replicas", conn.ordinal, reason)
+            self.events.append(FailoverEvent(time.time(), "failed", conn.ordinal, reason, layer))
+
+    def _apply_rejoins(self) -> None:
+        with self._lock:
+            rejoined, self._rejoined = self._rejoined, {}
+        for index, (channel, handle) in rejoined.items():
+            conn = self.connections[index]
+            if self.live[index]:
+                channel.close()
+                conn.release_remote(handle)
+                continue
+            conn.install(channel, handle)
+            self.live[index] = True
+            self.counters.rejoins += 1
+            log.info("expert server %d rejoined (instance %s)", conn.ordinal, conn.instance)
+            self.events.append(
+                FailoverEvent(time.time(), "rejoined", conn.ordinal, f"instance {conn.instance}")
+            )
+
+    def _rejoin_loop(self) -> None:
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            for index, conn in enumerate(self.connections):
+                with self._lock:
+                    due = (
+                        not bool(self.live[index])
+                        and index not in self._rejoined
+                        and now >= self._retry_at[index]
+                    )
+                    stale = self._stale_handles.pop(index, None) if due else None
+                if not due:
+                    continue
+                if stale:
+                    conn.release_remote(stale)
+                try:
+                    channel, handle = conn.open()
+                except (HandshakeError, ChannelError, OSError) as exc:
+                    with self._lock:
+                        delay = self._retry_delay[index]
+                        self._retry_delay[index] = min(delay * 2, self.options.rejoin_max_s)
+                        self._retry_at[index] = time.monotonic() + delay
+                    log.debug("server %d still down: %s", conn.ordinal, exc)
+                    continue
+                with self._lock:
+                    if self._stop.is_set():
+                        channel.close()
+                        conn.release_remote(handle)
+                        return
+                    self._rejoined[index] = (channel, handle)

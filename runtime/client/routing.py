@@ -1,0 +1,93 @@
+"""The routing table: which server computes each (token, expert) entry. Pure logic over tensors.
+
+Built from a ``Placement`` (server ordinal → hosted (layer, expert) pairs, replicas allowed).
+Replica choice is deterministic and spreads load two ways:
+
+- an expert with few tokens in the batch goes whole to one live replica, number
+  ``(layer + e) mod live_replicas``: experts spread over servers, and each expert's weights are read
+  by one server only (decode is bound by reading weights; splitting a small group would read them
+  twice);
+- an expert with more than ``spread_threshold`` tokens (a hot expert, or a prefill) is split:
+  its t-th token goes to replica ``(t + e) mod live_replicas``, so its replicas share the compute.
+
+Legend: T = tokens, K = top-k, E = experts, S = servers, R = max replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaas.runtime.client.errors import ExpertUnavailable
+from eaas.runtime.placement import Placement
+
+
+@dataclass(frozen=True)
+class Share:
+    """One server's part of a layer's work."""
+
+    server: int  # server index (position in ``RoutingTable.ordinals``)
+    rows: torch.Tensor  # [T_s] int64: tokens sent to this server (each at most once)
+    expert_ids: torch.Tensor  # [T_s, K] int64: experts this server applies, -1 = elsewhere
+
+
+class RoutingTable:
+    def __init__(self, placement: Placement, spread_threshold: int = 32) -> None:
+        self.spread_threshold = spread_threshold
+        self.ordinals: tuple[int, ...] = placement.ordinals
+        self.num_experts = placement.num_experts
+        table = placement.routing_table()  # layer -> per expert, ordinals hosting it
+        index = {ordinal: i for i, ordinal in enumerate(self.ordinals)}
+        width = max(len(hosts) for per_expert in table.values() for hosts in per_expert)
+        self._replicas: dict[int, torch.Tensor] = {}  # layer -> [E, R] server index, -1 = none
+        for layer, per_expert in table.items():
+            replicas = torch.full((self.num_experts, width), -1, dtype=torch.int64)
+            for expert, hosts in enumerate(per_expert):
+                replicas[expert, : len(hosts)] = torch.tensor([index[o] for o in hosts], dtype=torch.int64)
+            self._replicas[layer] = replicas
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._replicas)
+
+    def replicas(self, layer: int, expert: int) -> list[int]:
+        """Ordinals hosting (layer, expert)."""
+        return [self.ordinals[i] for i in self._replicas[layer][expert].tolist() if i >= 0]
+
+    def assign(
+        self,
+        layer: int,
+        expert_ids: torch.Tensor,  # [T, K] int, -1 = nothing to do for this entry
+        live: torch.Tensor,  # [S] bool
+    ) -> torch.Tensor:  # [T, K] int64 server index, -1 where expert_ids is -1
+        """Picks a live replica for every entry; ``ExpertUnavailable`` if an expert has none."""
+        ids = expert_ids.to(torch.int64)
+        active = ids >= 0
+        replicas = self._replicas[layer][ids.clamp(min=0)]  # [T, K, R]
+        alive = (replicas >= 0) & live[replicas.clamp(min=0)]
+        counts = alive.sum(-1)  # [T, K]
+        missing = active & (counts == 0)
+        if bool(missing.any()):
+            expert = int(ids[missing][0])
+            raise ExpertUnavailable(layer, expert, self.replicas(layer, expert))
+        tokens_per_expert = torch.bincount(ids[active], minlength=self.num_experts)  # [E]
+        hot = tokens_per_expert[ids.clamp(min=0)] > self.spread_threshold  # [T, K]
+        tokens = torch.arange(ids.shape[0])[:, None]  # [T, 1]
+        salt = torch.where(hot, tokens, layer)  # split hot experts by token, keep others whole
+        pick = (salt + ids) % counts.clamp(min=1)  # [T, K]: which live replica
+        rank = alive.cumsum(-1) - 1  # [T, K, R]: rank of each live replica
+        chosen = (alive & (rank == pick[..., None])).to(torch.int8).argmax(-1)  # [T, K]
+        servers = replicas.gather(-1, chosen[..., None]).squeeze(-1)
+        return torch.where(active, servers, -1)
+
+    @staticmethod
+    def split(assignment: torch.Tensor, expert_ids: torch.Tensor) -> list[Share]:
+        """Per server: the tokens it gets (once each) and, per token, the experts it applies."""
+        shares = []
+        for server in torch.unique(assignment[assignment >= 0]).tolist():
+            mine = assignment == server  # [T, K]
+            rows = mine.any(dim=1).nonzero().squeeze(1)  # [T_s]
+            ids = torch.where(mine[rows], expert_ids[rows].to(torch.int64), -1)  # [T_s, K]
+            shares.append(Share(int(server), rows, ids))
+        return shares

@@ -1,0 +1,129 @@
+"""Payload layout of requests and responses, and zero-copy tensor views over a slot.
+
+Request payload (sections start on 64-byte boundaries):
+
+| section | shape | dtype |
+|---|---|---|
+| hidden states x | [T, H] | header dtype |
+| expert ids this server applies | [T, K] | int32, -1 = the expert lives elsewhere |
+| router weights | [T, K] | float32 |
+
+Response payload: y [T, H] in the header dtype, the router-weighted sum of this server's experts
+for each token; or, when ``status != OK``, a UTF-8 error message of at most ``MAX_MESSAGE_BYTES``.
+Legend: T = tokens, K = top-k, H = hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaas.runtime.protocol.header import DType, SlotHeader, dtype_code, torch_dtype
+
+ALIGN = 64
+MAX_MESSAGE_BYTES = 1024
+_ITEM = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2}
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLayout:
+    x_offset: int
+    ids_offset: int
+    weights_offset: int
+    total: int  # payload bytes
+
+
+def request_layout(num_tokens: int, top_k: int, hidden: int, dtype: int) -> RequestLayout:
+    """Offsets of the three sections; ``dtype`` is a ``DType`` code (``KeyError`` if unknown)."""
+    x_bytes = num_tokens * hidden * _ITEM[DType(dtype)]
+    entries = num_tokens * top_k
+    ids_offset = _align(x_bytes)
+    weights_offset = _align(ids_offset + 4 * entries)
+    return RequestLayout(0, ids_offset, weights_offset, weights_offset + 4 * entries)
+
+
+def response_bytes(num_tokens: int, hidden: int, dtype: int) -> int:
+    return num_tokens * hidden * _ITEM[DType(dtype)]
+
+
+def slot_capacity_bytes(max_tokens: int, max_top_k: int, hidden: int) -> int:
+    """Payload bytes a slot needs for the largest request (float32) or response or error message."""
+    largest = request_layout(max_tokens, max_top_k, hidden, DType.FLOAT32).total
+    return _align(max(largest, MAX_MESSAGE_BYTES))
+
+
+def _view(buffer: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+
+
+def read_request(payload: memoryview, header: SlotHeader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (no copies) of x [T, H], ids [T, K] int32, weights [T, K] float32 in ``payload``.
+
+    The header must have passed ``check_request``; the views alias the slot until it is rewritten.
+    """
+    t, k, h = header.num_tokens, header.top_k, header.hidden
+    layout = request_layout(t, k, h, header.dtype)
+    x = _view(payload, torch_dtype(header.dtype), layout.x_offset, t * h).view(t, h)
+    ids = _view(payload, torch.int32, layout.ids_offset, t * k).view(t, k)
+    weights = _view(payload, torch.float32, layout.weights_offset, t * k).view(t, k)
+    return x, ids, weights
+
+
+def write_request(
+    payload: memoryview,
+    x: torch.Tensor,  # [T, H]
+    ids: torch.Tensor,  # [T, K] int, -1 = not here
+    weights: torch.Tensor,  # [T, K]
+    include_x: bool = True,
+) -> int:
+    """Writes a request payload; returns its size in bytes.
+
+    With ``include_x=False`` the hidden-states section is left alone (a stream transport sends x
+    from the tensor itself, scatter-gather, instead of copying it into the slot first).
+    """
+    t, h = x.shape
+    k = ids.shape[1]
+    layout = request_layout(t, k, h, dtype_code(x.dtype))
+    if layout.total > len(payload):
+        raise ValueError(
+            f"request of {t} tokens needs {layout.total} payload bytes, the slot holds {len(payload)}"
+        )
+    if t:
+        if include_x:
+            _view(payload, x.dtype, layout.x_offset, t * h).copy_(x.reshape(-1))
+        _view(payload, torch.int32, layout.ids_offset, t * k).copy_(ids.reshape(-1))
+        _view(payload, torch.float32, layout.weights_offset, t * k).copy_(weights.reshape(-1))
+    return layout.total
+
+
+def write_response(payload: memoryview, y: torch.Tensor) -> int:
+    """Writes y [T, H] into ``payload``; returns its size in bytes."""
+    count = y.numel()
+    if count:
+        _view(payload, y.dtype, 0, count).copy_(y.reshape(-1))
+    return count * y.element_size()
+
+
+def read_response(payload: memoryview, header: SlotHeader) -> torch.Tensor:
+    """A view of y [T, H] in ``payload`` (copy it before the slot is reused)."""
+    t, h = header.num_tokens, header.hidden
+    return _view(payload, torch_dtype(header.dtype), 0, t * h).view(t, h)
+
+
+def write_message(payload: memoryview, message: str) -> int:
+    """Writes an error message (truncated to ``MAX_MESSAGE_BYTES``); returns its size in bytes."""
+    data = message.encode("utf-8", errors="replace")[:MAX_MESSAGE_BYTES]
+    payload[: len(data)] = data
+    return len(data)
+
+
+def read_message(payload: memoryview, header: SlotHeader) -> str:
+    size = min(header.payload_bytes, MAX_MESSAGE_BYTES, len(payload))
+    return bytes(payload[:size]).decode("utf-8", errors="replace")

@@ -1,0 +1,140 @@
+"""``eaas expert-server``: serve the experts a placement assigns to one ordinal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from eaas.kernels import available_backends
+
+
+@click.command("expert-server")
+@click.option(
+    "--checkpoint",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    required=True,
+    help="Hugging Face-layout checkpoint; only this server's experts are read",
+)
+@click.option(
+    "--placement",
+    "placement_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="placement JSON (the operator's ConfigMap, or written by `eaas local`)",
+)
+@click.option("--ordinal", type=int, required=True, help="this server's ordinal in the placement")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address for the control port and tcp")
+@click.option("--control-port", default=0, show_default=True, help="HTTP control port (0 = any free port)")
+@click.option("--tcp-port", default=0, show_default=True, help="tcp transport port (0 = any free port)")
+@click.option(
+    "--transports", default="shm,tcp", show_default=True, help="comma-separated transports to offer"
+)
+@click.option("--max-clients", default=16, show_default=True, help="slots per transport")
+@click.option("--max-tokens", default=512, show_default=True, help="tokens per request")
+@click.option(
+    "--kernel-backend",
+    default="torch",
+    show_default=True,
+    help=f"expert compute backend ({', '.join(available_backends())})",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="weight dtype (default: the checkpoint's)",
+)
+@click.option(
+    "--batch-wait-us", default=200.0, show_default=True, help="longest wait for stragglers per batch"
+)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="write {control_port, tcp_port, pid, instance} here once serving",
+)
+@click.option(
+    "--exit-with-parent", type=int, default=None, hidden=True, help="stop when this parent pid is gone"
+)
+@click.option("--log-level", default="INFO", show_default=True)
+def expert_server(
+    checkpoint: Path,
+    placement_path: Path,
+    ordinal: int,
+    host: str,
+    control_port: int,
+    tcp_port: int,
+    transports: str,
+    max_clients: int,
+    max_tokens: int,
+    kernel_backend: str,
+    dtype: str | None,
+    batch_wait_us: float,
+    threads: int | None,
+    ready_file: Path | None,
+    exit_with_parent: int | None,
+    log_level: str,
+) -> None:
+    """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
+    import torch
+
+    from eaas.runtime.placement import Placement, PlacementError
+    from eaas.runtime.server.expert_server import ExpertServer
+    from eaas.runtime.server.loop import LoopOptions
+
+    logging.basicConfig(
+        level=log_level.upper(), format=f"%(asctime)s expert-server[{ordinal}] %(levelname)s %(message)s"
+    )
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        placement = Placement.from_json(placement_path.read_text())
+        server = ExpertServer.from_placement(
+            checkpoint,
+            placement,
+            ordinal,
+            host=host,
+            control_port=control_port,
+            tcp_port=tcp_port,
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            max_clients=max_clients,
+            max_tokens=max_tokens,
+            kernel_backend=kernel_backend,
+            dtype=dtype,
+            loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
+        )
+    except (PlacementError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        server.loop.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "control_port": server.control.port,
+                    "tcp_port": server.tcp_port,
+                    "pid": os.getpid(),
+                    "instance": server.instance,
+                    "url": server.url,
+                }
+            )
+        )
+        tmp.replace(ready_file)
+    logging.getLogger("eaas.server").info(
+        "serving %d experts at %s (transports %s)",
+        len(server.stack.pairs),
+        server.url,
+        ",".join(server.transports),
+    )
+    server.serve_forever()

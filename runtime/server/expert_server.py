@@ -1,0 +1,258 @@
+"""``ExpertServer``: hosted experts + transports + the loop + the control port, in one process.
+
+    server = ExpertServer.from_placement("ckpt/", placement, ordinal=0)
+    server.start()            # loop and control port in background threads
+    ...  server.url  ...      # http://127.0.0.1:<port>: clients attach here
+    server.stop()
+
+``serve_forever()`` runs the loop in the calling thread instead (the CLI does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaas.kernels import get_backend
+from eaas.runtime.model import CheckpointReader, ExpertStack
+from eaas.runtime.model.checkpoint import DTYPES
+from eaas.runtime.placement import Placement
+from eaas.runtime.protocol import ServerLimits, slot_capacity_bytes
+from eaas.runtime.server.control import ControlError, ControlServer
+from eaas.runtime.server.loop import LoopOptions, ServerLoop
+from eaas.runtime.server.metrics import ServerMetrics
+from eaas.runtime.server.stats import LoadCounter
+from eaas.runtime.transport import ServerTransport, SlotsExhausted, TransportOptions, get_transport
+from eaas.runtime.transport.shm_segment import sweep_stale_segments
+
+log = logging.getLogger("eaas.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    checkpoint: Path
+    hosted: tuple[tuple[int, int], ...]  # (layer, expert) pairs to load and serve
+    ordinal: int = 0
+    placement_version: int = 0
+    host: str = "127.0.0.1"  # address of the control port and the tcp transport
+    control_port: int = 0  # 0 = any free port
+    tcp_port: int = 0
+    transports: tuple[str, ...] = ("shm", "tcp")
+    max_clients: int = 16  # slots per transport
+    max_tokens: int = 512  # tokens per request (clients split larger batches)
+    kernel_backend: str = "torch"  # overrides loop.kernel_backend
+    dtype: str | None = None  # weight dtype; None = the checkpoint's
+    loop: LoopOptions = field(default_factory=LoopOptions)
+
+
+class ExpertServer:
+    def __init__(self, config: ServerConfig) -> None:
+        if not config.hosted:
+            raise ValueError(f"server {config.ordinal}: hosts no (layer, expert) pair; nothing to serve")
+        if config.dtype is not None and config.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+        if config.max_tokens < 1 or config.max_clients < 1:
+            raise ValueError("max_tokens and max_clients must be >= 1")
+        get_backend(config.kernel_backend)  # unknown names fail here, not on the first request
+        for name in config.transports:
+            get_transport(name)
+        self.config = config
+        self.instance = uuid.uuid4().hex[:12]
+        reader = CheckpointReader(config.checkpoint)
+        self.model = reader.config
+        self.stack = ExpertStack.load(
+            reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None
+        )
+        capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
+        self.limits = ServerLimits(
+            hidden=self.model.hidden_size,
+            num_experts=self.model.num_experts,
+            max_top_k=self.model.top_k,
+            max_tokens=config.max_tokens,
+            capacity_bytes=capacity,
+            moe_layers=frozenset(self.model.moe_layers),
+            hosted_layers=frozenset(layer for layer, _ in self.stack.pairs),
+        )
+        sweep_stale_segments()
+        self.transports: dict[str, ServerTransport] = {}
+        try:
+            for name in config.transports:
+                options = TransportOptions(
+                    max_clients=config.max_clients,
+                    capacity_bytes=capacity,
+                    host=config.host,
+                    tcp_port=config.tcp_port,
+                    tag=f"s{config.ordinal}",
+                )
+                self.transports[name] = get_transport(name).server(options)
+            self.metrics = ServerMetrics()
+            self.metrics.hosted_experts.set(len(self.stack.pairs))
+            self.load = LoadCounter(self.model.num_layers, self.model.num_experts)
+            loop_options = replace(config.loop, kernel_backend=config.kernel_backend)
+            self.loop = ServerLoop(
+                self.stack, list(self.transports.values()), self.limits, self.metrics, self.load, loop_options
+            )
+            self.control = ControlServer(self, config.host, config.control_port)
+        except BaseException:
+            for transport in self.transports.values():
+                transport.close()
+            raise
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._closed = False
+
+    @classmethod
+    def from_placement(
+        cls, checkpoint: str | Path, placement: Placement, ordinal: int, **options: Any
+    ) -> ExpertServer:
+        """The server ``ordinal`` of ``placement``, hosting exactly ``placement.experts_of(ordinal)``."""
+        hosted = tuple(placement.experts_of(ordinal))
+        return cls(
+            ServerConfig(
+                Path(checkpoint), hosted, ordinal=ordinal, placement_version=placement.version, **options
+            )
+        )
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        return f"http://{host}:{self.control.port}"
+
+    @property
+    def tcp_port(self) -> int | None:
+        tcp = self.transports.get("tcp")
+        return getattr(tcp, "port", None)
+
+    def start(self) -> ExpertServer:
+        """Serves in background threads; returns at once (ready to attach)."""
+        self._thread = threading.Thread(
+            target=self._run_loop, name=f"eaas-server-{self.config.ordinal}", daemon=True
+        )
+        self._thread.start()
+        self.control.start()
+        self._ready.set()
+        self.metrics.ready.set(1)
+        return self
+
+    def serve_forever(self) -> None:
+        """Serves in the calling thread until ``stop()`` (or a signal handler calling it)."""
+        self.control.start()
+        self._ready.set()
+        self.metrics.ready.set(1)
+        try:
+            self._run_loop()
+        finally:
+            self.close()
+
+    def _run_loop(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            self.loop.run()
+        except Exception:
+            log.exception("server loop crashed")
+            raise
+        finally:
+            self._ready.clear()
+            self.metrics.ready.set(0)
+
+    def stop(self) -> None:
+        """Stops serving (from any thread) and releases ports and shared memory."""
+        self.loop.stop_event.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.stop_event.set()
+        self.control.stop()
+        for transport in self.transports.values():
+            transport.close()
+
+    def __enter__(self) -> ExpertServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- what the control port serves ----------------------------------------------------------
+    def is_healthy(self) -> bool:
+        return not self.loop.stop_event.is_set()
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and not self.loop.stop_event.is_set()
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def info(self) -> dict[str, Any]:
+        m = self.model
+        transports: dict[str, Any] = {name: {} for name in self.transports}
+        if "tcp" in transports:
+            transports["tcp"]["port"] = self.tcp_port
+        return {
+            "ordinal": self.config.ordinal,
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "placement_version": self.config.placement_version,
+            "model": {
+                "family": m.family,
+                "hidden_size": m.hidden_size,
+                "num_layers": m.num_layers,
+                "num_experts": m.num_experts,
+                "top_k": m.top_k,
+                "moe_layers": m.moe_layers,
+            },
+            "hosted": [list(pair) for pair in self.stack.pairs],
+            "transports": transports,
+            "max_tokens": self.limits.max_tokens,
+            "capacity_bytes": self.limits.capacity_bytes,
+            "kernel_backend": self.config.kernel_backend,
+            "dtype": str(self.stack.w13.dtype).removeprefix("torch."),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "ordinal": self.config.ordinal,
+            "instance": self.instance,
+            "placement_version": self.config.placement_version,
+            **self.load.to_json(self.model.moe_layers),
+        }
+
+    def slots(self) -> list[dict[str, Any]]:
+        return [{"transport": name, **row} for name, t in self.transports.items() for row in t.slots()]
+
+    def attach(self, client_id: str, transport: str) -> dict[str, Any]:
+        if not self.is_ready():
+            raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, "server is not ready")
+        if transport not in self.transports:
+            raise ControlError(
+                HTTPStatus.BAD_REQUEST,
+                f"transport: this server offers {', '.join(self.transports)}, got {transport!r}",
+            )
+        try:
+            handle = self.transports[transport].attach(client_id)
+        except SlotsExhausted as exc:
+            raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
+        log.info("client %s attached to %s slot %d", client_id, transport, handle["slot"])
+        return {
+            **handle,
+            "instance": self.instance,
+            "ordinal": self.config.ordinal,
+            "max_tokens": self.limits.max_tokens,
+        }
+
+    def detach(self, transport: str, slot: int) -> bool:
+        t = self.transports.get(transport)
+        return t is not None and t.detach(slot)

@@ -1,0 +1,147 @@
+"""What every transport provides: a server side that owns slots and a client side (``Channel``).
+
+Server side (one per transport per expert server; used by the server loop thread, except
+``attach``/``detach``/``slots`` which the control plane calls from its own thread):
+``attach`` hands a client a slot and the handle it needs to reach it; ``poll`` returns requests
+whose frames are complete; ``wait`` blocks until one may be (a server offering several
+transports waits in one of them, which ``watch``es the others' ``wakeup_fd``); ``respond``
+publishes the response the loop wrote into the slot; ``reap`` releases slots of clients that
+disappeared (their slot goes ``OFFLINE``).
+
+Client side: a ``Channel`` is one client's slot on one server. ``send`` writes a request,
+``receive`` waits for its response. Connection-level failures raise ``ChannelError``; an error
+status answered by the server raises ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from eaas.runtime.protocol import SlotHeader, Status
+
+
+class ChannelError(ConnectionError):
+    """The server cannot be reached through this channel any more (the client fails over)."""
+
+
+class ChannelClosed(ChannelError):
+    """The server closed the connection or died."""
+
+
+class ChannelTimeout(ChannelError):
+    """No response before the deadline."""
+
+
+class SlotsExhausted(RuntimeError):
+    """Every slot of the server is attached (the control plane answers 503)."""
+
+
+class RemoteError(RuntimeError):
+    """The server refused a request with an error status (a bug or a stale placement, not a fault)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        name = Status(status).name if status in Status._value2member_map_ else str(status)
+        super().__init__(f"expert server answered {name}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Server-side settings shared by every transport."""
+
+    max_clients: int  # slots
+    capacity_bytes: int  # payload bytes per slot
+    host: str = "127.0.0.1"  # tcp: address to listen on
+    tcp_port: int = 0  # tcp: 0 = any free port
+    tag: str = "server"  # shm: part of the segment name
+    attach_grace_s: float = 5.0  # a slot attached but never claimed is released after this
+
+
+@dataclass
+class Request:
+    """A complete request in a slot. ``header`` is raw (unvalidated); ``slot_buffer`` is the whole slot."""
+
+    transport: str
+    slot: int
+    generation: int  # the slot's attach count, so a response never lands in a re-used slot
+    header: SlotHeader
+    slot_buffer: memoryview
+
+
+class ServerTransport(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, options: TransportOptions) -> None:
+        self.options = options
+
+    @abstractmethod
+    def attach(self, client_id: str) -> dict[str, Any]:
+        """Allocates a slot to ``client_id``; returns its JSON handle (with ``transport`` and ``slot``)."""
+
+    @abstractmethod
+    def detach(self, slot: int) -> bool:
+        """Releases ``slot`` (it goes ``OFFLINE``); False if it was not attached."""
+
+    @abstractmethod
+    def poll(self) -> list[Request]:
+        """Complete requests not handed out yet; never blocks."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> None:
+        """Blocks up to ``timeout_s``, or until a request may be ready (then ``poll``)."""
+
+    @property
+    def wakeup_fd(self) -> int | None:
+        """A descriptor that turns readable when a request may be ready, for another transport to
+        watch while it waits (None: this transport cannot be watched)."""
+        return None
+
+    def watch(self, fd: int) -> bool:
+        """Also return from ``wait`` when ``fd`` turns readable (and drain it); False if unsupported."""
+        return False
+
+    @abstractmethod
+    def respond(self, request: Request, header: SlotHeader) -> None:
+        """Publishes ``header`` and the payload already written into the slot."""
+
+    @abstractmethod
+    def reap(self) -> list[int]:
+        """Releases slots whose client is gone; returns them."""
+
+    @abstractmethod
+    def slots(self) -> list[dict[str, Any]]:
+        """Attached slots: ``slot``, ``client_id``, ``state`` name, ``requests``."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Channel(ABC):
+    """One client's slot on one server."""
+
+    name: ClassVar[str]
+    capacity_bytes: int
+
+    @classmethod
+    @abstractmethod
+    def connect(cls, handle: dict[str, Any], host: str, timeout_s: float) -> Channel:
+        """Opens the slot of ``handle`` (from the server's handshake) on the server at ``host``."""
+
+    @abstractmethod
+    def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Writes a request: x [T, H], ids [T, K] (-1 = not here), weights [T, K]. Raises ``ChannelError``."""
+
+    @abstractmethod
+    def receive(self, deadline: float) -> torch.Tensor:
+        """Waits (until ``time.monotonic()`` reaches ``deadline``) for the response y [T, H].
+
+        The tensor aliases the channel's buffer: use it before the next ``send``.
+        """
+
+    @abstractmethod
+    def close(self) -> None: ...

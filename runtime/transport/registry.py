@@ -1,0 +1,40 @@
+"""Transports by name. ``shm`` and ``tcp`` are built in; GPU transports (``cuda_ipc``, ``nvshmem``)
+register the same way (DESIGN.md, "Transports")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaas.runtime.transport.base import Channel, ServerTransport
+from eaas.runtime.transport.shm_client import ShmChannel
+from eaas.runtime.transport.shm_server import ShmServerTransport
+from eaas.runtime.transport.tcp_client import TcpChannel
+from eaas.runtime.transport.tcp_server import TcpServerTransport
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    name: str
+    server: type[ServerTransport]
+    channel: type[Channel]
+
+
+_TRANSPORTS: dict[str, TransportSpec] = {
+    "shm": TransportSpec("shm", ShmServerTransport, ShmChannel),
+    "tcp": TransportSpec("tcp", TcpServerTransport, TcpChannel),
+}
+
+
+def register_transport(spec: TransportSpec) -> None:
+    _TRANSPORTS[spec.name] = spec
+
+
+def transport_names() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
+def get_transport(name: str) -> TransportSpec:
+    try:
+        return _TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"transport: must be one of {', '.join(transport_names())}, got {name!r}") from None

@@ -1,0 +1,197 @@
+"""The expert server: control port, statistics, batching across clients and layers, bounded waits."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from datapath_helpers import PROMPTS, generate_concurrently, in_process_servers, urls
+
+from eaas.runtime.client.connection import ServerConnection
+from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts
+from eaas.runtime.placement import Placement, round_robin
+from eaas.runtime.server import ExpertServer, LoopOptions
+from eaas.runtime.transport import get_transport
+
+
+def http(method: str, url: str, body: dict | None = None) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+@pytest.fixture(scope="module")
+def mixtral(tiny_checkpoints: dict[str, Path]) -> tuple[Path, Placement]:
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    return checkpoint, round_robin(config.moe_layers, config.num_experts, 2, replication=1)
+
+
+@pytest.fixture
+def server(mixtral: tuple[Path, Placement]) -> Iterator[ExpertServer]:
+    checkpoint, placement = mixtral
+    with in_process_servers(checkpoint, placement, max_clients=2) as servers:
+        yield servers[0]
+
+
+def test_health_readiness_info_and_metrics(server: ExpertServer, mixtral: tuple[Path, Placement]) -> None:
+    assert http("GET", f"{server.url}/healthz") == (200, b"ok\n")
+    assert http("GET", f"{server.url}/readyz") == (200, b"ready\n")
+    status, body = http("GET", f"{server.url}/v1/info")
+    info = json.loads(body)
+    assert status == 200 and info["ordinal"] == 0 and info["instance"] == server.instance
+    assert [tuple(p) for p in info["hosted"]] == mixtral[1].experts_of(0)
+    assert set(info["transports"]) == {"shm", "tcp"} and info["transports"]["tcp"]["port"] == server.tcp_port
+    status, body = http("GET", f"{server.url}/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("eaas_expert_server_tokens_total", "eaas_expert_server_batch_tokens_bucket",
+                 "eaas_expert_server_step_seconds_bucket", "eaas_expert_server_hosted_experts"):  # fmt: skip
+        assert name in text
+    assert "expert=" not in text and "layer=" not in text  # no per-expert series in Prometheus
+    assert http("GET", f"{server.url}/nope")[0] == 404
+
+
+def test_slot_handshake_errors_name_the_problem(server: ExpertServer) -> None:
+    status, body = http("POST", f"{server.url}/v1/slots", {"client_id": "a", "transport": "carrier-pigeon"})
+    assert status == 400 and b"transport: this server offers shm, tcp" in body
+    assert http("POST", f"{server.url}/v1/slots", {"transport": "shm"})[0] == 400
+    request = urllib.request.Request(f"{server.url}/v1/slots", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=5)
+    assert error.value.code == 400
+    first = json.loads(http("POST", f"{server.url}/v1/slots", {"client_id": "a", "transport": "shm"})[1])
+    http("POST", f"{server.url}/v1/slots", {"client_id": "b", "transport": "shm"})
+    status, body = http("POST", f"{server.url}/v1/slots", {"client_id": "c", "transport": "shm"})
+    assert status == 503 and b"all 2 shm slots are attached" in body
+    assert http("DELETE", f"{server.url}/v1/slots/shm/{first['slot']}")[0] == 204
+    assert http("DELETE", f"{server.url}/v1/slots/shm/{first['slot']}")[0] == 404
+    slots = json.loads(http("GET", f"{server.url}/v1/slots")[1])["slots"]
+    assert {
+        "transport": "shm",
+        "slot": first["slot"],
+        "client_id": "a",
+        "state": "OFFLINE",
+        "requests": 0,
+    } in slots
+
+
+def test_stats_count_tokens_per_layer_and_expert(
+    tiny_checkpoints: dict[str, Path], mixtral: tuple[Path, Placement]
+) -> None:
+    checkpoint, placement = mixtral
+    with in_process_servers(checkpoint, placement) as servers:
+        generate_concurrently(checkpoint, placement, urls(servers), ["tcp"], PROMPTS, 3)
+        stats = [json.loads(http("GET", f"{s.url}/v1/stats")[1]) for s in servers.values()]
+    config = CheckpointReader(checkpoint).config
+    total_entries = (sum(len(p) for p in PROMPTS) + 2 * len(PROMPTS)) * config.num_layers * config.top_k
+    assert sum(s["total_tokens"] for s in stats) == total_entries
+    for s in stats:
+        assert s["layers"] == config.moe_layers and len(s["tokens"]) == config.num_layers
+        hosted = {tuple(p) for p in placement.experts_of(s["ordinal"])}
+        for row, layer in enumerate(s["layers"]):
+            for expert, count in enumerate(s["tokens"][row]):
+                assert count == 0 or (layer, expert) in hosted
+
+
+def test_one_step_batches_requests_of_several_clients_and_layers(mixtral: tuple[Path, Placement]) -> None:
+    checkpoint, _ = mixtral
+    reader = CheckpointReader(checkpoint)
+    config = reader.config
+    everything = [(layer, e) for layer in config.moe_layers for e in range(config.num_experts)]
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    server = ExpertServer.from_placement(checkpoint, placement, 0)  # not started: we drive its loop
+    reference = LocalExperts(ExpertStack.load(reader, everything))
+    try:
+        channels = []
+        for transport in ("shm", "tcp", "shm"):
+            handle = server.transports[transport].attach(f"client-{transport}")
+            channels.append(get_transport(transport).channel.connect(handle, "127.0.0.1", 5.0))
+        generator = torch.Generator().manual_seed(0)
+        sent = []
+        for index, channel in enumerate(channels):
+            layer = config.moe_layers[index % len(config.moe_layers)]
+            x = torch.randn(3 + index, config.hidden_size, generator=generator)
+            ids = torch.stack(
+                [torch.randperm(config.num_experts, generator=generator)[:2] for _ in range(3 + index)]
+            )
+            weights = torch.rand(3 + index, 2, generator=generator)
+            channel.send(layer, x, ids, weights)
+            sent.append((layer, x, ids, weights))
+        answered = 0
+        deadline = time.monotonic() + 10
+        while answered < 3 and time.monotonic() < deadline:
+            answered += server.loop.step()
+        assert answered == 3
+        batches = server.metrics.batches._value.get()  # type: ignore[attr-defined]
+        assert batches <= 2  # the tcp frame may land a poll later; never one batch per request
+        for channel, (layer, x, ids, weights) in zip(channels, sent, strict=True):
+            y = channel.receive(time.monotonic() + 5)
+            torch.testing.assert_close(y, reference(layer, x, ids, weights), rtol=1e-5, atol=1e-5)
+            channel.close()
+    finally:
+        server.close()
+
+
+def test_a_silent_client_delays_others_by_at_most_the_batch_wait(mixtral: tuple[Path, Placement]) -> None:
+    checkpoint, placement = mixtral
+    with in_process_servers(checkpoint, placement, loop=LoopOptions(batch_wait_s=0.05)) as servers:
+        server = servers[0]
+        layer, expert = placement.experts_of(0)[0]
+        x, ids, weights = torch.randn(1, 64), torch.tensor([[expert, -1]]), torch.ones(1, 2)
+        silent = ServerConnection(0, server.url, "shm", "silent", 5.0, 2.0)
+        busy = ServerConnection(0, server.url, "shm", "busy", 5.0, 2.0)
+        silent.connect()
+        busy.connect()
+        try:
+            assert silent.channel is not None and busy.channel is not None
+            silent.channel.send(layer, x, ids, weights)  # makes it an "active" client ...
+            silent.channel.receive(time.monotonic() + 5)  # ... that then goes quiet
+            latencies = []
+            for _ in range(5):
+                start = time.monotonic()
+                busy.channel.send(layer, x, ids, weights)
+                busy.channel.receive(time.monotonic() + 5)
+                latencies.append(time.monotonic() - start)
+            assert max(latencies) < 0.05 + 0.5
+        finally:
+            silent.close()
+            busy.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_large_requests_are_exact(mixtral: tuple[Path, Placement], transport: str) -> None:
+    """300 tokens x 64 float32 = 75 KiB: tcp sends x scatter-gather and reads with a low-water mark."""
+    checkpoint, _ = mixtral
+    reader = CheckpointReader(checkpoint)
+    config = reader.config
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    everything = [(layer, e) for layer in config.moe_layers for e in range(config.num_experts)]
+    reference = LocalExperts(ExpertStack.load(reader, everything))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(300, config.hidden_size, generator=generator)
+    ids = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2] for _ in range(300)])
+    weights = torch.rand(300, 2, generator=generator)
+    with in_process_servers(checkpoint, placement, max_tokens=512) as servers:
+        connection = ServerConnection(0, servers[0].url, transport, "big", 10.0, 2.0)
+        connection.connect()
+        try:
+            assert connection.channel is not None
+            for layer in config.moe_layers:
+                connection.channel.send(layer, x, ids, weights)
+                y = connection.channel.receive(time.monotonic() + 10)
+                torch.testing.assert_close(y, reference(layer, x, ids, weights), rtol=1e-5, atol=1e-5)
+        finally:
+            connection.close()

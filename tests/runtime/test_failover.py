@@ -1,0 +1,202 @@
+"""Failover with real processes: SIGKILL or SIGSTOP an expert server mid-generation → the same output;
+a restarted server rejoins; no live replica → ExpertUnavailable; a killed client's slot goes OFFLINE."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from datapath_helpers import MAX_NEW_TOKENS, PROMPTS, generate_concurrently, in_process_servers, urls
+
+from eaas.runtime.client import AttentionClient, ClientOptions, ExpertUnavailable, HandshakeError
+from eaas.runtime.client.connection import http_json
+from eaas.runtime.local.cluster import LocalCluster
+from eaas.runtime.local.session import StepHook
+from eaas.runtime.model import CheckpointReader
+from eaas.runtime.placement import Placement, round_robin
+
+FAMILY = "deepseek_v3"  # dense layer + shared expert + grouped routing: the most moving parts
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    checkpoint = tiny_checkpoints[FAMILY]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
+    with LocalCluster(checkpoint, placement, tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def healthy(cluster: LocalCluster) -> LocalCluster:
+    """The cluster with every server running (tests may kill some)."""
+    for ordinal in cluster.servers:
+        if not cluster.is_alive(ordinal):
+            cluster.restart(ordinal)
+    return cluster
+
+
+def client_for(cluster: LocalCluster, transport: str, timeout_s: float = 5.0) -> AttentionClient:
+    options = ClientOptions(
+        transport=transport, request_timeout_s=timeout_s, rejoin_min_s=0.1, rejoin_max_s=0.5
+    )
+    return AttentionClient(cluster.checkpoint, cluster.placement, cluster.urls, options).connect()
+
+
+def kill_at_step(client: AttentionClient, step: int, action: object) -> None:
+    first_moe = client.config.moe_layers[0]
+
+    def on_step(current: int) -> None:
+        if current == step:
+            action()  # type: ignore[operator]
+
+    client.decoder.experts = StepHook(client.experts, first_moe, on_step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sigkill_mid_generation_gives_the_same_output_and_the_server_rejoins(
+    healthy: LocalCluster, transport: str, reference_outputs: dict[str, tuple[list[list[int]], torch.Tensor]]
+) -> None:
+    want_tokens, want_logits = reference_outputs[FAMILY]
+    client = client_for(healthy, transport)
+    try:
+        kill_at_step(client, 2, lambda: healthy.kill(1))
+        tokens, logits = client.generate(PROMPTS, MAX_NEW_TOKENS)
+        assert tokens == want_tokens  # no request lost, no wrong answer
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        assert client.experts.counters.failovers == 1 and client.experts.counters.resent_entries > 0
+        assert 1 not in client.experts.live_servers
+
+        # The restarted server (same ports) is re-attached by handshake and used again.
+        restarted = healthy.restart(1)
+        deadline = time.monotonic() + 30
+        while 1 not in client.experts.live_servers:
+            assert time.monotonic() < deadline, "the restarted server never rejoined"
+            client.generate(PROMPTS[:1], 1)  # rejoins are applied between layers
+            time.sleep(0.05)
+        tokens, logits = client.generate(PROMPTS, MAX_NEW_TOKENS)
+        assert tokens == want_tokens
+        stats = http_json("GET", f"{restarted.url}/v1/stats")
+        assert stats["instance"] == restarted.instance and stats["total_tokens"] > 0
+        assert [e.kind for e in client.experts.events if e.server == 1][-1] == "rejoined"
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_hung_server_times_out_and_its_share_goes_to_replicas(
+    healthy: LocalCluster, reference_outputs: dict[str, tuple[list[list[int]], torch.Tensor]]
+) -> None:
+    client = client_for(healthy, "shm", timeout_s=0.5)
+    try:
+        kill_at_step(client, 1, lambda: healthy.kill(2, signal.SIGSTOP))
+        tokens, _ = client.generate(PROMPTS, MAX_NEW_TOKENS)
+        assert tokens == reference_outputs[FAMILY][0]
+        assert any(e.kind == "failed" and "no response" in e.detail for e in client.experts.events)
+    finally:
+        healthy.kill(2, signal.SIGCONT)
+        client.close()
+        healthy.kill(2)  # leave no half-served slots behind; `healthy` restarts it for the next test
+
+
+def test_no_live_replica_raises_expert_unavailable_naming_layer_and_expert(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
+    with in_process_servers(checkpoint, placement) as servers:
+        client = AttentionClient(
+            checkpoint, placement, urls(servers), ClientOptions(transport="tcp")
+        ).connect()
+        try:
+            servers[0].stop()
+            servers[1].stop()
+            with pytest.raises(
+                ExpertUnavailable, match=r"expert unavailable: \(layer \d+, expert \d+\)"
+            ) as error:
+                client.generate(PROMPTS, 3)
+            assert sorted(error.value.replicas) == [0, 1]
+        finally:
+            client.close()
+
+
+CLIENT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from eaas.runtime.client.connection import ServerConnection
+    url, transport, layer, expert = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    conn = ServerConnection(0, url, transport, "doomed-client", 5.0, 2.0)
+    conn.connect()
+    conn.channel.send(layer, torch.randn(2, 64), torch.tensor([[expert, -1]] * 2), torch.ones(2, 2))
+    conn.channel.receive(time.monotonic() + 10)
+    print("slot", conn.handle["slot"], flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_killed_client_slot_goes_offline_and_others_keep_being_served(
+    tiny_checkpoints: dict[str, Path], transport: str
+) -> None:
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement: Placement = round_robin(config.moe_layers, config.num_experts, 1)
+    with in_process_servers(checkpoint, placement) as servers:
+        server = servers[0]
+        layer, expert = placement.experts_of(0)[0]
+        args = [server.url, transport, str(layer), str(expert)]
+        doomed = subprocess.Popen(
+            [sys.executable, "-c", CLIENT_SCRIPT, *args], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert doomed.stdout is not None
+            line = doomed.stdout.readline()  # bounded: the script exits (EOF) if anything fails
+            assert line.startswith("slot"), line
+            slot = int(line.split()[1])
+            doomed.kill()
+            doomed.wait(timeout=10)
+        finally:
+            if doomed.poll() is None:
+                doomed.kill()
+                doomed.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while True:
+            rows = http_json("GET", f"{server.url}/v1/slots")["slots"]
+            mine = [r for r in rows if r["client_id"] == "doomed-client" and r["transport"] == transport]
+            if mine and mine[0]["state"] == "OFFLINE":
+                break
+            assert time.monotonic() < deadline, f"slot of the killed client still {mine}"
+            time.sleep(0.05)
+        assert mine[0]["slot"] == slot
+        # The server keeps serving others, and the released slot is reused.
+        [(tokens, _)] = generate_concurrently(checkpoint, placement, urls(servers), [transport], PROMPTS, 2)
+        assert len(tokens) == len(PROMPTS)
+        rows = http_json("GET", f"{server.url}/v1/slots")["slots"]
+        reused = [r for r in rows if r["transport"] == transport and r["slot"] == slot]
+        assert reused and reused[0]["client_id"] != "doomed-client"  # the freed slot went to the next client
+        assert json.dumps(server.info())  # still answering its control port
+
+
+def test_a_server_with_another_placement_is_never_used(tiny_checkpoints: dict[str, Path]) -> None:
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    served = round_robin(config.moe_layers, config.num_experts, 2, replication=1)
+    swapped = {0: served.experts_of(1), 1: served.experts_of(0)}  # the client believes the opposite
+    routed = Placement(served.layers, served.num_experts, served.servers, swapped, version=served.version + 1)
+    with in_process_servers(checkpoint, served) as servers:
+        client = AttentionClient(checkpoint, routed, urls(servers), ClientOptions(transport="shm"))
+        with pytest.raises(HandshakeError, match=r"does not host \d+ \(layer, expert\) pair"):
+            client.connect()
