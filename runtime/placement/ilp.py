@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from eaas.runtime.placement.cost import CostModel, check_horizon, check_load, predicted_seconds
 from eaas.runtime.placement.placement import Placement, PlacementError
@@ -148,6 +146,10 @@ def ilp(
     upper_bounds = np.ones(total)
     upper_bounds[w0:t0] = np.repeat(loads.reshape(-1), num_servers).tolist() + loads.reshape(-1).tolist()
     upper_bounds[t0 : m0 + 1] = np.inf
+    # scipy loads in ~0.5 s: imported here so servers and clients that import placement skip it.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lower), total)).tocsr()
     result = milp(
         objective,
