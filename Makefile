@@ -33,6 +33,7 @@ lint: install
 
 typecheck: install
 	MYPYPATH=$$(ls -d build/__editable__.eaas-*) $(VENV)/bin/mypy -p eaas
+	MYPYPATH=$$(ls -d build/__editable__.eaas-*) $(VENV)/bin/mypy e2e
 
 unit: install
 	$(PY) -m pytest -m "not e2e"
