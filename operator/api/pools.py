@@ -109,6 +109,8 @@ class AttentionPoolSpec(AttentionPoolTemplate):
     """Lease renewal of the attention clients."""
     expert_pool_name: str = Field(min_length=1, max_length=253)
     """The ExpertPool whose servers these clients route to."""
+    expert_pool_port: Port = 9100
+    """Control (handshake) port of that ExpertPool's servers."""
     placement_config_map: str = Field(min_length=1, max_length=253)
     """ConfigMap with the ExpertPool's placement, mounted into every client."""
 

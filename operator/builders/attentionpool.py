@@ -49,6 +49,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
     ) | {
         naming.ENV_PORT: spec.port,
         naming.ENV_EXPERT_SERVICE: f"{spec.expert_pool_name}.{namespace}.svc",
+        naming.ENV_EXPERT_PORT: spec.expert_pool_port,
     }
     container = {
         "name": CONTAINER,

@@ -51,6 +51,7 @@ def attention_pool_spec(service: Body, spec: MoEServiceSpec) -> AttentionPoolSpe
         transport=spec.transport,
         heartbeat=spec.heartbeat,
         expert_pool_name=experts,
+        expert_pool_port=spec.expert_pool.port,
         placement_config_map=naming.placement_config_map_name(experts),
     )
 

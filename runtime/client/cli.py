@@ -1,12 +1,29 @@
-"""``eaas attention-client``: generate with remote expert servers (one-shot, for checks and scripts)."""
+"""``eaas attention-client``: generate with remote expert servers.
+
+Two modes, one command (the operator's AttentionPool pods run plain ``eaas attention-client`` with
+their settings in ``EAAS_*`` environment variables):
+
+- **serve** when ``--port`` / ``EAAS_PORT`` is set: the OpenAI-compatible HTTP server
+  (``serve.AttentionService``); expert servers from ``--server`` or, in Kubernetes, from the
+  headless Service in ``EAAS_EXPERT_SERVICE``;
+- **one-shot** otherwise: generate ``--prompt``s, print them and exit (checks and scripts).
+"""
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+from eaas.operator import naming
+
+if TYPE_CHECKING:
+    from eaas.runtime.client import ClientOptions
 
 
 def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
@@ -25,24 +42,91 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 @click.option(
     "--checkpoint",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
+    envvar=naming.ENV_CHECKPOINT,
+    show_envvar=True,
     required=True,
     help="checkpoint; only the attention side is loaded",
 )
 @click.option(
     "--placement",
     "placement_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=naming.ENV_PLACEMENT_FILE,
+    show_envvar=True,
     required=True,
-    help="placement JSON the servers were started with",
+    help="placement JSON the servers were started with; re-read while serving (it may appear later)",
 )
 @click.option(
     "--server",
     "server_specs",
     multiple=True,
-    required=True,
     help="ORDINAL=http://HOST:PORT of an expert server's control port (repeat for each)",
 )
-@click.option("--transport", type=click.Choice(["shm", "tcp"]), default="tcp", show_default=True)
+@click.option(
+    "--expert-service",
+    envvar=naming.ENV_EXPERT_SERVICE,
+    show_envvar=True,
+    help="headless Service of the expert pool, <pool>.<namespace>.svc: ordinal N is reached at "
+    "<pool>-N.<pool>.<namespace>.svc (instead of --server)",
+)
+@click.option(
+    "--expert-port",
+    type=click.IntRange(1, 65535),
+    envvar=naming.ENV_EXPERT_PORT,
+    show_envvar=True,
+    default=9100,
+    show_default=True,
+    help="control port of the expert servers with --expert-service",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["shm", "tcp"]),
+    envvar=naming.ENV_TRANSPORT,
+    show_envvar=True,
+    default="tcp",
+    show_default=True,
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    envvar=naming.ENV_PORT,
+    show_envvar=True,
+    help="serve the HTTP API on this port (0: any free port) instead of generating once",
+)
+@click.option("--host", default="0.0.0.0", show_default=True, help="serve: address to bind")
+@click.option(
+    "--model-name",
+    envvar=naming.ENV_SERVICE,
+    show_envvar=True,
+    help="serve: the model id of /v1/models (default: the checkpoint directory's name)",
+)
+@click.option(
+    "--max-batch-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="serve: sequences generated together",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="serve: waiting sequences before 503",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="serve: most new tokens per request",
+)
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="serve: write {port} here once serving",
+)
+@click.option("--log-level", default="INFO", show_default=True, help="serve: logging level")
 @click.option("--prompt", "prompts", multiple=True, default=["Experts as a service"], show_default=True)
 @click.option("--max-new-tokens", default=16, show_default=True)
 @click.option(
@@ -52,24 +136,110 @@ def attention_client(
     checkpoint: Path,
     placement_path: Path,
     server_specs: tuple[str, ...],
+    expert_service: str | None,
+    expert_port: int,
     transport: str,
+    port: int | None,
+    host: str,
+    model_name: str | None,
+    max_batch_size: int,
+    max_queue: int,
+    max_tokens: int,
+    ready_file: Path | None,
+    log_level: str,
     prompts: tuple[str, ...],
     max_new_tokens: int,
     request_timeout: float,
 ) -> None:
-    """Greedy generation with the attention side here and the experts on expert servers."""
-    from eaas.runtime.client import AttentionClient, ClientOptions, ExpertUnavailable, HandshakeError
+    """Greedy generation with the attention side here and the experts on expert servers.
+
+    With --port (or EAAS_PORT) it serves an OpenAI-compatible API (POST /v1/completions,
+    GET /v1/models, /healthz, /readyz, /metrics) until SIGTERM; otherwise it generates --prompt once.
+    """
+    from eaas.runtime.client import ClientOptions
+
+    if server_specs and expert_service:
+        raise click.UsageError("give either --server or --expert-service (EAAS_EXPERT_SERVICE), not both")
+    if not server_specs and not expert_service:
+        raise click.UsageError("expert servers: give --server ORDINAL=URL (repeat) or --expert-service")
+    options = ClientOptions(transport=transport, request_timeout_s=request_timeout)
+    if port is None:
+        _one_shot(
+            checkpoint,
+            placement_path,
+            server_specs,
+            expert_service,
+            expert_port,
+            options,
+            prompts,
+            max_new_tokens,
+        )
+        return
+    from eaas.runtime.client.serve import AttentionService, ServeOptions, dns_discovery, static_discovery
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        discovery = (
+            static_discovery(_parse_servers(server_specs))
+            if server_specs
+            else dns_discovery(str(expert_service), expert_port)
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--expert-service") from exc
+    serve_options = ServeOptions(
+        host=host,
+        port=port,
+        model_name=model_name or checkpoint.resolve().name,
+        max_batch_size=max_batch_size,
+        max_queue=max_queue,
+        max_tokens=max_tokens,
+        client=options,
+    )
+    service = AttentionService(checkpoint, placement_path, discovery, serve_options)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with service:
+        if ready_file is not None:
+            partial = ready_file.with_name(ready_file.name + ".partial")
+            partial.write_text(f'{{"port": {service.port}}}\n')
+            partial.replace(ready_file)  # readers never see a half-written file
+        click.echo(f"serving {serve_options.model_name} on {service.url}", err=True)
+        while not stop.wait(0.5):
+            pass
+    click.echo("stopped", err=True)
+
+
+def _one_shot(
+    checkpoint: Path,
+    placement_path: Path,
+    server_specs: tuple[str, ...],
+    expert_service: str | None,
+    expert_port: int,
+    options: ClientOptions,
+    prompts: tuple[str, ...],
+    max_new_tokens: int,
+) -> None:
+    from eaas.runtime.client import AttentionClient, ExpertUnavailable, HandshakeError
+    from eaas.runtime.client.serve import expert_urls
     from eaas.runtime.model import ByteTokenizer
     from eaas.runtime.placement import Placement, PlacementError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         placement = Placement.from_json(placement_path.read_text())
-    except PlacementError as exc:
+    except (OSError, PlacementError) as exc:
         raise click.BadParameter(str(exc), param_hint="--placement") from exc
-    options = ClientOptions(transport=transport, request_timeout_s=request_timeout)
     try:
-        with AttentionClient(checkpoint, placement, _parse_servers(server_specs), options) as client:
+        servers = (
+            _parse_servers(server_specs)
+            if server_specs
+            else expert_urls(placement.ordinals, str(expert_service), expert_port)
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--expert-service") from exc
+    try:
+        with AttentionClient(checkpoint, placement, servers, options) as client:
             tokenizer = ByteTokenizer(client.config.vocab_size)
             start = time.perf_counter()
             generated, _ = client.generate([tokenizer.encode(p) for p in prompts], max_new_tokens)

@@ -259,6 +259,10 @@ class RemoteExperts:
             log.warning("expert server %d failed (%s); failing over to replicas", conn.ordinal, reason)
             self.events.append(FailoverEvent(time.time(), "failed", conn.ordinal, reason, layer))
 
+    def refresh(self) -> None:
+        """Applies pending rejoins now (otherwise at the next layer); call from the thread that generates."""
+        self._apply_rejoins()
+
     def _apply_rejoins(self) -> None:
         with self._lock:
             rejoined, self._rejoined = self._rejoined, {}

@@ -55,6 +55,14 @@ class RoutingTable:
         """Ordinals hosting (layer, expert)."""
         return [self.ordinals[i] for i in self._replicas[layer][expert].tolist() if i >= 0]
 
+    def unserved(self, live: torch.Tensor) -> list[tuple[int, int]]:
+        """(layer, expert) pairs with no live replica, given live [S] bool."""
+        missing = []
+        for layer, replicas in sorted(self._replicas.items()):
+            alive = (replicas >= 0) & live[replicas.clamp(min=0)]  # [E, R]
+            missing += [(layer, int(e)) for e in (~alive.any(-1)).nonzero().squeeze(1).tolist()]
+        return missing
+
     def assign(
         self,
         layer: int,

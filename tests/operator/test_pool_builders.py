@@ -145,10 +145,24 @@ def test_attention_deployment_mounts_the_placement(
     assert volumes["placement"]["configMap"]["name"] == "tiny-experts-placement"
     (container,) = template["spec"]["containers"]
     assert env_of(container)[naming.ENV_EXPERT_SERVICE] == "tiny-experts.ns.svc"
+    assert env_of(container)[naming.ENV_EXPERT_PORT] == "9100"
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     service = attentionpool.service(pool, spec)
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     assert attentionpool.endpoint(pool, spec) == "http://tiny-attention.ns.svc:8000/v1"
+
+
+def test_attention_clients_get_the_expert_pool_port(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    custom = moes_spec.model_copy(
+        update={"expert_pool": moes_spec.expert_pool.model_copy(update={"port": 9300})}
+    )
+    pool = moeservice.attention_pool(moes_body, custom)
+    pool["metadata"]["uid"] = "attention-uid"
+    spec = AttentionPoolSpec.from_k8s(pool["spec"])
+    (container,) = attentionpool.deployment(pool, spec)["spec"]["template"]["spec"]["containers"]
+    assert env_of(container)[naming.ENV_EXPERT_PORT] == "9300"
 
 
 def test_merge_patch_turns_old_into_new() -> None:

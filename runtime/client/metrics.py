@@ -1,0 +1,60 @@
+"""Prometheus metrics of a serving attention client (its own registry, so several fit in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+RESULTS = ("ok", "bad_request", "rejected", "unavailable", "timeout", "error")
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class AttentionMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "eaas_attention_requests_total",
+            "Completion requests answered, by result (ok, bad_request, rejected = queue full, "
+            "unavailable = no expert server for an expert, timeout, error)",
+            ["result"],
+            registry=r,
+        )
+        for result in RESULTS:
+            self.requests.labels(result=result)  # every series exists from the start
+        self.generated_tokens = Counter(
+            "eaas_attention_generated_tokens_total", "Tokens generated for successful requests", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "eaas_attention_prompt_tokens_total", "Prompt tokens of successful requests", registry=r
+        )
+        self.request_seconds = Histogram(
+            "eaas_attention_request_seconds",
+            "Time from receiving a completion request to answering it",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.batch_sequences = Histogram(
+            "eaas_attention_batch_sequences",
+            "Sequences generated together in one decoder batch",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.queued = Gauge("eaas_attention_queued_sequences", "Sequences waiting for a batch", registry=r)
+        self.ready = Gauge("eaas_attention_ready", "1 when every expert has a connected server", registry=r)
+        self.live_servers = Gauge(
+            "eaas_attention_live_expert_servers", "Expert servers of the placement connected", registry=r
+        )
+
+    def bind(
+        self, queued: Callable[[], float], ready: Callable[[], float], live_servers: Callable[[], float]
+    ) -> None:
+        """Gauges read at scrape time."""
+        self.queued.set_function(queued)
+        self.ready.set_function(ready)
+        self.live_servers.set_function(live_servers)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

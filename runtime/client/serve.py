@@ -1,0 +1,362 @@
+"""``AttentionService``: the attention client as a long-running HTTP server (what AttentionPool pods run).
+
+    service = AttentionService(checkpoint, placement_file, discovery, ServeOptions(port=8000)).start()
+    ...  # POST /v1/completions, GET /v1/models, /healthz, /readyz, /metrics (see ``http_api``)
+    service.stop()
+
+Pieces: the attention side of the checkpoint (loaded once), a ``RemoteExperts`` for the current
+placement, a ``BatchScheduler`` whose one worker thread owns the ``Decoder`` (so concurrent requests
+are generated together), and the HTTP API.
+
+Placement: the placement file is read at start and re-read every ``placement_poll_s``. The file
+may be missing at first (the operator commits the first placement once every expert server is
+ready); until one is read the service answers 503. When the file changes, a new ``RemoteExperts``
+is built and connected beside the old one and swapped in between two batches (a batch in flight
+finishes on the placement it started with); the old one's slots are then released.
+
+Discovery: expert-server URLs come from an explicit ``{ordinal: url}`` map, or from the headless
+Service of the expert pool: ordinal ``n`` of pool ``p`` is ``http://p-n.<service>:<port>``
+(``expert_urls``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
+from eaas.runtime.client.http_api import ApiError, ApiServer, Limits, apply_stop, bad, parse_completion
+from eaas.runtime.client.metrics import AttentionMetrics
+from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
+from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
+from eaas.runtime.model import AttentionSide, ByteTokenizer, CheckpointReader, Decoder
+from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.transport import RemoteError
+
+log = logging.getLogger("eaas.client.serve")
+
+Discovery = Callable[[Placement], dict[int, str]]  # placement -> {ordinal: control-port URL}
+
+
+def expert_urls(ordinals: tuple[int, ...] | list[int], expert_service: str, port: int) -> dict[int, str]:
+    """URLs of the expert servers behind headless Service ``expert_service`` (``<pool>.<ns>.svc``).
+
+    The operator names expert-server pods ``<pool>-<ordinal>`` and their headless Service
+    ``<pool>``, so pod ``n`` resolves as ``<pool>-<n>.<pool>.<ns>.svc``.
+    """
+    service = expert_service.strip().rstrip(".")
+    pool = service.split(".", 1)[0]
+    if not pool:
+        raise ValueError(f"expert service: expected <pool>[.<namespace>.svc], got {expert_service!r}")
+    return {ordinal: f"http://{pool}-{ordinal}.{service}:{port}" for ordinal in ordinals}
+
+
+def static_discovery(servers: Mapping[int, str]) -> Discovery:
+    return lambda placement: dict(servers)
+
+
+def dns_discovery(expert_service: str, port: int) -> Discovery:
+    expert_urls([], expert_service, port)  # validates the name now
+    return lambda placement: expert_urls(placement.ordinals, expert_service, port)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model_name: str = "eaas"
+    max_batch_size: int = 16  # sequences generated together
+    max_batch_tokens: int = 8192  # prompt + new tokens of one batch (at least one sequence always runs)
+    max_queue: int = 64  # sequences waiting; more are refused with 503
+    max_tokens: int = 1024  # most new tokens one request may ask for
+    request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
+    placement_poll_s: float = 1.0
+    client: ClientOptions = field(default_factory=lambda: ClientOptions(transport="tcp"))
+
+
+class AttentionService:
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        placement_file: str | Path,
+        discovery: Discovery,
+        options: ServeOptions | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.options = options or ServeOptions()
+        self.placement_file = Path(placement_file)
+        self.discovery = discovery
+        reader = CheckpointReader(checkpoint)
+        self.config = reader.config
+        self.tokenizer = ByteTokenizer(self.config.vocab_size)
+        self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)
+        o = self.options
+        self.limits = Limits(
+            self.config.vocab_size,
+            self.config.max_position_embeddings,
+            min(o.max_tokens, self.config.max_position_embeddings - 1),
+        )
+        self.decoder: Decoder | None = None  # owned by the scheduler's worker thread
+        self.experts: RemoteExperts | None = None
+        self.placement: Placement | None = None
+        self.placement_error = "no placement read yet"
+        self._placement_text: str | None = None
+        self._next: tuple[Placement, RemoteExperts] | None = None  # prepared, swapped in by the worker
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.metrics = AttentionMetrics()
+        self.scheduler = BatchScheduler(
+            self._generate,
+            max_batch_size=o.max_batch_size,
+            max_batch_tokens=o.max_batch_tokens,
+            max_queue=o.max_queue,
+            on_idle=self._housekeeping,
+            on_batch=self.metrics.batch_sequences.observe,
+        )
+        self.metrics.bind(
+            lambda: self.scheduler.queued,
+            lambda: float(self.readiness()[0]),
+            lambda: len(self.experts.live_servers) if self.experts is not None else 0,
+        )
+        self.api = ApiServer(self, o.host, o.port)
+        self.port = self.api.port
+        self._watcher = threading.Thread(target=self._watch_placement, name="eaas-placement", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
+        return f"http://{host}:{self.port}"
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> AttentionService:
+        self._poll_placement()
+        self._housekeeping()  # install the first placement before serving
+        self.scheduler.start()
+        self._watcher.start()
+        self.api.start()
+        log.info("attention client serving %s on %s", self.options.model_name, self.url)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.api.stop()
+        self.scheduler.stop()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=5)
+        with self._lock:
+            pending, self._next = self._next, None
+        for experts in (pending[1] if pending else None, self.experts):
+            if experts is not None:
+                experts.close()
+
+    def __enter__(self) -> AttentionService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- placement -------------------------------------------------------------------------------
+    def _watch_placement(self) -> None:
+        while not self._stop.wait(self.options.placement_poll_s):
+            try:
+                self._poll_placement()
+            except Exception:  # never let the watcher die
+                log.exception("reading the placement failed")
+
+    def _poll_placement(self) -> None:
+        """Reads the placement file; a changed one gets connected ``RemoteExperts`` for the worker."""
+        try:
+            text = self.placement_file.read_text()
+        except OSError as exc:
+            if self.placement is None:
+                self.placement_error = f"placement file not readable yet: {exc}"
+            return
+        if text == self._placement_text:
+            return
+        self._placement_text = text
+        try:
+            placement = Placement.from_json(text)
+            client_options = replace(self.options.client, client_id=f"attention-{uuid.uuid4().hex[:8]}")
+            experts = RemoteExperts(self.config, placement, self.discovery(placement), client_options)
+        except (PlacementError, ValueError) as exc:
+            self.placement_error = f"placement file {self.placement_file.name}: {exc}"
+            log.error("%s; keeping the current placement", self.placement_error)
+            return
+        experts.connect(require_all=False)  # unreachable servers start dead and rejoin when they answer
+        log.info(
+            "placement version %s read; %d of %d expert servers connected",
+            placement.version,
+            len(experts.live_servers),
+            len(placement.ordinals),
+        )
+        with self._lock:
+            stale, self._next = self._next, (placement, experts)
+        if stale is not None:
+            stale[1].close()
+
+    def _housekeeping(self) -> None:
+        """On the worker thread between batches: swap in a new placement, apply server rejoins."""
+        with self._lock:
+            ready, self._next = self._next, None
+        if ready is not None:
+            placement, experts = ready
+            old = self.experts
+            if self.decoder is None:
+                self.decoder = Decoder(self.side, experts)
+            else:
+                self.decoder.experts = experts
+            self.experts, self.placement = experts, placement
+            self.placement_error = ""
+            if old is not None:
+                old.close()
+        if self.experts is not None:
+            self.experts.refresh()
+
+    # --- the ApiTarget ---------------------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        return self.scheduler.is_running and not self._stop.is_set()
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        experts, placement = self.experts, self.placement
+        if experts is None or placement is None:
+            return False, {"ready": False, "reason": self.placement_error}
+        live = experts.live.clone()
+        unserved = experts.table.unserved(live)
+        live_servers = [o for o, alive in zip(experts.table.ordinals, live.tolist(), strict=True) if alive]
+        down = [o for o in experts.table.ordinals if o not in live_servers]
+        ok = not unserved and self.is_healthy()
+        detail: dict[str, Any] = {
+            "ready": ok,
+            "placement_version": placement.version,
+            "live_servers": live_servers,
+            "down_servers": down,
+            "unserved_experts": len(unserved),
+        }
+        if unserved:
+            layer, expert = unserved[0]
+            detail["reason"] = (
+                f"{len(unserved)} (layer, expert) pair(s) have no connected expert server, "
+                f"e.g. (layer {layer}, expert {expert}); down: {down}"
+            )
+        return ok, detail
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": self.options.model_name, "object": "model", "created": 0, "owned_by": "eaas"}],
+        }
+
+    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any]:
+        start = time.monotonic()
+        try:
+            response = self._complete(read_body, start)
+        except ApiError as exc:
+            self.metrics.requests.labels(result=_result_of(exc)).inc()
+            raise
+        except Exception:
+            self.metrics.requests.labels(result="error").inc()
+            raise
+        finally:
+            self.metrics.request_seconds.observe(time.monotonic() - start)
+        self.metrics.requests.labels(result="ok").inc()
+        self.metrics.generated_tokens.inc(response["usage"]["completion_tokens"])
+        self.metrics.prompt_tokens.inc(response["usage"]["prompt_tokens"])
+        return response
+
+    def _complete(self, read_body: Callable[[], Any], start: float) -> dict[str, Any]:
+        request = parse_completion(read_body(), self.limits, self.tokenizer.encode)
+        name = self.options.model_name
+        if request.model is not None and request.model != name:
+            raise bad("model", f"unknown model {request.model!r}; this server serves {name!r}")
+        if self.experts is None:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
+        jobs = [Job(prompt, request.max_tokens) for prompt in request.prompts]
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as exc:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="overloaded") from exc
+        deadline = start + self.options.request_timeout_s
+        for job in jobs:
+            if not job.done.wait(max(0.0, deadline - time.monotonic())):
+                raise ApiError(
+                    HTTPStatus.GATEWAY_TIMEOUT,
+                    f"no answer within {self.options.request_timeout_s:.0f} s",
+                    kind="timeout",
+                )
+            if job.error is not None:
+                raise _api_error(job.error)
+        choices = []
+        completion_tokens = 0
+        for index, job in enumerate(jobs):
+            assert job.tokens is not None
+            tokens, text, stopped = self._finish(job.tokens, request.stop)
+            completion_tokens += len(tokens)
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "token_ids": tokens,  # extension: the byte tokenizer drops ids >= 256 from text
+                    "logprobs": None,
+                    "finish_reason": "stop" if stopped else "length",
+                }
+            )
+        prompt_tokens = sum(len(p) for p in request.prompts)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def _finish(self, tokens: list[int], stops: list[str]) -> tuple[list[int], str, bool]:
+        """Tokens up to and including the first stop string, the text before it, and whether it stopped."""
+        if stops:
+            for end in range(1, len(tokens) + 1):
+                text, stopped = apply_stop(self.tokenizer.decode(tokens[:end]), stops)
+                if stopped:
+                    return tokens[:end], text, True
+        return tokens, self.tokenizer.decode(tokens), False
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        if self.decoder is None:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
+        generated, _ = self.decoder.generate(prompts, max_new_tokens)
+        return generated
+
+
+def _api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ExpertUnavailable | HandshakeError):
+        return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="unavailable")
+    if isinstance(exc, RemoteError):
+        return ApiError(HTTPStatus.BAD_GATEWAY, f"an expert server refused the request: {exc}")
+    return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {exc}")
+
+
+def _result_of(exc: ApiError) -> str:
+    if exc.kind == "overloaded":
+        return "rejected"
+    if exc.status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return "unavailable"
+    if exc.status == HTTPStatus.GATEWAY_TIMEOUT:
+        return "timeout"
+    return "bad_request" if exc.status < 500 else "error"

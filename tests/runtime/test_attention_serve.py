@@ -1,0 +1,349 @@
+"""``eaas attention-client`` serving mode: OpenAI-compatible completions over real expert-server processes.
+
+A ``LocalCluster`` (two expert-server processes, R = 1, tcp) serves the tiny mixtral checkpoint; the
+attention client serves HTTP on loopback, in this process (``AttentionService``) and as the pod
+command (``eaas attention-client`` configured by ``EAAS_*`` variables).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eaas.runtime.client import ClientOptions
+from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull, take_batch
+from eaas.runtime.client.serve import AttentionService, ServeOptions, expert_urls, static_discovery
+from eaas.runtime.local.cluster import LocalCluster
+from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_reference
+from eaas.runtime.placement import round_robin
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+MODEL = "tiny-mixtral"
+
+
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with _OPENER.open(request, timeout=30) as response:
+            status, text = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text.decode()
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints: dict[str, Path]) -> Path:
+    return tiny_checkpoints["mixtral"]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Decoder:
+    return load_reference(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=1)
+    with LocalCluster(
+        checkpoint, placement, tmp_path_factory.mktemp("cluster"), transports=("tcp",)
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def service(checkpoint: Path, cluster: LocalCluster) -> Iterator[AttentionService]:
+    options = ServeOptions(
+        host="127.0.0.1",
+        port=0,
+        model_name=MODEL,
+        max_batch_size=8,
+        max_queue=8,
+        max_tokens=64,
+        placement_poll_s=0.2,
+        client=ClientOptions(transport="tcp", request_timeout_s=10.0, rejoin_max_s=0.5),
+    )
+    with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
+        yield svc
+
+
+def expected(reference: Decoder, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    tokens, _ = reference.generate(prompts, max(max_tokens))
+    return [t[:n] for t, n in zip(tokens, max_tokens, strict=True)]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def test_concurrent_completions_equal_the_reference_and_share_batches(
+    service: AttentionService, reference: Decoder
+) -> None:
+    tokenizer = ByteTokenizer(service.config.vocab_size)
+    requests: list[dict[str, Any]] = [
+        {"model": MODEL, "prompt": "Experts as a service", "max_tokens": 6, "temperature": 0},
+        {"model": MODEL, "prompt": [7, 8, 300], "max_tokens": 3},
+        {"prompt": ["Hello", [42], "MoE on Kubernetes"], "max_tokens": 5},  # one batch of three
+        {"prompt": "a", "max_tokens": 8, "temperature": 0.0, "stop": None},
+        {"prompt": [100, 200, 300, 250], "max_tokens": 4},
+        {"prompt": "batched", "max_tokens": 2},
+    ]
+    results: list[Any] = [None] * len(requests)
+
+    def send(index: int) -> None:
+        results[index] = http("POST", f"{service.url}/v1/completions", requests[index])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    prompts: list[list[int]] = []
+    lengths: list[int] = []
+    answers: list[dict[str, Any]] = []
+    for request, (status, body) in zip(requests, results, strict=True):
+        assert status == 200, body
+        assert body["object"] == "text_completion" and body["model"] == MODEL
+        items = (
+            request["prompt"]
+            if isinstance(request["prompt"], list) and not isinstance(request["prompt"][0], int)
+            else [request["prompt"]]
+        )
+        assert [c["index"] for c in body["choices"]] == list(range(len(items)))
+        for item in items:
+            prompts.append(tokenizer.encode(item) if isinstance(item, str) else item)
+            lengths.append(request["max_tokens"])
+        answers += body["choices"]
+        used = body["usage"]
+        assert used["completion_tokens"] == request["max_tokens"] * len(items)
+        assert used["prompt_tokens"] == sum(len(prompts[-1 - i]) for i in range(len(items)))
+        assert used["total_tokens"] == used["prompt_tokens"] + used["completion_tokens"]
+    want = expected(reference, prompts, lengths)
+    assert [c["token_ids"] for c in answers] == want
+    assert [c["text"] for c in answers] == [tokenizer.decode(w) for w in want]
+    assert all(c["finish_reason"] == "length" for c in answers)
+    text = http("GET", f"{service.url}/metrics")[1]
+    batches = metric(text, "eaas_attention_batch_sequences_count")
+    sequences = metric(text, "eaas_attention_batch_sequences_sum")
+    assert sequences == len(prompts) and batches < sequences  # sequences were generated together
+
+
+def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder) -> None:
+    tokenizer = ByteTokenizer(service.config.vocab_size)
+    [full], _ = reference.generate([tokenizer.encode("Hello")], 12)
+    text = tokenizer.decode(full)
+    stop = text[3:5] if len(text) >= 5 else None
+    if stop is None:
+        pytest.skip("the random model's text is too short for a stop string")
+    status, body = http(
+        "POST", f"{service.url}/v1/completions", {"prompt": "Hello", "max_tokens": 12, "stop": [stop]}
+    )
+    assert status == 200, body
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
+    assert (
+        stop in tokenizer.decode(choice["token_ids"])
+        and choice["token_ids"] == full[: len(choice["token_ids"])]
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "hi", "temperature": 0.7}, "temperature"),
+        ({"prompt": "hi", "temperature": "0"}, "temperature"),
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, 2, 100000]}, "prompt"),
+        ({"prompt": [1.5]}, "prompt"),
+        ({"prompt": ["ok", 3]}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 65}, "max_tokens"),
+        ({"prompt": "hi", "model": "gpt-4"}, "model"),
+        ({"prompt": "hi", "stream": True}, "stream"),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "top_p": 0.5}, "top_p"),
+        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ([1, 2], "body"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(service: AttentionService, body: Any, field: str) -> None:
+    status, answer = http("POST", f"{service.url}/v1/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field and answer["error"]["message"].startswith(field)
+
+
+def test_malformed_http_never_breaks_the_server(service: AttentionService) -> None:
+    assert http("POST", f"{service.url}/v1/completions", raw=b"{not json")[0] == 400
+    assert http("POST", f"{service.url}/v1/completions", raw=b"")[0] == 400
+    assert http("GET", f"{service.url}/v1/completions")[0] == 405
+    assert http("GET", f"{service.url}/v2/nothing")[0] == 404
+    status, body = http("POST", f"{service.url}/v1/completions", {"prompt": "still here", "max_tokens": 2})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
+
+
+def test_a_full_queue_answers_503(service: AttentionService) -> None:
+    status, body = http("POST", f"{service.url}/v1/completions", {"prompt": ["x"] * 9, "max_tokens": 1})
+    assert status == 503 and "queue full" in body["error"]["message"]
+
+
+def test_models_health_and_metrics(service: AttentionService) -> None:
+    status, models = http("GET", f"{service.url}/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    assert http("GET", f"{service.url}/healthz") == (200, "ok\n")
+    status, ready = http("GET", f"{service.url}/readyz")
+    assert status == 200 and ready["ready"] and ready["live_servers"] == [0, 1]
+    text = http("GET", f"{service.url}/metrics")[1]
+    assert metric(text, 'eaas_attention_requests_total{result="ok"}') >= 1
+    assert metric(text, 'eaas_attention_requests_total{result="bad_request"}') >= 1
+    assert metric(text, 'eaas_attention_requests_total{result="rejected"}') >= 1
+    assert metric(text, "eaas_attention_generated_tokens_total") >= 1
+    assert 'eaas_attention_request_seconds_bucket{le="0.005"}' in text
+    assert metric(text, "eaas_attention_ready") == 1.0
+    assert metric(text, "eaas_attention_live_expert_servers") == 2.0
+
+
+def test_readyz_follows_the_expert_servers(
+    service: AttentionService, cluster: LocalCluster, reference: Decoder
+) -> None:
+    """Last in this module: kills a server of the shared cluster (R = 1, so its experts are lost)."""
+    cluster.kill(1)
+    status, body = http("POST", f"{service.url}/v1/completions", {"prompt": "lost", "max_tokens": 2})
+    assert status == 503 and "expert unavailable" in body["error"]["message"]
+    status, ready = http("GET", f"{service.url}/readyz")
+    assert status == 503 and ready["down_servers"] == [1] and "no connected expert server" in ready["reason"]
+    cluster.restart(1)
+    wait_for(lambda: http("GET", f"{service.url}/readyz")[0] == 200, 20, "the restarted server to rejoin")
+    status, body = http("POST", f"{service.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
+    assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
+    text = http("GET", f"{service.url}/metrics")[1]
+    assert metric(text, 'eaas_attention_requests_total{result="unavailable"}') >= 1
+
+
+def test_pod_command_serves_from_environment_and_waits_for_the_placement(
+    checkpoint: Path, tmp_path: Path, reference: Decoder
+) -> None:
+    """``eaas attention-client`` as pods run it: settings from EAAS_*, the placement mounted late."""
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 1, replication=1)
+    with LocalCluster(checkpoint, placement, tmp_path / "cluster", transports=("tcp",)) as cluster:
+        placement_file = tmp_path / "placement" / "placement.json"  # not there yet, as before a commit
+        ready_file = tmp_path / "ready.json"
+        env = {
+            **os.environ,
+            "EAAS_PORT": "0",
+            "EAAS_CHECKPOINT": str(checkpoint),
+            "EAAS_PLACEMENT_FILE": str(placement_file),
+            "EAAS_TRANSPORT": "tcp",
+            "EAAS_MOESERVICE": "tiny",
+        }
+        command = [
+            sys.executable, "-m", "eaas.runtime.cli", "attention-client", "--host", "127.0.0.1",
+            "--server", f"0={cluster.urls[0]}", "--ready-file", str(ready_file), "--log-level", "WARNING",
+        ]  # fmt: skip
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: ready_file.exists() or process.poll() is not None, 60, "the server to start")
+            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+            url = f"http://127.0.0.1:{json.loads(ready_file.read_text())['port']}"
+            assert http("GET", f"{url}/healthz")[0] == 200
+            status, ready = http("GET", f"{url}/readyz")
+            assert status == 503 and "placement" in ready["reason"]
+            status, body = http("POST", f"{url}/v1/completions", {"prompt": "early"})
+            assert status == 503 and "not ready" in body["error"]["message"]
+            placement_file.parent.mkdir()
+            placement_file.write_text(placement.to_json())
+            wait_for(lambda: http("GET", f"{url}/readyz")[0] == 200, 20, "the placement to be read")
+            status, body = http(
+                "POST", f"{url}/v1/completions", {"model": "tiny", "prompt": [9, 10], "max_tokens": 3}
+            )
+            assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[9, 10]], [3])[0]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+# --- pure pieces -----------------------------------------------------------------------------------
+def test_expert_urls_follow_the_operator_naming() -> None:
+    assert expert_urls((0, 2), "m-experts.models.svc", 9100) == {
+        0: "http://m-experts-0.m-experts.models.svc:9100",
+        2: "http://m-experts-2.m-experts.models.svc:9100",
+    }
+    with pytest.raises(ValueError, match="expert service"):
+        expert_urls((0,), ".models.svc", 9100)
+
+
+def test_take_batch_admits_oldest_within_limits() -> None:
+    from collections import deque
+
+    waiting = deque(Job([1] * 10, 10) for _ in range(5))  # 20 tokens each
+    assert len(take_batch(waiting, max_batch_size=3, max_batch_tokens=1000)) == 3
+    assert len(take_batch(waiting, max_batch_size=8, max_batch_tokens=30)) == 1  # the next would not fit
+    assert len(take_batch(waiting, max_batch_size=8, max_batch_tokens=5)) == 1  # never starves
+    assert not waiting
+
+
+def test_scheduler_fails_only_the_failing_batch_and_refuses_past_the_queue() -> None:
+    release = threading.Event()
+    calls: list[list[list[int]]] = []
+
+    def generate(prompts: list[list[int]], steps: int) -> list[list[int]]:
+        calls.append(prompts)
+        release.wait(10)
+        if prompts[0] == [0]:
+            raise RuntimeError("boom")
+        return [[p[0]] * steps for p in prompts]
+
+    scheduler = BatchScheduler(generate, max_batch_size=4, max_queue=2).start()
+    try:
+        first = Job([0], 1)
+        scheduler.submit([first])
+        wait_for(lambda: len(calls) == 1, 5, "the first batch")
+        later = [Job([1], 2), Job([2], 3)]
+        scheduler.submit(later)
+        with pytest.raises(QueueFull, match="queue full"):
+            scheduler.submit([Job([3], 1)])
+        release.set()
+        for job in [first, *later]:
+            assert job.done.wait(5)
+        assert isinstance(first.error, RuntimeError)
+        assert [job.tokens for job in later] == [[1, 1], [2, 2, 2]]
+        assert calls[1] == [[1], [2]]  # generated together
+        assert scheduler.is_running
+    finally:
+        scheduler.stop()
