@@ -52,6 +52,7 @@ CHECKPOINT_MOUNT = "/models"
 # Environment of the pods (the runtime reads its settings from these) ---------------------------
 ENV_POD_NAME = "EAAS_POD_NAME"
 ENV_NAMESPACE = "EAAS_NAMESPACE"
+ENV_POD_UID = "EAAS_POD_UID"  # owner of the pod's Lease, so it is deleted with the pod
 ENV_SERVICE = "EAAS_MOESERVICE"
 ENV_POOL = "EAAS_POOL"
 ENV_ORDINAL = "EAAS_SERVER_ORDINAL"

@@ -79,6 +79,7 @@ def env(pairs: Mapping[str, str | int]) -> list[dict[str, Any]]:
     downward = [
         {"name": naming.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": naming.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": naming.ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
     ]
     return downward + [{"name": name, "value": str(value)} for name, value in pairs.items()]
 

@@ -24,13 +24,26 @@ from eaas.operator.builders.common import (
 from eaas.runtime.placement.placement import Placement
 
 CONTAINER = "expert-server"
-# The server loads the newest placement it is part of: pending.json during a change, else placement.json.
-SERVER_SCRIPT = (
-    f'p="${naming.ENV_PENDING_FILE}"; [ -f "$p" ] || p="${naming.ENV_PLACEMENT_FILE}"; '
-    f'exec {" ".join(naming.EXPERT_SERVER_COMMAND)} --checkpoint "${naming.ENV_CHECKPOINT}" --placement "$p" '
-    f'--ordinal "${naming.ENV_ORDINAL}" --host 0.0.0.0 --control-port "${naming.ENV_PORT}" '
-    f'--tcp-port "${naming.ENV_DATA_PORT}" --transports "${naming.ENV_TRANSPORT}"'
-)
+
+
+def _var(name: str) -> str:
+    """A Kubernetes ``$(VAR)`` reference, expanded from the container's env by the kubelet."""
+    return f"$({name})"
+
+
+# The server follows the mounted placement directory itself: during a change it loads the union of
+# its committed and pending experts, reports the pending version on its Lease, and drops what only
+# the old placement had once the change is committed.
+SERVER_ARGS = (
+    *naming.EXPERT_SERVER_COMMAND,
+    "--checkpoint", _var(naming.ENV_CHECKPOINT),
+    "--placement-dir", naming.PLACEMENT_MOUNT,
+    "--ordinal", _var(naming.ENV_ORDINAL),
+    "--host", "0.0.0.0",
+    "--control-port", _var(naming.ENV_PORT),
+    "--tcp-port", _var(naming.ENV_DATA_PORT),
+    "--transports", _var(naming.ENV_TRANSPORT),
+)  # fmt: skip
 # Spec fields that change the placement or the pod count, not the pods themselves.
 _NOT_IN_TEMPLATE = ("replicas", "replicationFactor", "expertSlotsPerServer", "placement")
 
@@ -87,7 +100,7 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["/bin/sh", "-c", SERVER_SCRIPT],
+        "command": list(SERVER_ARGS),
         "env": env(settings),
         "ports": [
             {"name": "control", "containerPort": spec.port, "protocol": "TCP"},

@@ -12,6 +12,7 @@ from types import FrameType
 import click
 
 from eaas.kernels import available_backends
+from eaas.operator import naming
 
 
 @click.command("expert-server")
@@ -25,8 +26,21 @@ from eaas.kernels import available_backends
     "--placement",
     "placement_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    required=True,
-    help="placement JSON (the operator's ConfigMap, or written by `eaas local`)",
+    default=None,
+    help="placement JSON, read once (written by `eaas local`); or use --placement-dir",
+)
+@click.option(
+    "--placement-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help=f"the mounted placement ConfigMap: serve {naming.PENDING_KEY} (with {naming.PLACEMENT_KEY}) "
+    "and follow their changes while running",
+)
+@click.option(
+    "--placement-poll-seconds",
+    default=1.0,
+    show_default=True,
+    help="how often --placement-dir is checked for changes",
 )
 @click.option("--ordinal", type=int, required=True, help="this server's ordinal in the placement")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address for the control port and tcp")
@@ -62,10 +76,56 @@ from eaas.kernels import available_backends
 @click.option(
     "--exit-with-parent", type=int, default=None, hidden=True, help="stop when this parent pid is gone"
 )
+@click.option(
+    "--pod-name",
+    envvar=naming.ENV_POD_NAME,
+    show_envvar=True,
+    default=None,
+    help="keep a heartbeat Lease of this name (with --namespace; both set in Kubernetes pods)",
+)
+@click.option(
+    "--namespace", envvar=naming.ENV_NAMESPACE, show_envvar=True, default=None, help="namespace of the Lease"
+)
+@click.option(
+    "--pool",
+    envvar=naming.ENV_POOL,
+    show_envvar=True,
+    default=None,
+    help="the ExpertPool, labelled on the Lease (default: the pod name without -<ordinal>)",
+)
+@click.option(
+    "--pod-uid", envvar=naming.ENV_POD_UID, show_envvar=True, default=None, help="owner of the Lease"
+)
+@click.option(
+    "--heartbeat-interval-seconds",
+    type=float,
+    envvar=naming.ENV_HEARTBEAT_INTERVAL,
+    show_envvar=True,
+    default=5.0,
+    show_default=True,
+    help="how often the Lease is renewed",
+)
+@click.option(
+    "--heartbeat-timeout-seconds",
+    type=float,
+    envvar=naming.ENV_HEARTBEAT_TIMEOUT,
+    show_envvar=True,
+    default=15.0,
+    show_default=True,
+    help="the Lease's leaseDurationSeconds",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="API server credentials for the Lease (default: the pod's in-cluster ServiceAccount)",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def expert_server(
     checkpoint: Path,
-    placement_path: Path,
+    placement_path: Path | None,
+    placement_dir: Path | None,
+    placement_poll_seconds: float,
     ordinal: int,
     host: str,
     control_port: int,
@@ -79,35 +139,74 @@ def expert_server(
     threads: int | None,
     ready_file: Path | None,
     exit_with_parent: int | None,
+    pod_name: str | None,
+    namespace: str | None,
+    pool: str | None,
+    pod_uid: str | None,
+    heartbeat_interval_seconds: float,
+    heartbeat_timeout_seconds: float,
+    kubeconfig: Path | None,
     log_level: str,
 ) -> None:
     """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
     import torch
 
     from eaas.runtime.placement import Placement, PlacementError
-    from eaas.runtime.server.expert_server import ExpertServer
+    from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
+    from eaas.runtime.server.heartbeat import Heartbeat, LeaseSettings, pool_of
     from eaas.runtime.server.loop import LoopOptions
+    from eaas.runtime.server.placement_watch import PlacementFiles, PlacementWatcher, initial_target
+
+    if (placement_path is None) == (placement_dir is None):
+        raise click.UsageError("give exactly one of --placement FILE and --placement-dir DIR")
+    lease: LeaseSettings | None = None
+    if pod_name and namespace:
+        pool = pool or pool_of(pod_name, ordinal)
+        if not pool:
+            raise click.UsageError(f"--pool: cannot tell the pool from pod name {pod_name!r}; set it")
+        try:
+            lease = LeaseSettings(
+                pod_name,
+                namespace,
+                pool,
+                heartbeat_interval_seconds,
+                heartbeat_timeout_seconds,
+                kubeconfig,
+                pod_uid,
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
 
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s expert-server[{ordinal}] %(levelname)s %(message)s"
     )
     if threads is not None:
         torch.set_num_threads(threads)
+    files = PlacementFiles(placement_dir) if placement_dir is not None else None
     try:
-        placement = Placement.from_json(placement_path.read_text())
-        server = ExpertServer.from_placement(
-            checkpoint,
-            placement,
-            ordinal,
-            host=host,
-            control_port=control_port,
-            tcp_port=tcp_port,
-            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
-            max_clients=max_clients,
-            max_tokens=max_tokens,
-            kernel_backend=kernel_backend,
-            dtype=dtype,
-            loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
+        if files is not None:
+            target = initial_target(files, ordinal)
+            hosted, version = tuple(sorted(target.pairs)), target.version
+        else:
+            assert placement_path is not None
+            placement = Placement.from_json(placement_path.read_text())
+            hosted, version = tuple(placement.experts_of(ordinal)), placement.version
+        server = ExpertServer(
+            ServerConfig(
+                checkpoint,
+                hosted,
+                ordinal=ordinal,
+                placement_version=version,
+                host=host,
+                control_port=control_port,
+                tcp_port=tcp_port,
+                transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+                max_clients=max_clients,
+                max_tokens=max_tokens,
+                kernel_backend=kernel_backend,
+                dtype=dtype,
+                loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
+            )
         )
     except (PlacementError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -137,4 +236,15 @@ def expert_server(
         server.url,
         ",".join(server.transports),
     )
-    server.serve_forever()
+    companions: list[PlacementWatcher | Heartbeat] = []
+    if files is not None:
+        companions.append(PlacementWatcher(server, files, placement_poll_seconds).start())
+    if lease is not None:
+        companions.append(
+            Heartbeat(lease, lambda: server.placement_version, lambda: server.loop.busy_seconds).start()
+        )
+    try:
+        server.serve_forever()
+    finally:
+        for companion in companions:
+            companion.stop()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from pathlib import Path
@@ -29,6 +31,7 @@ from eaas.runtime.protocol import ServerLimits, slot_capacity_bytes
 from eaas.runtime.server.control import ControlError, ControlServer
 from eaas.runtime.server.loop import LoopOptions, ServerLoop
 from eaas.runtime.server.metrics import ServerMetrics
+from eaas.runtime.server.restack import hosted_layers, restack
 from eaas.runtime.server.stats import LoadCounter
 from eaas.runtime.transport import ServerTransport, SlotsExhausted, TransportOptions, get_transport
 from eaas.runtime.transport.shm_segment import sweep_stale_segments
@@ -68,19 +71,20 @@ class ExpertServer:
         self.instance = uuid.uuid4().hex[:12]
         reader = CheckpointReader(config.checkpoint)
         self.model = reader.config
-        self.stack = ExpertStack.load(
-            reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None
-        )
+        stack = ExpertStack.load(reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
-        self.limits = ServerLimits(
+        limits = ServerLimits(
             hidden=self.model.hidden_size,
             num_experts=self.model.num_experts,
             max_top_k=self.model.top_k,
             max_tokens=config.max_tokens,
             capacity_bytes=capacity,
             moe_layers=frozenset(self.model.moe_layers),
-            hosted_layers=frozenset(layer for layer, _ in self.stack.pairs),
+            hosted_layers=hosted_layers(stack),
         )
+        self.placement_version = config.placement_version  # of the experts the loop serves now
+        self.placement_error: str | None = None  # the last placement change that failed, if any
+        self._rehost_lock = threading.Lock()
         sweep_stale_segments()
         self.transports: dict[str, ServerTransport] = {}
         try:
@@ -94,11 +98,12 @@ class ExpertServer:
                 )
                 self.transports[name] = get_transport(name).server(options)
             self.metrics = ServerMetrics()
-            self.metrics.hosted_experts.set(len(self.stack.pairs))
+            self.metrics.hosted_experts.set(len(stack.pairs))
+            self.metrics.placement_version.set(config.placement_version)
             self.load = LoadCounter(self.model.num_layers, self.model.num_experts)
             loop_options = replace(config.loop, kernel_backend=config.kernel_backend)
             self.loop = ServerLoop(
-                self.stack, list(self.transports.values()), self.limits, self.metrics, self.load, loop_options
+                stack, list(self.transports.values()), limits, self.metrics, self.load, loop_options
             )
             self.control = ControlServer(self, config.host, config.control_port)
         except BaseException:
@@ -120,6 +125,59 @@ class ExpertServer:
                 Path(checkpoint), hosted, ordinal=ordinal, placement_version=placement.version, **options
             )
         )
+
+    # --- hosted experts --------------------------------------------------------------------------
+    @property
+    def stack(self) -> ExpertStack:
+        """The experts the loop serves now (replaced as a whole by :meth:`rehost`)."""
+        return self.loop.stack
+
+    @property
+    def limits(self) -> ServerLimits:
+        return self.loop.limits
+
+    def rehost(self, pairs: Iterable[tuple[int, int]], version: int, timeout_s: float = 30.0) -> bool:
+        """Serve exactly ``pairs`` as placement ``version``, from the next batch on.
+
+        Loads only the pairs not hosted now (kept ones are reused, not re-read), builds a new
+        stack while the loop keeps serving the old one, hands it to the loop and waits until the
+        loop has adopted it between two batches. Returns False when the loop stopped first.
+        Raises ``ValueError``/``OSError`` (pair not in the model, unreadable checkpoint); the old
+        experts are then still served.
+        """
+        with self._rehost_lock:
+            old = self.stack
+            reader = CheckpointReader(self.config.checkpoint)
+            stack, num_loaded = restack(old, reader, pairs)
+            limits = replace(self.limits, hosted_layers=hosted_layers(stack))
+            adopted = threading.Event()
+
+            def on_adopted() -> None:  # in the loop thread, between batches
+                self.placement_version = version
+                self.metrics.hosted_experts.set(len(stack.pairs))
+                self.metrics.placement_version.set(version)
+                adopted.set()
+
+            self.loop.swap_stack(stack, limits, on_adopted)
+            deadline = time.monotonic() + timeout_s
+            while not adopted.wait(0.05):
+                if self.loop.stop_event.is_set() or time.monotonic() > deadline:
+                    return False
+            kept = len(set(old.pairs) & set(stack.pairs))
+            log.info(
+                "placement v%d: serving %d experts (%d loaded, %d kept, %d dropped)",
+                version,
+                len(stack.pairs),
+                num_loaded,
+                kept,
+                len(old.pairs) - kept,
+            )
+            return True
+
+    def set_placement_version(self, version: int) -> None:
+        """A newer placement that gives this server the experts it already serves."""
+        self.placement_version = version
+        self.metrics.placement_version.set(version)
 
     # --- lifecycle -------------------------------------------------------------------------------
     @property
@@ -201,11 +259,13 @@ class ExpertServer:
         transports: dict[str, Any] = {name: {} for name in self.transports}
         if "tcp" in transports:
             transports["tcp"]["port"] = self.tcp_port
+        stack = self.stack
         return {
             "ordinal": self.config.ordinal,
             "instance": self.instance,
             "pid": os.getpid(),
-            "placement_version": self.config.placement_version,
+            "placement_version": self.placement_version,
+            "placement_error": self.placement_error,
             "model": {
                 "family": m.family,
                 "hidden_size": m.hidden_size,
@@ -214,19 +274,19 @@ class ExpertServer:
                 "top_k": m.top_k,
                 "moe_layers": m.moe_layers,
             },
-            "hosted": [list(pair) for pair in self.stack.pairs],
+            "hosted": [list(pair) for pair in stack.pairs],
             "transports": transports,
             "max_tokens": self.limits.max_tokens,
             "capacity_bytes": self.limits.capacity_bytes,
             "kernel_backend": self.config.kernel_backend,
-            "dtype": str(self.stack.w13.dtype).removeprefix("torch."),
+            "dtype": str(stack.w13.dtype).removeprefix("torch."),
         }
 
     def stats(self) -> dict[str, Any]:
         return {
             "ordinal": self.config.ordinal,
             "instance": self.instance,
-            "placement_version": self.config.placement_version,
+            "placement_version": self.placement_version,
             **self.load.to_json(self.model.moe_layers),
         }
 

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from eaas.runtime.model import ExpertStack
@@ -71,6 +72,30 @@ class ServerLoop:
         self._waiter = self._choose_waiter(transports)
         self._last_seen: dict[tuple[str, int], float] = {}
         self._next_housekeeping = 0.0
+        self.busy_seconds = 0.0  # time spent serving batches since start (utilisation = its rate)
+        self._next_stack: tuple[ExpertStack, ServerLimits, Callable[[], None] | None] | None = None
+        self._swap_lock = threading.Lock()
+
+    # --- hosted experts ----------------------------------------------------------------------------
+    def swap_stack(
+        self, stack: ExpertStack, limits: ServerLimits, on_adopted: Callable[[], None] | None = None
+    ) -> None:
+        """Serve ``stack`` from the next batch on (any thread). A batch already picked up finishes on
+        the stack it was validated against; ``on_adopted`` runs in the loop thread once swapped."""
+        with self._swap_lock:
+            self._next_stack = (stack, limits, on_adopted)
+
+    def _adopt_next_stack(self) -> None:
+        """Called by the loop thread between batches only (never between validation and compute)."""
+        if self._next_stack is None:
+            return
+        with self._swap_lock:
+            swap, self._next_stack = self._next_stack, None
+        if swap is None:
+            return
+        self.stack, self.limits, on_adopted = swap
+        if on_adopted is not None:
+            on_adopted()
 
     # --- waiting ---------------------------------------------------------------------------------
     @staticmethod
@@ -104,6 +129,7 @@ class ServerLoop:
             if self.stop_event.is_set():
                 return []
             self._housekeeping()
+            self._adopt_next_stack()
             self._idle_wait(self.options.idle_wait_s)
             requests = self._poll_all()
         now = time.monotonic()
@@ -151,6 +177,7 @@ class ServerLoop:
 
     def step(self) -> int:
         """Serves one batch; returns the number of requests answered."""
+        self._adopt_next_stack()
         self._housekeeping()
         requests = self._gather()
         if not requests:
@@ -166,7 +193,9 @@ class ServerLoop:
                 self._reject(request, exc)
         if jobs:
             self._compute(jobs)
-        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.busy_seconds += elapsed
+        self.metrics.step_seconds.observe(elapsed)
         return len(requests)
 
     def _validate(self, request: Request) -> Job:

@@ -49,6 +49,16 @@ class ServerMetrics:
         self.hosted_experts = Gauge(
             "eaas_expert_server_hosted_experts", "(layer, expert) pairs hosted", registry=r
         )
+        self.placement_version = Gauge(
+            "eaas_expert_server_placement_version",
+            "Version of the newest placement whose experts this server has loaded",
+            registry=r,
+        )
+        self.placement_errors = Counter(
+            "eaas_expert_server_placement_errors_total",
+            "Placement changes that could not be read or loaded (the server kept its experts)",
+            registry=r,
+        )
         self.ready = Gauge("eaas_expert_server_ready", "1 when the server serves requests", registry=r)
 
     def render(self) -> bytes:

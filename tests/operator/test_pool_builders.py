@@ -76,7 +76,14 @@ def test_expert_pod_has_stable_identity_and_its_assignment(
     assert volumes["placement"]["configMap"]["name"] == "tiny-experts-placement"
     assert volumes["checkpoint"]["hostPath"]["path"] == "/var/lib/eaas/tiny-mixtral"
     assert "nvidia.com/gpu" not in str(container["resources"])  # gpusPerPod: 0 in the tiny manifest
-    assert "--placement" in container["command"][-1] and "expert-server" in container["command"][-1]
+    command = container["command"]
+    assert command[:2] == ["eaas", "expert-server"]
+    assert command[command.index("--placement-dir") + 1] == naming.PLACEMENT_MOUNT
+    assert command[command.index("--ordinal") + 1] == f"$({naming.ENV_ORDINAL})"
+    # Every $(VAR) in the command is defined in the container's env (the kubelet expands them).
+    referenced = {arg[2:-1] for arg in command if arg.startswith("$(")}
+    assert referenced <= set(env_of(container))
+    assert env_of(container)[naming.ENV_POD_UID] == "<downward>"
 
 
 def test_gpu_expert_pod_requests_exactly_one_gpu(

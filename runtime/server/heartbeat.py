@@ -1,0 +1,229 @@
+"""The expert server's heartbeat: a ``coordination.k8s.io/v1`` Lease named after its pod.
+
+Every ``interval_s`` the server creates or renews the Lease (``holderIdentity`` = pod name,
+``leaseDurationSeconds`` = the heartbeat timeout, ``renewTime`` = now), labelled with its pool so
+the operator lists a pool's Leases with one selector, and annotated with the newest placement
+version whose experts it serves (the operator commits a pending placement only when every server
+in it reports that version) and its busy fraction over the last interval in thousandths (what
+the built-in autoscaler averages). API errors are logged and retried with backoff (0.5 s doubling,
+at most the interval); they never stop the serving.
+
+RBAC the pod's ServiceAccount needs in its namespace: ``coordination.k8s.io`` ``leases``
+``get``, ``create``, ``update``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from eaas.operator import naming
+
+log = logging.getLogger("eaas.server.heartbeat")
+
+MIN_RETRY_S = 0.5
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    pod_name: str
+    namespace: str
+    pool: str
+    interval_s: float = 5.0
+    timeout_s: float = 15.0
+    kubeconfig: Path | None = None  # None: the in-cluster configuration (the pod's ServiceAccount)
+    pod_uid: str | None = None  # when known, the Lease is owned by the pod (deleted with it)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s < self.timeout_s:
+            raise ValueError(
+                f"heartbeat: need 0 < interval ({self.interval_s} s) < timeout ({self.timeout_s} s)"
+            )
+
+
+def pool_of(pod_name: str, ordinal: int) -> str | None:
+    """The pool in an expert-server pod name ``<pool>-<ordinal>`` (None when not of that form)."""
+    suffix = f"-{ordinal}"
+    if pod_name.endswith(suffix) and len(pod_name) > len(suffix):
+        return pod_name.removesuffix(suffix)
+    return None
+
+
+def micro_time(moment: datetime) -> str:
+    """A Kubernetes MicroTime: RFC 3339 in UTC with microseconds."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_body(
+    settings: LeaseSettings,
+    now: datetime,
+    loaded_version: int,
+    utilization_milli: int,
+    previous: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one."""
+    lease: dict[str, Any] = json.loads(json.dumps(previous)) if previous else {}
+    lease["apiVersion"] = "coordination.k8s.io/v1"
+    lease["kind"] = "Lease"
+    metadata = lease.setdefault("metadata", {})
+    metadata["name"] = settings.pod_name
+    metadata["namespace"] = settings.namespace
+    metadata["labels"] = (metadata.get("labels") or {}) | {
+        naming.POOL_LABEL: settings.pool,
+        naming.COMPONENT_LABEL: naming.EXPERT_COMPONENT,
+    }
+    metadata["annotations"] = (metadata.get("annotations") or {}) | {
+        naming.LOADED_VERSION_ANNOTATION: str(loaded_version),
+        naming.UTILIZATION_ANNOTATION: str(utilization_milli),
+    }
+    if settings.pod_uid and not metadata.get("ownerReferences"):
+        metadata["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Pod", "name": settings.pod_name, "uid": settings.pod_uid}
+        ]
+    spec = lease.setdefault("spec", {})
+    stamp = micro_time(now)
+    if spec.get("holderIdentity") != settings.pod_name:
+        if spec.get("holderIdentity"):
+            spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
+        spec["holderIdentity"] = settings.pod_name
+        spec["acquireTime"] = stamp
+    spec.setdefault("acquireTime", stamp)
+    spec["leaseDurationSeconds"] = math.ceil(settings.timeout_s)
+    spec["renewTime"] = stamp
+    return lease
+
+
+class Utilization:
+    """Busy fraction between two readings of a monotonically growing busy-seconds counter."""
+
+    def __init__(self, busy_seconds: Callable[[], float]) -> None:
+        self._busy_seconds = busy_seconds
+        self._last = (time.monotonic(), busy_seconds())
+
+    def milli(self) -> int:
+        """Busy thousandths (0-1000) since the last call."""
+        now, busy = time.monotonic(), self._busy_seconds()
+        (then, busy_then), self._last = self._last, (now, busy)
+        if now <= then:
+            return 0
+        return max(0, min(1000, round(1000 * (busy - busy_then) / (now - then))))
+
+
+class Heartbeat:
+    """Creates and renews the Lease in a daemon thread: ``start()``, ``stop()``."""
+
+    def __init__(
+        self,
+        settings: LeaseSettings,
+        loaded_version: Callable[[], int],
+        busy_seconds: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self._loaded_version = loaded_version
+        self._utilization = Utilization(busy_seconds)
+        self._api: Any = None
+        self._lease: dict[str, Any] | None = None  # as last read or written (carries resourceVersion)
+        self.renewals = 0
+        self.failures = 0  # in a row
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eaas-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            try:
+                self.beat()
+                self.failures = 0
+                delay = self.settings.interval_s
+            except Exception as error:  # API errors, network errors, config errors: retry
+                self.failures += 1
+                delay = min(self.settings.interval_s, MIN_RETRY_S * 2 ** (self.failures - 1))
+                log.warning(
+                    "heartbeat: Lease %s/%s not renewed (%d failure(s) in a row): %s; retrying in %.1f s",
+                    self.settings.namespace,
+                    self.settings.pod_name,
+                    self.failures,
+                    _describe(error),
+                    delay,
+                )
+
+    def beat(self) -> None:
+        """Creates or renews the Lease once (raises on API errors)."""
+        from kubernetes.client.exceptions import ApiException
+
+        api = self._client()
+        name, namespace = self.settings.pod_name, self.settings.namespace
+        timeout = max(1.0, min(self.settings.interval_s, 10.0))
+        version, milli = self._loaded_version(), self._utilization.milli()
+        for attempt in range(2):
+            if self._lease is None:
+                try:
+                    self._lease = _json(api.read_namespaced_lease(name, namespace, **_raw(timeout)))
+                except ApiException as error:
+                    if error.status != 404:
+                        raise
+                    body = lease_body(self.settings, datetime.now(UTC), version, milli)
+                    self._lease = _json(api.create_namespaced_lease(namespace, body, **_raw(timeout)))
+                    self.renewals += 1
+                    log.info("heartbeat: created Lease %s/%s", namespace, name)
+                    return
+            body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease)
+            try:
+                self._lease = _json(api.replace_namespaced_lease(name, namespace, body, **_raw(timeout)))
+                self.renewals += 1
+                return
+            except ApiException as error:
+                self._lease = None  # changed or deleted behind our back: read it again
+                if error.status not in (404, 409) or attempt:
+                    raise
+
+    def _client(self) -> Any:
+        if self._api is None:
+            from kubernetes import client, config
+
+            if self.settings.kubeconfig is not None:
+                api_client = config.new_client_from_config(config_file=str(self.settings.kubeconfig))
+            else:
+                configuration = client.Configuration()
+                config.load_incluster_config(client_configuration=configuration)
+                api_client = client.ApiClient(configuration)
+            self._api = client.CoordinationV1Api(api_client)
+        return self._api
+
+
+def _raw(timeout_s: float) -> dict[str, Any]:
+    """Request options: a timeout, and the JSON body instead of a model (we keep plain dicts)."""
+    return {"_preload_content": False, "_request_timeout": timeout_s}
+
+
+def _json(response: Any) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(response.data)
+    return data
+
+
+def _describe(error: Exception) -> str:
+    status = getattr(error, "status", None)
+    if status is not None and hasattr(error, "body"):
+        try:
+            message = json.loads(error.body or "{}").get("message", "")
+        except (ValueError, AttributeError):
+            message = ""
+        return f"{status} {getattr(error, 'reason', '')}: {message}".strip()
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,41 @@
+"""A new ``ExpertStack`` for a changed hosted set, reading only the experts that are new.
+
+Legend: G = hosted groups (one per (layer, expert)), H = hidden, I = expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from eaas.runtime.model import CheckpointReader, ExpertStack
+from eaas.runtime.model.expert_side import ExpertKey
+
+
+def restack(
+    old: ExpertStack, reader: CheckpointReader, pairs: Iterable[ExpertKey]
+) -> tuple[ExpertStack, int]:
+    """(stack hosting exactly ``pairs``, number of pairs read from the checkpoint).
+
+    Pairs ``old`` hosts are copied from its tensors (not re-read); only the others are loaded, in
+    ``old``'s dtype and on its device. ``old`` is left untouched (the loop may still be using it).
+    Raises ``ValueError`` for a pair that is not a routed expert of the model.
+    """
+    wanted = sorted(set(pairs))
+    kept = {pair: group for group, pair in enumerate(old.pairs)}
+    loaded = ExpertStack.load(reader, [p for p in wanted if p not in kept], dtype=old.w13.dtype)
+    fresh = {pair: group for group, pair in enumerate(loaded.pairs)}
+    device = old.w13.device
+    if not wanted:
+        return ExpertStack(old.config, [], old.w13[:0].clone(), old.w2[:0].clone()), 0
+    w13 = torch.stack(  # [G, 2I, H]
+        [old.w13[kept[p]] if p in kept else loaded.w13[fresh[p]].to(device) for p in wanted]
+    )
+    w2 = torch.stack([old.w2[kept[p]] if p in kept else loaded.w2[fresh[p]].to(device) for p in wanted])
+    return ExpertStack(old.config, wanted, w13, w2), len(fresh)
+
+
+def hosted_layers(stack: ExpertStack) -> frozenset[int]:
+    """The layers with at least one expert in ``stack`` (requests for other layers are refused)."""
+    return frozenset(layer for layer, _ in stack.pairs)

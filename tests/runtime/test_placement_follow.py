@@ -1,0 +1,221 @@
+"""A running expert server follows its placement directory (the mounted placement ConfigMap)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from eaas.runtime.client.connection import ServerConnection
+from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts
+from eaas.runtime.placement import Placement, Server
+from eaas.runtime.protocol import Status
+from eaas.runtime.server.placement_watch import Target, target_for
+from eaas.runtime.server.restack import restack
+from eaas.runtime.transport import RemoteError
+from eaas.runtime.transport.shm_segment import remove_segments_of
+
+Pair = tuple[int, int]
+
+
+def placement(layers: list[int], num_experts: int, mine: list[Pair], version: int) -> Placement:
+    """Server 0 hosts ``mine``; server 1 hosts everything (so every pair keeps a replica)."""
+    everything = [(layer, e) for layer in layers for e in range(num_experts)]
+    servers = [Server(n, capacity=len(everything)) for n in (0, 1)]
+    return Placement(layers, num_experts, servers, {0: mine, 1: everything}, replication=1, version=version)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """As kubelet does: the reader sees the old or the new file, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status, response.read()
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints: dict[str, Path]) -> tuple[Path, list[int], int]:
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    return checkpoint, list(config.moe_layers), config.num_experts
+
+
+@pytest.fixture
+def started(
+    model: tuple[Path, list[int], int], tmp_path: Path
+) -> Iterator[tuple[str, Path, Path, Callable[[], str]]]:
+    """Server 0 as a process following ``tmp_path/placement``: (url, directory, checkpoint, log)."""
+    checkpoint, layers, num_experts = model
+    directory = tmp_path / "placement"
+    directory.mkdir()
+    first = [(layer, e) for layer in layers for e in range(num_experts) if e % 2 == 0]
+    write_atomically(directory / "placement.json", placement(layers, num_experts, first, 1).to_json())
+    ready, log_path = tmp_path / "ready.json", tmp_path / "server.log"
+    command = [
+        sys.executable, "-m", "eaas.runtime.server", "--checkpoint", str(checkpoint),
+        "--placement-dir", str(directory), "--placement-poll-seconds", "0.1", "--ordinal", "0",
+        "--transports", "tcp", "--threads", "1", "--ready-file", str(ready),
+        "--exit-with-parent", str(os.getpid()),
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: ready.exists() or process.poll() is not None, "the server to start", 60)
+        assert process.poll() is None, log_path.read_text()
+        url = json.loads(ready.read_text())["url"]
+        yield url, directory, checkpoint, log_path.read_text
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        remove_segments_of(process.pid)
+
+
+def info(url: str) -> dict[str, Any]:
+    return json.loads(get(f"{url}/v1/info")[1])
+
+
+def hosted(url: str) -> set[Pair]:
+    return {(layer, expert) for layer, expert in info(url)["hosted"]}
+
+
+def ask(url: str, layer: int, experts: list[int]) -> torch.Tensor:
+    """One request applying ``experts`` (one per token) of ``layer``, answered by the server."""
+    connection = ServerConnection(0, url, "tcp", "test", 5.0, 2.0)
+    connection.connect()
+    try:
+        assert connection.channel is not None
+        connection.channel.send(layer, *inputs(experts))
+        return connection.channel.receive(time.monotonic() + 5)
+    finally:
+        connection.close()
+
+
+def inputs(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(len(experts))
+    x = torch.randn(len(experts), 64, generator=generator)  # [T, H]
+    ids = torch.tensor([[e, -1] for e in experts], dtype=torch.int32)  # [T, K]
+    weights = torch.rand(len(experts), 2, generator=generator)  # [T, K]
+    return x, ids, weights
+
+
+def test_a_running_server_loads_moved_experts_and_drops_old_ones(
+    started: tuple[str, Path, Path, Callable[[], str]], model: tuple[Path, list[int], int]
+) -> None:
+    url, directory, checkpoint, log = started
+    _, layers, num_experts = model
+    reader = CheckpointReader(checkpoint)
+    reference = LocalExperts(ExpertStack.load(reader, [(la, e) for la in layers for e in range(num_experts)]))
+    evens = {(layer, e) for layer in layers for e in range(num_experts) if e % 2 == 0}
+    odds = {(layer, e) for layer in layers for e in range(num_experts) if e % 2 == 1}
+    assert info(url)["placement_version"] == 1 and hosted(url) == evens
+    layer = layers[1]
+
+    # v2 moves every expert of server 0: the odd ones are loaded, the even ones dropped.
+    write_atomically(directory / "placement.json", placement(layers, num_experts, sorted(odds), 2).to_json())
+    wait_for(lambda: info(url)["placement_version"] == 2, "placement v2 to be loaded")
+    assert hosted(url) == odds
+    y = ask(url, layer, [1, 3, 5, 7])
+    torch.testing.assert_close(y, reference(layer, *inputs([1, 3, 5, 7])), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RemoteError) as refused:
+        ask(url, layer, [1, 2])
+    assert refused.value.status == Status.NOT_HOSTED and "expert 2" in str(refused.value)
+    assert "eaas_expert_server_placement_version 2.0" in get(f"{url}/metrics")[1].decode()
+
+    # Pending v3 (experts 0-3): served together with the committed v2 until v3 is committed.
+    low = {(la, e) for la in layers for e in range(4)}
+    write_atomically(directory / "pending.json", placement(layers, num_experts, sorted(low), 3).to_json())
+    wait_for(lambda: info(url)["placement_version"] == 3, "pending placement v3 to be loaded")
+    assert hosted(url) == odds | low
+    # Commit: placement.json = v3, pending.json removed -> the experts only v2 had are dropped.
+    write_atomically(directory / "placement.json", placement(layers, num_experts, sorted(low), 3).to_json())
+    (directory / "pending.json").unlink()
+    wait_for(lambda: hosted(url) == low, "the experts of v2 alone to be dropped")
+    assert info(url)["placement_version"] == 3
+    y = ask(url, layer, [0, 2, 3])
+    torch.testing.assert_close(y, reference(layer, *inputs([0, 2, 3])), rtol=1e-5, atol=1e-5)
+
+    # A corrupt file: logged with its name, the server keeps serving v3.
+    write_atomically(directory / "placement.json", '{"schema_version": 1, "layers": [')
+    wait_for(lambda: info(url)["placement_error"], "the placement error to be reported")
+    assert "placement.json" in info(url)["placement_error"]
+    wait_for(lambda: "placement.json" in log() and "still serving placement v3" in log(), "the log line")
+    assert info(url)["placement_version"] == 3 and hosted(url) == low
+    assert "eaas_expert_server_placement_errors_total 1.0" in get(f"{url}/metrics")[1].decode()
+    torch.testing.assert_close(ask(url, layer, [0, 2, 3]), y)
+
+    # A valid placement of another model (layer 9 does not exist here): cannot be loaded.
+    alien = placement([*layers, 9], num_experts, [(9, 0)], 5)
+    write_atomically(directory / "placement.json", alien.to_json())
+    wait_for(lambda: "cannot load its experts" in (info(url)["placement_error"] or ""), "the load error")
+    assert "layer=9" in info(url)["placement_error"]
+    assert info(url)["placement_version"] == 3 and hosted(url) == low
+
+    # A placement without this server (it is being drained): it keeps serving what it has.
+    drained = Placement(layers, num_experts, [Server(1, len(evens | odds))], {1: sorted(evens | odds)}, 1, 4)
+    write_atomically(directory / "placement.json", drained.to_json())
+    wait_for(lambda: "being drained" in log(), "the drain to be noticed")
+    assert info(url)["placement_version"] == 3 and hosted(url) == low and info(url)["placement_error"] is None
+    assert get(f"{url}/readyz") == (200, b"ready\n")
+
+
+def test_restack_reads_only_new_experts(model: tuple[Path, list[int], int]) -> None:
+    checkpoint, layers, _ = model
+    read: list[str] = []
+
+    class CountingReader(CheckpointReader):
+        def load(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+            read.extend(names)
+            return super().load(names, dtype)
+
+    reader = CountingReader(checkpoint)
+    old = ExpertStack.load(reader, [(layers[0], 0), (layers[0], 1), (layers[1], 5)])
+    read.clear()
+    wanted = [(layers[0], 1), (layers[1], 5), (layers[2], 7)]
+    new, num_loaded = restack(old, reader, wanted)
+    expected = ExpertStack.load(CheckpointReader(checkpoint), wanted)
+    assert num_loaded == 1 and len(read) == 3 and all(f".{layers[2]}." in n and ".7." in n for n in read)
+    assert new.pairs == expected.pairs
+    torch.testing.assert_close(new.w13, expected.w13, rtol=0, atol=0)
+    torch.testing.assert_close(new.w2, expected.w2, rtol=0, atol=0)
+    assert old.pairs == [(layers[0], 0), (layers[0], 1), (layers[1], 5)]  # untouched: may still serve
+    empty, _ = restack(old, reader, [])
+    assert empty.pairs == [] and empty.w13.shape[0] == 0
+
+
+def test_target_is_the_union_while_pending_and_none_when_drained(model: tuple[Path, list[int], int]) -> None:
+    _, layers, num_experts = model
+    a, b = [(layers[0], 0), (layers[0], 1)], [(layers[0], 1), (layers[1], 2)]
+    committed, pending = placement(layers, num_experts, a, 5), placement(layers, num_experts, b, 6)
+    assert target_for(0, committed, None) == Target(5, frozenset(a))
+    assert target_for(0, committed, pending) == Target(6, frozenset(a) | frozenset(b))
+    assert target_for(0, None, pending) == Target(6, frozenset(b))
+    without_0 = Placement(layers, num_experts, [Server(1, 99)], {1: pending.experts_of(1)}, 1, 7)
+    assert target_for(0, committed, without_0) == Target(5, frozenset(a))  # draining: keeps its set
+    assert target_for(0, without_0, None) is None
