@@ -18,7 +18,9 @@ allows every server up to ``k`` new loads; all layers take their best moves unde
 (largest excess first). A level is kept only if its compute gain over the horizon pays for the
 extra level of movement; the search looks ``patience`` levels past the best one (a level can pay
 after one that does not), stops there (or when nothing moves, or at the move budget) and rolls
-back to the best level.
+back to the best level. A last bounded pass re-runs the best level and the next one allowing
+two-step *chains* (`Search.best_chain`: clear room on a cold server with a move that need not
+lower the peak, then move a hot expert there), each kept only if the objective improves.
 
 Indices: ``l`` layer row, ``e`` expert, ``s``/``h``/``v`` server column (ordinal order).
 """
@@ -36,6 +38,7 @@ from eaas.runtime.placement.placement import PlacementError
 _RELOCATE, _REPLICATE, _SWAP = 0, 1, 2
 _FREE: tuple[int, int] = (-1, -1)
 _SWAP_RECEIVERS = 4
+_CHAIN_RECEIVERS = 2  # coldest open servers tried as the middle server of a two-step chain
 _EVICTION_TRIES = 6  # surplus replicas examined per receiver before giving up on it
 SWAP_WEIGHT = 0.75  # a swap's gain counts 0.75x: it costs two loads but fixes two servers
 
@@ -97,22 +100,20 @@ class Search:
         self._evictable_level: dict[int, int] = {}
         self._peaks: list[tuple[int, float]] = [(-1, 0.0)] * num_layers
 
-        self.hosts: list[list[list[int]]] = [[[] for _ in range(num_experts)] for _ in range(num_layers)]
-        self.on: list[list[set[int]]] = [[set() for _ in range(num_servers)] for _ in range(num_layers)]
-        columns, rows, experts = np.nonzero(start)
-        for s, l, e in zip(columns.tolist(), rows.tolist(), experts.tolist(), strict=True):
-            self.hosts[l][e].append(s)
-            self.on[l][s].add(e)
+        self.hosts: list[list[list[int]]] = _grouped(start.transpose(1, 2, 0))
+        on_lists = _grouped(start.transpose(1, 0, 2))
+        self.on: list[list[set[int]]] = [[set(experts) for experts in row] for row in on_lists]
         counts = np.maximum(start.sum(axis=0), 1)
         self.srv: list[list[float]] = np.einsum("sle,le->ls", start, load / counts).tolist()
         self.used = start.sum(axis=(1, 2)).tolist()
-        columns, rows, experts = np.nonzero(original)
-        self.orig = set((((columns * num_layers) + rows) * num_experts + experts).tolist())
-        self._orig_hosts: list[list[list[int]]] = [
-            [[] for _ in range(num_experts)] for _ in range(num_layers)
-        ]
-        for s, l, e in zip(columns.tolist(), rows.tolist(), experts.tolist(), strict=True):
-            self._orig_hosts[l][e].append(s)
+        self._original = original
+        # Original hosts of a pair: when the search starts from the current placement, the hosts
+        # lists are copied before their first change (copy on write), else built here.
+        self._copy_on_write = original is start
+        self._saved_hosts: dict[int, list[int]] = {}
+        self._orig_hosts: list[list[list[int]]] = (
+            [] if self._copy_on_write else _grouped(original.transpose(1, 2, 0))
+        )
         self.level = 0
         self.open_servers: set[int] = set()
         self.closed_servers: set[int] = set()
@@ -127,6 +128,8 @@ class Search:
 
     def add(self, l: int, e: int, s: int) -> None:
         hosts = self.hosts[l][e]
+        if self._copy_on_write:
+            self._saved_hosts.setdefault(l * self.num_experts + e, list(hosts))
         row = self.srv[l]
         count = len(hosts)
         demand = self.load[l][e]
@@ -139,7 +142,7 @@ class Search:
         hosts.append(s)
         self.on[l][s].add(e)
         self.used[s] += 1
-        if self._key(l, e, s) not in self.orig:
+        if not self._original[s, l, e]:
             self.new_loads[s] += 1
             self._refresh(s)
         self.layer_version[l] += 1
@@ -147,6 +150,8 @@ class Search:
 
     def remove(self, l: int, e: int, s: int) -> None:
         hosts = self.hosts[l][e]
+        if self._copy_on_write:
+            self._saved_hosts.setdefault(l * self.num_experts + e, list(hosts))
         row = self.srv[l]
         count = len(hosts)
         demand = self.load[l][e]
@@ -159,7 +164,7 @@ class Search:
                 row[u] += new_share - old_share
         self.on[l][s].discard(e)
         self.used[s] -= 1
-        if self._key(l, e, s) not in self.orig:
+        if not self._original[s, l, e]:
             self.new_loads[s] -= 1
             self._refresh(s)
         self.layer_version[l] += 1
@@ -174,11 +179,11 @@ class Search:
                 self.add(l, e, s)
             self.log.pop()
 
-    def _key(self, l: int, e: int, s: int) -> int:
-        return (s * self.num_layers + l) * self.num_experts + e
-
     def orig_hosts(self, l: int, e: int) -> list[int]:
         """Servers that host (l, e) in the current placement (hosting it again costs no load)."""
+        if self._copy_on_write:
+            saved = self._saved_hosts.get(l * self.num_experts + e)
+            return self.hosts[l][e] if saved is None else saved
         return self._orig_hosts[l][e]
 
     def is_open(self, s: int) -> bool:
@@ -298,8 +303,8 @@ class Search:
         may exist once servers get more load allowance or free slots (at a higher level).
         """
         row = self.srv[l]
-        hottest = max(range(self.num_servers), key=row.__getitem__)
-        peak = row[hottest]
+        peak = max(row)
+        hottest = row.index(peak)
         best_gain = self.min_gain[l]
         if peak - self.mean[l] <= best_gain:
             return None, False
@@ -309,6 +314,7 @@ class Search:
         blocked = False
         on_layer, hosts_layer, load_layer = self.on[l], self.hosts[l], self.load[l]
         hot_experts = sorted(on_layer[hottest])
+        sorted_on: dict[int, list[int]] = {}  # the swap partners' experts, sorted (per call)
         for e in hot_experts:
             hosts = hosts_layer[e]
             count = len(hosts)
@@ -319,7 +325,12 @@ class Search:
             # Receivers for e: open servers, plus closed ones that hosted e before (no load).
             candidates = receivers
             if self.closed_servers:
-                returning = [v for v in self.orig_hosts(l, e) if v in self.closed_servers and self.allowed[v]]
+                # (The hottest server itself is never a receiver, so it is left out.)
+                returning = [
+                    v
+                    for v in self.orig_hosts(l, e)
+                    if v != hottest and v in self.closed_servers and self.allowed[v]
+                ]
                 if returning:
                     candidates = sorted([*receivers, *returning], key=row.__getitem__)
             # Relocate e from the hottest server to the coldest one that can take it.
@@ -343,7 +354,8 @@ class Search:
             # Replicate e onto the coldest server that can take it.
             if count < self.num_servers:
                 new_share = demand / (count + 1)
-                hosts_peak = max(row[u] for u in hosts) - (share - new_share)
+                hosts_max = row[hosts[0]] if count == 1 else max([row[u] for u in hosts])
+                hosts_peak = hosts_max - (share - new_share)
                 for v in candidates:
                     if peak - max(row[v] + new_share, hosts_peak) <= best_gain:
                         break
@@ -371,7 +383,10 @@ class Search:
                 row_v = row[v]
                 if SWAP_WEIGHT * min(share, peak - row_v) <= best_gain:
                     break
-                for f in sorted(on_layer[v]):
+                experts_v = sorted_on.get(v)
+                if experts_v is None:
+                    experts_v = sorted_on[v] = sorted(on_layer[v])
+                for f in experts_v:
                     if f in on_layer[hottest]:
                         continue
                     share_f = load_layer[f] / len(hosts_layer[f])
@@ -389,10 +404,82 @@ class Search:
                     best_gain, best = gain, (_SWAP, e, hottest, v, f, _FREE)
         if best is None and not blocked and self.closed_servers and hot_experts:
             # A server out of allowance could take a move if it is cold enough.
-            coldest_closed = min(row[v] for v in self.closed_servers)
+            coldest_closed = min([row[v] for v in self.closed_servers])
             lightest = min(load_layer[e] / (len(hosts_layer[e]) + 1) for e in hot_experts)
             blocked = coldest_closed + lightest < peak - self.min_gain[l]
         return best, blocked
+
+    def best_chain(self, l: int) -> tuple[int, int, int, int, int, int] | None:
+        """A two-step move for a layer in a local optimum that needs a neutral first step: clear
+        room on a cold server ``v`` by relocating one of its experts ``g`` to another open server
+        ``w`` with a free slot (this step alone need not lower the peak), then relocate or replicate
+        an expert ``e`` of the busiest server ``h`` onto ``v``. It loads two experts (``g`` on ``w``,
+        ``e`` on ``v``), like a swap. Bounded: the ``_CHAIN_RECEIVERS`` coldest open servers as
+        ``v``; ``w`` coldest first. Every server it touches ends more than ``min_gain`` below the old
+        peak, so the search still cannot cycle.
+
+        Returns ``(g, v, w, kind, e, h)`` or None.
+        """
+        row = self.srv[l]
+        peak = max(row)
+        hottest = row.index(peak)
+        best_gain = self.min_gain[l]
+        if peak - self.mean[l] <= best_gain:
+            return None
+        receivers = [v for v in sorted(self.open_servers, key=row.__getitem__) if v != hottest]
+        if len(receivers) < 2:
+            return None
+        on_layer, hosts_layer, load_layer = self.on[l], self.hosts[l], self.load[l]
+        hot_experts = sorted(on_layer[hottest])
+        swap_back = hottest in self.open_servers
+        has_slot = self.used[hottest] < self.cap[hottest]
+        best: tuple[int, int, int, int, int, int] | None = None
+        for v in receivers[:_CHAIN_RECEIVERS]:
+            for e in hot_experts:
+                if e in on_layer[v]:
+                    continue
+                hosts = hosts_layer[e]
+                count = len(hosts)
+                demand = load_layer[e]
+                share = demand / count
+                others = [u for u in hosts if u != hottest]
+                # (kind, share added to v, new load of h, highest other host of e after the move)
+                options: list[tuple[int, float, float, float]] = []
+                others_max = max([row[u] for u in others], default=0.0)
+                if self.need_dom <= 1 or self.spread_ok([*others, v]):
+                    options.append((_RELOCATE, share, peak - share, others_max))
+                if count < self.num_servers:
+                    new_share = demand / (count + 1)
+                    drop = share - new_share
+                    options.append((_REPLICATE, new_share, peak - drop, others_max - drop))
+                for kind, added, new_h, others_top in options:
+                    hosts_top = max(new_h, others_top)
+                    if peak - hosts_top <= best_gain:
+                        continue
+                    for g in sorted(on_layer[v]):
+                        g_hosts = hosts_layer[g]
+                        share_g = load_layer[g] / len(g_hosts)
+                        top = max(hosts_top, row[v] - share_g + added)
+                        if peak - top <= best_gain:
+                            continue
+                        g_others = [u for u in g_hosts if u != v]
+                        for w in receivers:
+                            if w == v or g in on_layer[w] or self.used[w] >= self.cap[w]:
+                                continue
+                            gain = peak - max(top, row[w] + share_g)
+                            if gain <= best_gain:
+                                break  # receivers are coldest first
+                            if self.need_dom > 1 and not self.spread_ok([*g_others, w]):
+                                continue
+                            best_gain, best = gain, (g, v, w, kind, e, hottest)
+                            break
+                        # Or g goes to the busiest server (a swap when e is relocated from it).
+                        if swap_back and g not in on_layer[hottest] and (kind == _RELOCATE or has_slot):
+                            gain = peak - max(others_top, new_h + share_g, row[v] - share_g + added)
+                            spread = self.need_dom <= 1 or self.spread_ok([*g_others, hottest])
+                            if gain > best_gain and spread:
+                                best_gain, best = gain, (g, v, hottest, kind, e, hottest)
+        return best
 
     def apply(self, l: int, move: tuple[int, int, int, int, int, tuple[int, int]]) -> None:
         kind, e, h, v, f, slot = move
@@ -412,8 +499,9 @@ class Search:
 
     # -- driver ------------------------------------------------------------------------------------
 
-    def run_level(self, level: int) -> int:
-        """Take best moves, largest-excess layer first, until no layer can improve. Returns moves."""
+    def run_level(self, level: int, chains: bool = False) -> int:
+        """Take best moves, largest-excess layer first, until no layer can improve. Returns moves.
+        With ``chains``, a layer without an improving move tries a two-step `best_chain`."""
         self.set_level(level)
         heap = [
             (-(max(self.srv[l]) - self.mean[l]), l)
@@ -430,20 +518,28 @@ class Search:
                 heapq.heappush(heap, (-excess, l))
                 continue
             move, blocked = self.best_move(l, level)
-            if move is None:
-                if not blocked:
+            if move is not None:
+                self.apply(l, move)
+            elif chains and (chain := self.best_chain(l)) is not None:
+                g, v, w, kind, e, h = chain
+                self.remove(l, g, v)
+                self.add(l, g, w)
+                self.apply(l, (kind, e, h, v, -1, _FREE))
+            else:
+                if not blocked or chains:
                     self.stuck[l] = self.layer_version[l]
                 continue
-            self.apply(l, move)
             made += 1
             if self.max_moves is not None and self.moves >= self.max_moves:
                 break
             heapq.heappush(heap, (-(max(self.srv[l]) - self.mean[l]), l))
         return made
 
-    def optimize(self, patience: int = 2) -> float:
+    def optimize(self, patience: int = 2, chains: bool = True) -> float:
         """Run levels until one does not pay (keeping up to ``patience`` unpaid levels in search of
-        a later one that does); roll back to the best. Returns the best objective."""
+        a later one that does); roll back to the best. Then, with ``chains``, a bounded escape from
+        local optima: the best level and the next one again, now also taking two-step chains
+        (`best_chain`), each kept only if the objective improves. Returns the best objective."""
         best = self.objective()
         best_position = len(self.log)
         level = self.max_charged_loads()
@@ -460,6 +556,16 @@ class Search:
                 break
             level += 1
         self.undo_to(best_position)
+        if not chains or (self.max_moves is not None and self.moves >= self.max_moves):
+            return best
+        for level in (max(best_level, 1), max(best_level, 1) + 1):
+            self.stuck = [-1] * self.num_layers
+            self.run_level(level, chains=True)
+            value = self.objective()
+            if value < best - 1e-12:
+                best, best_position = value, len(self.log)
+            else:
+                self.undo_to(best_position)
         return best
 
     def ensure_replicas(self, pairs: Iterable[tuple[int, int]]) -> None:
@@ -524,3 +630,15 @@ class Search:
                 for s in hosts:
                     result[s, l, e] = True
         return result
+
+
+def _grouped(matrix: np.ndarray) -> list[list[list[int]]]:
+    """bool ``[A, B, C]`` -> for every (a, b), the ascending ``c`` where it is set (nested lists)."""
+    size_a, size_b, size_c = matrix.shape
+    flat = matrix.reshape(size_a * size_b, size_c)
+    _, columns = np.nonzero(flat)
+    values = columns.tolist()
+    ends = np.cumsum(flat.sum(axis=1)).tolist()
+    starts = [0, *ends[:-1]]
+    lists = [values[a:b] for a, b in zip(starts, ends, strict=True)]
+    return [lists[a * size_b : (a + 1) * size_b] for a in range(size_a)]

@@ -22,6 +22,7 @@ from eaas.runtime.placement import (
     replicate_and_pack,
     round_robin,
 )
+from eaas.runtime.placement.search import Search
 
 # EAAS_PLACEMENT_EXAMPLES=1000 for a thorough local run; the default keeps the suite fast.
 EXAMPLES = int(os.environ.get("EAAS_PLACEMENT_EXAMPLES", "40"))
@@ -110,3 +111,32 @@ def test_elastic_outputs_keep_every_expert_served(
         assert_invariants(survivors)
         assert 1 <= survivors.replication <= current.replication
         assert not set(failed) & set(survivors.ordinals)
+
+
+def _search(current: Placement, load: np.ndarray, cost: CostModel, horizon: int) -> Search:
+    domains, _ = current.domain_ids()
+    matrix = current.hosting_matrix()
+    capacities = [server.capacity for server in current.servers]
+    return Search(
+        matrix, matrix, load, capacities, domains.tolist(), current.replication, current.required_spread,
+        cost, horizon,
+    )  # fmt: skip
+
+
+@SETTINGS
+@given(instances(), COSTS, st.integers(1, 1000))
+def test_two_step_chains_are_valid_and_never_worse(
+    instance: tuple[Placement, np.ndarray], cost: CostModel, horizon: int
+) -> None:
+    current, load = instance
+    plain = _search(current, load, cost, horizon)
+    without = plain.optimize(chains=False)
+    chained = _search(current, load, cost, horizon)
+    best = chained.optimize(chains=True)
+    assert best <= without + 1e-12
+    assert abs(best - chained.objective()) <= 1e-9 * max(1.0, best)
+    assert_invariants(
+        Placement.from_matrix(
+            current.layers, current.num_experts, current.servers, chained.matrix(), current.replication
+        )
+    )
