@@ -11,6 +11,9 @@ clients route by) and, during a change, the pending one (what servers load):
   re-homed on the others (R kept); pod ``h`` is deleted only after that placement is committed.
 * **commit**: once every server of the pending placement is ready for it (pod Ready, and its
   Lease, if it keeps one, reports that version loaded), pending becomes committed.
+* **rebalance**: when nothing else is to be done and every server is live, a load-based proposal
+  (:mod:`eaas.operator.rebalance`, passed in as ``Observed.rebalance``) becomes the pending
+  placement, loaded and committed like any other change.
 * **repair**: a missing pod of a placed server is recreated under the same name; pods whose
   template changed are replaced one at a time while all others are Ready.
 """
@@ -59,6 +62,8 @@ class Observed:
     reports: dict[int, ServerReport] = field(default_factory=dict)
     placement_error: str = ""  # the ConfigMap could not be parsed
     last_version: int = 0  # the placement version last reported in status (versions never go back)
+    rebalance: Placement | None = None  # a load-based proposal from the committed placement
+    rebalance_message: str = ""
 
     def is_live(self, ordinal: int) -> bool:
         """Pod Ready and not terminating, and its heartbeat (if it keeps one) not expired."""
@@ -206,10 +211,31 @@ def _decide(o: Observed) -> Step:
                     Event("RollingUpdate", f"replacing {o.pool}-{outdated[-1]} (template changed)")
                 )
             return step.working("RollingUpdate", f"{len(outdated)} server(s) run an outdated template")
+
+        proposal = o.rebalance
+        if proposal is not None and _is_rebalance_of(proposal, o.committed) and all(map(o.is_live, placed)):
+            step.publish = (o.committed, proposal)
+            step.events.append(Event("Rebalanced", f"{o.pool}: {o.rebalance_message}"))
+            return step.working("Rebalancing", f"moving experts for load: placement v{proposal.version}")
     except PlacementError as error:
         step.events.append(Event("PlacementFailed", str(error), "Warning"))
         return step.working("PlacementFailed", str(error))
     return step
+
+
+def _is_rebalance_of(proposal: Placement, committed: Placement) -> bool:
+    """A load-based proposal applies only to the placement it was planned from (same servers, R)."""
+    return (
+        proposal.version > committed.version
+        and proposal.ordinals == committed.ordinals
+        and proposal.replication == committed.replication
+        and not proposal.same_assignment(committed)
+    )
+
+
+def idle(step: Step) -> bool:
+    """Nothing to do and nothing in flight: a load-based rebalance may be considered."""
+    return step.publish is None and not (step.create_pods or step.delete_pods or step.progressing)
 
 
 def _finish_pending(o: Observed, step: Step, existing: set[int]) -> Step:

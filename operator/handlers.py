@@ -6,6 +6,8 @@ Every kind gets two triggers of the same level-based reconcile:
   status updates of children). Event handlers persist nothing on the objects.
 * ``@kopf.timer`` — resync every ``EAAS_OPERATOR_RESYNC_SECONDS``: pods becoming Ready, Leases
   expiring, drift, and retries after errors (exponential backoff via ``kopf.TemporaryError``).
+  The ExpertPool's timer also considers a load-based rebalance (``spec.placement``), at most
+  every ``rebalanceIntervalSeconds`` (:mod:`eaas.operator.collector`).
 
 Import this module to register the handlers (``eaas operator`` does).
 """
@@ -68,7 +70,9 @@ def run_reconcile(kind: Kind, reconcile: Reconcile, body: Mapping[str, Any], ret
             raise kopf.TemporaryError(f"{kind.kind} {metadata['name']}: {error}", delay=delay) from error
 
 
-def _register(kind: Kind, reconcile: Reconcile) -> None:
+def _register(kind: Kind, reconcile: Reconcile, resync: Reconcile | None = None) -> None:
+    """Event handler → `reconcile`; resync timer → `resync` (default: the same reconcile)."""
+
     def on_event(body: kopf.Body, type: str | None, retry: int = 0, **_: Any) -> None:
         if type == "DELETED":
             context().forget(kind.kind, body["metadata"]["namespace"], body["metadata"]["name"])
@@ -79,7 +83,7 @@ def _register(kind: Kind, reconcile: Reconcile) -> None:
             logger.info("%s (the resync timer retries)", error)
 
     def on_timer(body: kopf.Body, **kwargs: Any) -> None:
-        run_reconcile(kind, reconcile, body, int(kwargs.get("retry", 0)))
+        run_reconcile(kind, resync or reconcile, body, int(kwargs.get("retry", 0)))
 
     on_event.__name__ = on_event.__qualname__ = f"{kind.singular}_event"
     on_timer.__name__ = on_timer.__qualname__ = f"{kind.singular}_resync"
@@ -89,7 +93,7 @@ def _register(kind: Kind, reconcile: Reconcile) -> None:
 
 _register(MOESERVICE, moeservice.reconcile)
 _register(ATTENTIONPOOL, attentionpool.reconcile)
-_register(EXPERTPOOL, expertpool.reconcile)
+_register(EXPERTPOOL, expertpool.reconcile, expertpool.resync)
 
 
 def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:

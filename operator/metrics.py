@@ -3,7 +3,8 @@
 ``eaas_operator_reconcile_total{kind,result}`` counts reconciles by outcome (``success``,
 ``retry`` for API errors worth retrying, ``error`` otherwise); ``eaas_operator_reconcile_duration_seconds
 {kind}`` is their duration. Scale and placement changes are also counted, so an alert can fire on
-a pool that keeps re-planning.
+a pool that keeps re-planning; ``eaas_operator_rebalances_total{result}`` counts load-based
+rebalance decisions and ``eaas_operator_stats_scrapes_total{result}`` the servers' stats scrapes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ class OperatorMetrics:
             "eaas_operator_placement_changes_total",
             "Placements published (proposed or committed) for ExpertPools.",
             ["stage"],
+            registry=registry,
+        )
+        self.rebalances = Counter(
+            "eaas_operator_rebalances_total",
+            "Load-based rebalance decisions for ExpertPools, by result (rebalanced, skipped, unchanged, "
+            "baseline, idle, incomplete, error).",
+            ["result"],
+            registry=registry,
+        )
+        self.stats_scrapes = Counter(
+            "eaas_operator_stats_scrapes_total",
+            "Scrapes of expert servers' /v1/stats for rebalancing, by result (success, error).",
+            ["result"],
             registry=registry,
         )
         self.scale_writes = Counter(

@@ -227,8 +227,8 @@ class PlacementSpec(CRDModel):
     """``cost_aware``: few expert moves, skips a rebalance whose cost exceeds its gain;
     ``eplb``: DeepSeek EPLB-style replicate-and-pack."""
     rebalance_interval_seconds: int = Field(default=300, ge=0, le=86400)
-    """How often load-based re-planning runs; 0 = only on scaling. Takes effect once expert servers
-    report per-expert load to the operator (docs/operations.md, "Placement")."""
+    """How often the operator scrapes the servers' per-expert load and re-plans; 0 = only on scaling
+    (docs/operations.md, "Load-based rebalancing")."""
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]

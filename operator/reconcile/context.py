@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.builders.common import merge_patch
+from eaas.operator.collector import Rebalancer, ServerUrls, pod_control_urls
 from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube
 from eaas.operator.metrics import OperatorMetrics
@@ -36,8 +37,14 @@ class Context:
     metrics: OperatorMetrics
     post_event: EventPoster = kopf_event
     autoscalers: dict[tuple[str, str], Autoscaler] = field(default_factory=dict)
+    rebalancer: Rebalancer | None = None  # created from `metrics` when not given
+    server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
     _locks: dict[tuple[str, str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.rebalancer is None:
+            self.rebalancer = Rebalancer(self.metrics)
 
     def lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         """One lock per object: a timer and an event handler never reconcile it at the same time."""
@@ -48,6 +55,8 @@ class Context:
         with self._locks_guard:
             self._locks.pop((kind, namespace, name), None)
         self.autoscalers.pop((namespace, name), None)
+        if self.rebalancer is not None and kind == "ExpertPool":
+            self.rebalancer.forget(namespace, name)
 
     def write_status(
         self,

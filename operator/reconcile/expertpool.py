@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
 
 from eaas.operator import expert_step, naming, planning
+from eaas.operator import rebalance as rebalance_plan
 from eaas.operator.api.kinds import EXPERTPOOL
 from eaas.operator.api.pools import ExpertPoolSpec
 from eaas.operator.builders import expertpool as build
@@ -19,7 +21,12 @@ from eaas.operator.status import invalid_spec
 from eaas.runtime.placement.placement import Placement, PlacementError
 
 
-def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
+def resync(ctx: Context, body: Mapping[str, Any]) -> None:
+    """The periodic reconcile: also considers a load-based rebalance (at most every interval)."""
+    reconcile(ctx, body, rebalance=True)
+
+
+def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) -> None:
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     selector = build.selector(name)
@@ -36,7 +43,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     ctx.kube.apply(build.headless_service(body, spec))
     pods = {}
     uids = {}
-    for pod in ctx.kube.list("Pod", namespace, selector):
+    pod_objects = ctx.kube.list("Pod", namespace, selector)
+    for pod in pod_objects:
         ordinal = naming.ordinal_of(name, pod["metadata"]["name"])
         if ordinal is not None:
             pods[ordinal] = pod_state(ordinal, pod)
@@ -57,6 +65,13 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
     )
     step = expert_step.plan(observed)
+    if rebalance and committed is not None and expert_step.idle(step):
+        proposal = propose_rebalance(ctx, (namespace, name), spec, committed, pod_objects)
+        if proposal is not None:
+            observed = replace(observed, rebalance=proposal.placement, rebalance_message=proposal.message)
+            step = expert_step.plan(observed)
+            published = step.publish is not None and step.publish[1] is proposal.placement
+            ctx.metrics.rebalances.labels("rebalanced" if published else "skipped").inc()
 
     # Act: publish first (a created pod must find its experts), then pods, then tell the world.
     if step.publish is not None:
@@ -90,6 +105,29 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         "utilizationMilli": round(sum(utilization) / len(utilization)) if utilization else None,
     }
     ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
+
+
+def propose_rebalance(
+    ctx: Context,
+    key: tuple[str, str],
+    spec: ExpertPoolSpec,
+    committed: Placement,
+    pod_objects: Sequence[Mapping[str, Any]],
+) -> rebalance_plan.Decision | None:
+    """A new placement for the servers' measured load, or None (not due, off, or no change)."""
+    assert ctx.rebalancer is not None
+    urls = ctx.server_urls(key[1], pod_objects, spec.port)
+    decision = ctx.rebalancer.tick(
+        key,
+        committed,
+        urls,
+        spec.placement.policy,
+        spec.placement.rebalance_interval_seconds,
+        capacity=spec.expert_slots_per_server,
+    )
+    if decision is None or decision.placement is None:
+        return None
+    return decision
 
 
 def pod_state(ordinal: int, pod: Mapping[str, Any]) -> expert_step.PodState:

@@ -1,0 +1,153 @@
+"""Scrape the expert servers' ``/v1/stats`` and decide, at most every rebalance interval, whether an
+ExpertPool should move experts (the I/O half of :mod:`eaas.operator.rebalance`).
+
+The ExpertPool's resync timer calls :meth:`Rebalancer.tick` with the committed placement and the
+control URLs of its Ready servers. The first tick of a pool only records a baseline scrape; each
+later one, once ``rebalanceIntervalSeconds`` have passed, scrapes again, turns the difference into
+the window's load and asks the pure planner for the next placement. Scrapes run in parallel with
+short timeouts; a server that does not answer (or answers garbage) is counted in
+``eaas_operator_stats_scrapes_total{result="error"}`` and left out of the window, never raised.
+The last scrape of every pool is kept in memory only: a restarted operator starts with a baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from eaas.operator import naming, rebalance
+from eaas.operator.metrics import OperatorMetrics
+from eaas.runtime.placement import CostModel, Placement, PlacementError
+
+logger = logging.getLogger("eaas.operator")
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+MAX_PARALLEL_SCRAPES = 16
+
+Fetch = Callable[[str, float], Any]  # (url, timeout) -> parsed JSON; raises on any failure
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # pod IPs: never via a proxy
+
+
+def fetch_json(url: str, timeout: float) -> Any:
+    """GET `url` and parse its JSON body (raises ``OSError``/``ValueError`` on failure)."""
+    with _DIRECT.open(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def stats_url(base: str) -> str:
+    """The stats endpoint of a server's control URL ``http://host:port``."""
+    return f"{base.rstrip('/')}/v1/stats"
+
+
+ServerUrls = Callable[[str, Sequence[Mapping[str, Any]], int], dict[int, str]]  # (pool, pods, port)
+
+
+def pod_control_urls(pool: str, pods: Sequence[Mapping[str, Any]], port: int) -> dict[int, str]:
+    """``{ordinal: http://<pod IP>:<port>}`` of the pool's Ready, not terminating pods with an IP."""
+    urls = {}
+    for pod in pods:
+        metadata, status = pod["metadata"], pod.get("status") or {}
+        ordinal = naming.ordinal_of(pool, metadata["name"])
+        conditions = status.get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        ip = status.get("podIP")
+        if ordinal is not None and ready and ip and not metadata.get("deletionTimestamp"):
+            host = f"[{ip}]" if ":" in ip else ip
+            urls[ordinal] = f"http://{host}:{port}"
+    return urls
+
+
+@dataclass
+class Rebalancer:
+    """Per-pool scrape memory and the tick that may propose a new placement."""
+
+    metrics: OperatorMetrics
+    fetch: Fetch = fetch_json
+    timeout_seconds: float = SCRAPE_TIMEOUT_SECONDS
+    cost: CostModel = field(default_factory=CostModel)
+    clock: Callable[[], float] = time.time
+    _scrapes: dict[tuple[str, str], rebalance.Scrape] = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._guard:
+            self._scrapes.pop((namespace, name), None)
+
+    def scrape(self, urls: Mapping[int, str], layers: tuple[int, ...], num_experts: int) -> rebalance.Scrape:
+        """Fetch every server's stats now (in parallel); failures are counted and left out."""
+        at = self.clock()
+        servers: dict[int, rebalance.ServerStats] = {}
+        if urls:
+            with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(urls))) as pool:
+                futures = {
+                    o: pool.submit(self.fetch, stats_url(u), self.timeout_seconds) for o, u in urls.items()
+                }
+            for ordinal, future in sorted(futures.items()):
+                try:
+                    servers[ordinal] = rebalance.parse_stats(future.result(), layers, num_experts)
+                    self.metrics.stats_scrapes.labels("success").inc()
+                except Exception as error:  # any failure of one server: left out, never raised
+                    logger.info("stats of server %d at %s: %s", ordinal, urls[ordinal], error)
+                    self.metrics.stats_scrapes.labels("error").inc()
+        return rebalance.Scrape(at=at, servers=servers)
+
+    def tick(
+        self,
+        key: tuple[str, str],
+        committed: Placement,
+        urls: Mapping[int, str],
+        policy: rebalance.Policy,
+        interval_seconds: int,
+        capacity: int = 0,
+    ) -> rebalance.Decision | None:
+        """A decision for pool `key` (namespace, name), or None when none is due.
+
+        committed: the placement being served (no change may be in flight); urls: ordinal →
+        control URL of the Ready servers; interval_seconds: ``rebalanceIntervalSeconds`` (0 = off).
+        """
+        if interval_seconds <= 0:
+            self.forget(*key)
+            return None
+        with self._guard:
+            previous = self._scrapes.get(key)
+        if previous is not None and self.clock() < previous.at + interval_seconds:
+            return None
+        current = self.scrape(urls, committed.layers, committed.num_experts)
+        with self._guard:
+            self._scrapes[key] = current
+        if previous is None:
+            return self._count(key, rebalance.Decision(None, "baseline", "first scrape: baseline recorded"))
+        window = rebalance.window_load(previous, current, committed)
+        if not window.complete:
+            return self._count(
+                key,
+                rebalance.Decision(
+                    None,
+                    "incomplete",
+                    f"some experts have no counted server (missing: {list(window.missing)})",
+                ),
+            )
+        if window.total_tokens <= 0:
+            return self._count(key, rebalance.Decision(None, "idle", "no tokens routed in the window"))
+        load = rebalance.interval_load(window, interval_seconds)  # [L, E]
+        try:
+            decision = rebalance.plan(committed, load, policy, self.cost, capacity=capacity)
+        except PlacementError as error:
+            logger.warning("rebalance of %s/%s failed: %s", *key, error)
+            return self._count(key, rebalance.Decision(None, "error", str(error)))
+        return self._count(key, decision)
+
+    def _count(self, key: tuple[str, str], decision: rebalance.Decision) -> rebalance.Decision:
+        logger.info("rebalance of ExpertPool %s/%s: %s: %s", *key, decision.result, decision.message)
+        if decision.result != "rebalanced":  # a published one is counted when it is published
+            self.metrics.rebalances.labels(decision.result).inc()
+        return decision

@@ -1,0 +1,155 @@
+"""The ExpertPool reconcile wired to the rebalancer: only the resync timer scrapes; a rebalance is
+published as pending.json with an Event and a metric. The API server is an in-memory stand-in
+(the real one, with kwok pods that cannot answer /v1/stats, is in e2e/operator)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from test_rebalance import FakeServers, counts
+
+from eaas.operator import naming
+from eaas.operator.api import ExpertPoolSpec
+from eaas.operator.builders import expertpool as build
+from eaas.operator.collector import Rebalancer
+from eaas.operator.metrics import OperatorMetrics
+from eaas.operator.reconcile import expertpool
+from eaas.operator.reconcile.context import Context
+from eaas.runtime.placement import Placement
+
+
+class MemoryKube:
+    """Just enough of :class:`eaas.operator.kube.Kube` for one ExpertPool reconcile."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.status_patches: list[dict[str, Any]] = []
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(obj)
+            for (k, _), obj in self.objects.items()
+            if k == kind and selector.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
+        return obj
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return None
+        self.objects[key] = copy.deepcopy(obj)
+        self.objects[key]["metadata"].setdefault("uid", f"uid-{len(self.objects)}")
+        return obj
+
+    def merge_patch(
+        self, kind: str, namespace: str, name: str, patch: dict[str, Any], *_: Any
+    ) -> dict[str, Any]:
+        self.status_patches.append(patch)
+        return patch
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        return self.objects.pop((kind, name), None) is not None
+
+
+@pytest.fixture
+def pool(pool_body: dict[str, Any]) -> dict[str, Any]:
+    """The tiny pool with room for extra replicas (3 servers x 20 slots for R·L·E = 48 pairs)."""
+    pool_body["spec"]["expertSlotsPerServer"] = 20
+    pool_body["spec"]["placement"] = {"policy": "cost_aware", "rebalanceIntervalSeconds": 60}
+    return pool_body
+
+
+def serving(kube: MemoryKube, body: dict[str, Any]) -> Placement:
+    """A pool that serves placement v1 on three Ready pods (what a finished create leaves)."""
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()), post_event=lambda *a: None)
+    expertpool.reconcile(context, body)  # publishes the initial placement, creates the pods
+    spec = ExpertPoolSpec.from_k8s(body["spec"])
+    for ordinal in range(3):
+        pod = kube.objects[("Pod", naming.pod_name("tiny-experts", ordinal))]
+        pod["status"] = {"podIP": f"10.0.0.{ordinal}", "conditions": [{"type": "Ready", "status": "True"}]}
+    config_map = kube.objects[("ConfigMap", naming.placement_config_map_name("tiny-experts"))]
+    pending = Placement.from_json(config_map["data"].pop(naming.PENDING_KEY))
+    kube.apply(build.placement_config_map(body, pending, None))  # committed
+    assert spec.replicas == 3 and pending.num_servers == 3
+    return pending
+
+
+def stats(placement: Placement, ordinal: int, load: np.ndarray) -> dict[str, Any]:
+    shares = placement.replica_shares()[:, :, placement.server_index(ordinal)]  # [L, E]
+    return {
+        "instance": "a",
+        "since_unix_s": 0.0,
+        "layers": list(placement.layers),
+        "num_experts": placement.num_experts,
+        "tokens": np.rint(load * shares).astype(int).tolist(),
+    }
+
+
+def test_the_resync_timer_publishes_a_rebalance_for_a_hot_expert(pool: dict[str, Any]) -> None:
+    kube = MemoryKube()
+    committed = serving(kube, pool)
+    fake = FakeServers()
+    events: list[tuple[str, str, str]] = []
+    metrics = OperatorMetrics(CollectorRegistry())
+    context = Context(
+        kube=kube,
+        metrics=metrics,
+        post_event=lambda obj, type_, reason, message: events.append((type_, reason, message)),
+        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now),
+        server_urls=lambda pool_name, pods, port: {o: f"http://server-{o}:{port}" for o in range(3)},
+    )
+    for o in range(3):
+        fake.answers[f"http://server-{o}:9100/v1/stats"] = stats(committed, o, np.zeros((3, 8)))
+
+    expertpool.reconcile(context, pool)  # an event-triggered reconcile never scrapes
+    assert counts(metrics, "eaas_operator_stats_scrapes") == {}
+    expertpool.resync(context, pool)  # the first tick: baseline
+    assert counts(metrics, "eaas_operator_rebalances") == {"baseline": 1.0}
+
+    load = np.full((3, 8), 1e4)
+    load[0, 5] = 2e6  # one hot expert in the first MoE layer
+    for o in range(3):
+        fake.answers[f"http://server-{o}:9100/v1/stats"] = stats(committed, o, load)
+    fake.now += 61
+    expertpool.resync(context, pool)
+
+    config_map = kube.objects[("ConfigMap", naming.placement_config_map_name("tiny-experts"))]
+    assert Placement.from_json(config_map["data"][naming.PLACEMENT_KEY]) == committed  # still routed by
+    pending = Placement.from_json(config_map["data"][naming.PENDING_KEY])
+    assert pending.version == committed.version + 1
+    assert len(pending.servers_of(0, 5)) == 3 and int(pending.replica_counts().min()) >= 2
+    assert [(t, r) for t, r, _ in events] == [("Normal", "Rebalanced")]
+    assert "expert loads" in events[0][2] and "gain" in events[0][2]
+    assert counts(metrics, "eaas_operator_rebalances") == {"baseline": 1.0, "rebalanced": 1.0}
+    progressing = [c for c in kube.status_patches[-1]["status"]["conditions"] if c["type"] == "Progressing"]
+    assert progressing[0]["reason"] == "Rebalancing"
+
+
+def test_interval_zero_turns_rebalancing_off(pool: dict[str, Any]) -> None:
+    pool["spec"]["placement"]["rebalanceIntervalSeconds"] = 0
+    kube = MemoryKube()
+    serving(kube, pool)
+    fake = FakeServers()
+    metrics = OperatorMetrics(CollectorRegistry())
+    context = Context(
+        kube=kube,
+        metrics=metrics,
+        post_event=lambda *a: None,
+        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now),
+        server_urls=lambda pool_name, pods, port: {o: f"http://server-{o}:{port}" for o in range(3)},
+    )
+    for _ in range(3):
+        expertpool.resync(context, pool)
+        fake.now += 600
+    assert counts(metrics, "eaas_operator_stats_scrapes") == {}
+    assert counts(metrics, "eaas_operator_rebalances") == {}
