@@ -15,30 +15,25 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-log = logging.getLogger("eaas.client.http")
+from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
+
 MAX_BODY_BYTES = 1 << 20
 MAX_PROMPTS = 32
 MAX_STOP = 4
 
 
-class ApiError(Exception):
+class ApiError(HttpError):
     """An answer other than 200: status, message and the request field at fault (if any)."""
 
     def __init__(self, status: HTTPStatus, message: str, param: str | None = None, kind: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.param = param
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
@@ -163,112 +158,37 @@ class ApiTarget(Protocol):
         ...
 
 
-def _handler(target: ApiTarget) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def _handler(target: ApiTarget) -> type[JsonHandler]:
+    class Handler(JsonHandler):
         server_version = "eaas-attention-client"
+        max_body_bytes = MAX_BODY_BYTES
+        error_type = ApiError
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s %s", self.address_string(), format % args)
+        def body_error(self, message: str) -> HttpError:
+            return ApiError(HTTPStatus.BAD_REQUEST, message, "body")
 
-        def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def _json(self, status: HTTPStatus, data: Any) -> None:
-            self._send(status, json.dumps(data).encode() + b"\n", "application/json")
-
-        def _route(self, method: str) -> None:
-            try:
-                self._dispatch(method, self.path.split("?", 1)[0].rstrip("/") or "/")
-            except ApiError as exc:
-                self._json(exc.status, exc.body())
-            except Exception as exc:  # a handler bug answers 500; the server keeps serving
-                log.exception("request %s %s failed", method, self.path)
-                self._json(
-                    HTTPStatus.INTERNAL_SERVER_ERROR,
-                    ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc)).body(),
-                )
-
-        def _dispatch(self, method: str, path: str) -> None:
+        def dispatch(self, method: str, path: str) -> None:
             if method == "GET" and path == "/healthz":
-                ok = target.is_healthy()
-                self._send(
-                    HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
-                    b"ok\n" if ok else b"unhealthy\n",
-                    "text/plain",
-                )
+                self.send_probe(target.is_healthy(), "ok", "unhealthy")
             elif method == "GET" and path == "/readyz":
                 ok, detail = target.readiness()
-                self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, detail)
+                self.send_json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, detail)
             elif method == "GET" and path == "/metrics":
-                self._send(HTTPStatus.OK, target.metrics_text(), CONTENT_TYPE_LATEST)
+                self.send_bytes(HTTPStatus.OK, target.metrics_text(), CONTENT_TYPE_LATEST)
             elif method == "GET" and path == "/v1/models":
-                self._json(HTTPStatus.OK, target.models())
+                self.send_json(HTTPStatus.OK, target.models())
             elif method == "POST" and path == "/v1/completions":
-                self._json(HTTPStatus.OK, target.complete(self._body))
+                self.send_json(HTTPStatus.OK, target.complete(self.read_json))
             elif path in ("/healthz", "/readyz", "/metrics", "/v1/models", "/v1/completions"):
                 raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}")
             else:
                 raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
 
-        def _body(self) -> Any:
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                length = -1
-            if not 0 < length <= MAX_BODY_BYTES:
-                self.close_connection = True  # the body (if any) was not read
-                raise ApiError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"body: a JSON body of 1-{MAX_BODY_BYTES} bytes is required",
-                    "body",
-                )
-            try:
-                return json.loads(self.rfile.read(length))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"body: not valid JSON: {exc}", "body") from exc
-
-        def do_GET(self) -> None:
-            self._route("GET")
-
-        def do_HEAD(self) -> None:
-            self._route("GET")
-
-        def do_POST(self) -> None:
-            self._route("POST")
-
-        def do_PUT(self) -> None:
-            self._route("PUT")
-
-        def do_DELETE(self) -> None:
-            self._route("DELETE")
-
     return Handler
 
 
-class ApiServer:
+class ApiServer(BackgroundServer):
     """The HTTP API in a daemon thread (one thread per connection; generation runs in the scheduler)."""
 
     def __init__(self, target: ApiTarget, host: str, port: int) -> None:
-        self._http = ThreadingHTTPServer((host, port), _handler(target))
-        self._http.daemon_threads = True
-        self.host = host
-        self.port: int = self._http.server_address[1]
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="eaas-api", daemon=True
-        )
-
-    def start(self) -> ApiServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._http.shutdown()
-            self._thread.join(timeout=5)
-        self._http.server_close()
+        super().__init__(_handler(target), host, port, name="eaas-api")

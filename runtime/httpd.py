@@ -1,0 +1,128 @@
+"""The small stdlib HTTP server under the expert server's control port and the attention client's API.
+
+A subclass of ``JsonHandler`` implements ``dispatch(method, path)``; errors it raises as
+``HttpError`` (or a subclass with its own ``body()``) are answered as JSON, and any other
+exception becomes a 500 without stopping the server. ``BackgroundServer`` runs a handler class
+in a daemon thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
+
+log = logging.getLogger("eaas.http")
+
+
+class HttpError(Exception):
+    """An answer other than success: a status and a message the caller can act on."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.message}
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Routing, JSON bodies and answers; subclasses implement ``dispatch``."""
+
+    protocol_version = "HTTP/1.1"
+    max_body_bytes = 64 * 1024
+    error_type: type[HttpError] = HttpError  # how this API shapes its errors
+
+    def dispatch(self, method: str, path: str) -> None:
+        raise NotImplementedError
+
+    def body_error(self, message: str) -> HttpError:
+        """The error raised for a missing, oversized or malformed request body."""
+        return self.error_type(HTTPStatus.BAD_REQUEST, message)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def send_bytes(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_json(self, status: HTTPStatus, data: Any) -> None:
+        self.send_bytes(status, json.dumps(data).encode() + b"\n", "application/json")
+
+    def send_probe(self, ok: bool, ok_text: str, failed_text: str) -> None:
+        """A plain-text health/readiness answer: 200 or 503."""
+        status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+        self.send_bytes(status, f"{ok_text if ok else failed_text}\n".encode(), "text/plain")
+
+    def read_json(self) -> Any:
+        """The request's JSON body (1..max_body_bytes bytes), or ``body_error``."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 < length <= self.max_body_bytes:
+            self.close_connection = True  # the body (if any) was not read
+            raise self.body_error(f"body: a JSON body of 1-{self.max_body_bytes} bytes is required")
+        try:
+            return json.loads(self.rfile.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self.body_error(f"body: not valid JSON: {exc}") from exc
+
+    def _route(self, method: str) -> None:
+        try:
+            self.dispatch(method, self.path.split("?", 1)[0].rstrip("/") or "/")
+        except HttpError as exc:
+            self.send_json(exc.status, exc.body())
+        except Exception as exc:  # a handler bug answers 500; the server keeps serving
+            log.exception("request %s %s failed", method, self.path)
+            self.send_json(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                self.error_type(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc)).body(),
+            )
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_HEAD(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+
+class BackgroundServer:
+    """A ``ThreadingHTTPServer`` for ``handler`` in a daemon thread (one thread per connection)."""
+
+    def __init__(self, handler: type[JsonHandler], host: str, port: int, name: str) -> None:
+        self._http = ThreadingHTTPServer((host, port), handler)
+        self._http.daemon_threads = True
+        self.host = host
+        self.port: int = self._http.server_address[1]
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name=name, daemon=True
+        )
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._http.shutdown()  # blocks until serve_forever returns, so only when it runs
+            self._thread.join(timeout=5)
+        self._http.server_close()
