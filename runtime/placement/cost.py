@@ -77,6 +77,13 @@ def server_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
             f"load has shape {array.shape}; expected [..., L, E] with L={len(placement.layers)}, "
             f"E={placement.num_experts}"
         )
+    if array.ndim == 2:
+        # One load: sum every hosted pair's share per (layer, server) (sparse, no [L, E, S] array).
+        layer, server, expert, counts = placement.hosted_entries()
+        num_layers, num_servers = len(placement.layers), placement.num_servers
+        share = (array / np.maximum(counts, 1))[layer, expert]
+        cells = np.bincount(layer * num_servers + server, weights=share, minlength=num_layers * num_servers)
+        return cells.reshape(num_layers, num_servers)
     weights = routing_weights(placement)  # [L, E, S]
     # [L, ..., E] @ [L, E, S] -> [L, ..., S], then layers back to axis -2.
     moved = np.moveaxis(array, -2, 0)
@@ -114,12 +121,13 @@ def movement_seconds(current: Placement, candidate: Placement, cost: CostModel) 
         raise PlacementError("current and candidate place different models (layers/num_experts differ)")
     old_matrix = current.hosting_matrix()
     new_matrix = candidate.hosting_matrix()
-    worst = 0
     current_ordinals = set(current.ordinals)
-    for column, ordinal in enumerate(candidate.ordinals):
-        if ordinal in current_ordinals:
-            loads = int((new_matrix[column] & ~old_matrix[current.server_index(ordinal)]).sum())
-            worst = max(worst, loads)
+    columns = [column for column, ordinal in enumerate(candidate.ordinals) if ordinal in current_ordinals]
+    if not columns:
+        return 0.0
+    old_columns = [current.server_index(candidate.ordinals[column]) for column in columns]
+    fresh = new_matrix[columns] & ~old_matrix[old_columns]  # [S', L, E] newly loaded
+    worst = int(fresh.reshape(len(columns), -1).sum(axis=1).max())
     return worst * cost.seconds_per_expert_load
 
 

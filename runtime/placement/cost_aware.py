@@ -4,17 +4,27 @@ Distributed MoE Inference").
 Unlike EPLB it starts from the current placement and only moves what pays: it minimises predicted
 latency over the next ``horizon_steps`` steps = compute (busiest server per layer) + weight
 movement (busiest loader) + planner runtime, taking improving relocations, replications and swaps
-between the most and least loaded servers (see `eaas.runtime.placement.search`), and returns the
-current placement unchanged when the predicted gain does not pay for the moves.
+between the most and least loaded servers, and returns the current placement unchanged when the
+predicted gain does not pay for the moves.
+
+The search is `eaas.runtime.placement.batched` (rounds of moves for all layers at once, in array
+operations). On small instances (at most ``PORTFOLIO_MAX_CELLS`` server x layer x expert cells),
+where a search costs well under a millisecond, it also runs the rounds with finer steps and the
+move-by-move `eaas.runtime.placement.search` (with its two-step chains), and keeps the best.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-from eaas.runtime.placement.cost import CostModel, check_horizon, check_load, predicted_seconds, server_loads
+from eaas.runtime.placement.batched import BatchedSearch
+from eaas.runtime.placement.cost import CostModel, check_horizon, check_load, server_loads
 from eaas.runtime.placement.placement import Placement, PlacementError
 from eaas.runtime.placement.search import Search
+
+PORTFOLIO_MAX_CELLS = 1 << 12  # S x L x E up to which cost_aware tries several searches
 
 
 def cost_aware(
@@ -44,45 +54,62 @@ def cost_aware(
     if max_moves is not None and (not isinstance(max_moves, int) or max_moves < 0):
         raise PlacementError(f"max_moves must be an int >= 0 or None, got {max_moves!r}")
     loads = check_load(load, len(current.layers), current.num_experts)
-    if max_moves == 0 or not _may_pay(current, loads, cost, horizon_steps):
+    if max_moves == 0:
         return current
-    domain_ids, _ = current.domain_ids()
-    matrix = current.hosting_matrix()
-    search = Search(
-        matrix,
-        matrix,
-        loads,
-        [server.capacity for server in current.servers],
-        domain_ids.tolist(),
-        current.replication,
-        current.required_spread,
-        cost,
-        horizon_steps,
-        max_moves=max_moves,
-    )
-    search.optimize()
-    if not search.log:
+    tokens = server_loads(current, loads)  # [L, S]
+    if not _may_pay(tokens, cost, horizon_steps):
+        return current
+    search = BatchedSearch(current, loads, cost, horizon_steps, tokens=tokens, max_moves=max_moves)
+    keep = search.objective()  # the current placement's predicted seconds (it moves nothing)
+    best = search.optimize()
+    matrix = search.matrix() if search.changed else None
+    if current.hosting_matrix().size <= PORTFOLIO_MAX_CELLS:
+        for value, found in _portfolio(current, loads, cost, horizon_steps, tokens, max_moves):
+            if value < best - 1e-12:
+                best, matrix = value, found
+    if matrix is None or best + cost.planner_seconds >= keep:
         return current
     candidate = Placement.from_matrix(
-        current.layers, current.num_experts, current.servers, search.matrix(), current.replication,
+        current.layers, current.num_experts, current.servers, matrix, current.replication,
         current.version + 1,
     )  # fmt: skip
-    if candidate.same_assignment(current):
-        return current
-    keep = predicted_seconds(current, current, loads, cost, horizon_steps)
-    if predicted_seconds(current, candidate, loads, cost, horizon_steps) >= keep:
-        return current
-    return candidate
+    return current if candidate.same_assignment(current) else candidate
 
 
-def _may_pay(current: Placement, load: np.ndarray, cost: CostModel, horizon_steps: int) -> bool:
+def _portfolio(
+    current: Placement,
+    load: np.ndarray,
+    cost: CostModel,
+    horizon_steps: int,
+    tokens: np.ndarray,
+    max_moves: int | None,
+) -> list[tuple[float, np.ndarray]]:
+    """The other searches tried on small instances: (objective, hosting matrix) of each that moved."""
+    found = []
+    for step, swap_weight, pairs_per_step in itertools.product((1, 2, 4), (0.5, 0.75, 1.0), (1.0, 2.0)):
+        search = BatchedSearch(
+            current, load, cost, horizon_steps, tokens=tokens, max_moves=max_moves, swap_weight=swap_weight
+        )
+        value = search.optimize(step=step, pairs_per_step=pairs_per_step)
+        if search.changed:
+            found.append((value, search.matrix()))
+    domain_ids, _ = current.domain_ids()
+    matrix = current.hosting_matrix()
+    capacities = [server.capacity for server in current.servers]
+    move_by_move = Search(
+        matrix, matrix, load, capacities, domain_ids.tolist(), current.replication, current.required_spread,
+        cost, horizon_steps, max_moves=max_moves,
+    )  # fmt: skip
+    value = move_by_move.optimize()
+    if move_by_move.log:
+        found.append((value, move_by_move.matrix()))
+    return found
+
+
+def _may_pay(tokens: np.ndarray, cost: CostModel, horizon_steps: int) -> bool:
     """Quick skip: even a perfect balance (every layer's peak down to its mean) gains at most
     ``horizon * seconds_per_token * sum_l (peak_l - mean_l)``; one load costs at least
-    ``seconds_per_expert_load``. If the bound does not cover that plus the planner, nothing pays."""
-    per_server = server_loads(current, load)  # [L, S]
-    bound = (
-        horizon_steps
-        * cost.seconds_per_token
-        * float((per_server.max(axis=1) - per_server.mean(axis=1)).sum())
-    )
+    ``seconds_per_expert_load``. If the bound does not cover that plus the planner, nothing pays.
+    ``tokens``: ``[L, S]`` per server and layer on the current placement."""
+    bound = horizon_steps * cost.seconds_per_token * float((tokens.max(axis=1) - tokens.mean(axis=1)).sum())
     return bound > cost.seconds_per_expert_load + cost.planner_seconds

@@ -93,6 +93,7 @@ class Placement:
     """
 
     __slots__ = (
+        "_entries",
         "_hosted",
         "_layer_index",
         "_layers",
@@ -217,6 +218,7 @@ class Placement:
         self._ordinal_index = {server.ordinal: column for column, server in enumerate(self._servers)}
         self._hosted: tuple[tuple[LayerExpert, ...], ...] | None = None
         self._shares: np.ndarray | None = None
+        self._entries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def _finish(self, matrix: np.ndarray) -> None:
         matrix.setflags(write=False)
@@ -358,7 +360,23 @@ class Placement:
 
     def replica_counts(self) -> np.ndarray:
         """int ``[L, E]``: number of replicas of each (layer, expert)."""
-        return self._matrix.sum(axis=0, dtype=np.int64)
+        return self.hosted_entries()[3]
+
+    def hosted_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every hosted pair as index arrays (cached, read-only): layer row, server column and
+        expert, int64 ``[N]`` each in (layer, server, expert) order, and the replica counts int
+        ``[L, E]``."""
+        if self._entries is None:
+            num_servers, num_layers, num_experts = self._matrix.shape
+            flat = np.flatnonzero(np.ascontiguousarray(self._matrix.transpose(1, 0, 2)))
+            layer_server, expert = np.divmod(flat, num_experts)
+            layer, server = np.divmod(layer_server, num_servers)
+            counts = np.bincount(layer * num_experts + expert, minlength=num_layers * num_experts)
+            entries = (layer, server, expert, counts.reshape(num_layers, num_experts))
+            for array in entries:
+                array.setflags(write=False)
+            self._entries = entries
+        return self._entries
 
     def used_slots(self) -> dict[int, int]:
         """ordinal → number of hosted pairs."""

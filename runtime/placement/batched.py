@@ -1,0 +1,525 @@
+"""Round-based local search on the seed-002 objective, batched over layers in numpy (`cost_aware`).
+
+The same moves as `eaas.runtime.placement.search` — take an expert ``e`` off the busiest server
+``h`` of a layer and relocate it to a cold server ``v``, replicate it there, or swap it with a
+lighter expert ``f`` of ``v`` — but evaluated for every layer at once with array operations, one
+move per layer per *round*, instead of one move at a time in Python.
+
+Round ``r`` lets every server newly load up to ``r`` experts in all (movement is charged as the
+busiest loader's time, so the allowance grows by one per round, like the levels of `Search`).
+In a round every layer proposes its best move off its busiest server to its two coldest open
+servers (relocation and replication need a free slot there; a swap does not); proposals are
+granted largest gain first while the servers they load still have allowance and slots. After
+each round the objective (compute over the horizon + movement) is evaluated; the search stops
+``patience`` rounds after the best one (or when no layer can move, or at the move budget) and
+returns the state of the best round.
+
+The gain of a move is how far the busiest server it touches ends below the layer's peak (with
+near-ties at the top the peak falls over several rounds); a swap loads two experts and counts
+``SWAP_WEIGHT`` times its gain. Every granted move lowers the layer's sorted load vector, so the
+search cannot cycle. Moves keep every pair's replica count and its failure-domain spread.
+
+Shapes: ``L`` layers, ``E`` experts per layer, ``S`` servers; ``K`` the most experts a server
+hosts in one layer (the padded width of per-server expert lists).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eaas.runtime.placement.cost import CostModel
+from eaas.runtime.placement.placement import Placement
+
+SWAP_WEIGHT = 0.75  # a swap's gain counts 0.75x: it loads two experts
+_RELOCATE, _REPLICATE, _SWAP, _DROP = 0, 1, 2, 3
+_RECEIVERS = 2  # coldest servers with a free slot each layer proposes to
+PAIRS_PER_STEP = 1.0  # busy servers per layer that propose a move, per unit of step
+MIN_PAIRS = 4  # busy servers per layer that propose a move at least (near-ties at the top need several)
+HALVE_BELOW = 3.0  # halve the step when a round gains less than this many loads per unit of step
+_SWAP_PAIRS = 2  # busiest servers per layer that also try swaps
+_SPARE_COLUMNS = 4  # free columns added to the per-server expert table when it fills
+
+
+class BatchedSearch:
+    """Build it, `optimize`, then read `matrix()`.
+
+    Args:
+        current: the placement being served; hosting anything it does not costs a load. Moves
+            keep its replication and failure-domain spread.
+        load: float ``[L, E]`` predicted tokens per step (validated by the caller).
+        cost / horizon_steps: the objective (see `eaas.runtime.placement.cost`).
+        tokens: optional ``server_loads(current, load)`` ``[L, S]``, if the caller has it.
+        max_moves: stop after this many moves.
+        min_gain_fraction: ignore moves that lower a layer's peak by less than this fraction of the
+            layer's mean tokens per server (smaller gains are within the load estimate's noise).
+        swap_weight: a swap's gain is multiplied by this when ranking moves (it loads two experts).
+    """
+
+    def __init__(
+        self,
+        current: Placement,
+        load: np.ndarray,
+        cost: CostModel,
+        horizon_steps: int,
+        *,
+        tokens: np.ndarray | None = None,
+        max_moves: int | None = None,
+        min_gain_fraction: float = 2e-3,
+        swap_weight: float = SWAP_WEIGHT,
+    ) -> None:
+        self.swap_weight = swap_weight
+        start = current.hosting_matrix()
+        num_servers, num_layers, num_experts = start.shape
+        self.num_servers, self.num_layers, self.num_experts = num_servers, num_layers, num_experts
+        self.load = np.asarray(load, dtype=np.float64)
+        self.servers_experts = np.array(start.transpose(1, 0, 2), order="C")  # [L, S, E] (a copy)
+        layer, server, expert, counts = current.hosted_entries()  # in (l, s, e) order
+        layer_server = layer * num_servers + server
+        self.experts_servers = np.zeros((num_layers, num_experts, num_servers), dtype=bool)  # [L, E, S]
+        self.experts_servers[layer, expert, server] = True
+        self.original = self.experts_servers.copy()
+        self.count = counts.copy()  # [L, E] replicas
+        self.share = self.load / np.maximum(self.count, 1)  # [L, E] tokens per replica
+        if tokens is None:
+            tokens = np.bincount(
+                layer_server, weights=self.share[layer, expert], minlength=num_layers * num_servers
+            ).reshape(num_layers, num_servers)
+        self.tokens = np.array(tokens, dtype=np.float64)  # [L, S]
+        # The experts each server hosts in each layer, -1 padded: [L, S, W].
+        per_cell = np.bincount(layer_server, minlength=num_layers * num_servers)
+        width = int(per_cell.max(initial=0)) + _SPARE_COLUMNS
+        table = np.full((num_layers * num_servers, width), -1, dtype=np.int64)
+        table[layer_server, np.arange(len(layer)) - (np.cumsum(per_cell) - per_cell)[layer_server]] = expert
+        self.table = table.reshape(num_layers, num_servers, width)
+        self.filled = per_cell.reshape(num_layers, num_servers)  # [L, S] experts per cell
+        self.used = np.bincount(server, minlength=num_servers).astype(np.int64)
+        self.capacity = np.array([s.capacity for s in current.servers], dtype=np.int64)
+        self.domains = current.domain_ids()[0]
+        self.spread = current.required_spread
+        self.replication = current.replication
+        self.domain_onehot = np.eye(int(self.domains.max()) + 1 if num_servers else 1)[self.domains]  # [S, D]
+        self.new_loads = np.zeros(num_servers, dtype=np.int64)
+        self.coef = horizon_steps * cost.seconds_per_token
+        self.fixed = horizon_steps * num_layers * cost.seconds_per_layer
+        self.move_cost = cost.seconds_per_expert_load
+        self.max_moves = max_moves
+        self.moves = 0
+        self.mean = self.load.sum(axis=1) / max(1, num_servers)
+        floor = self.move_cost / (max(1, num_servers) * self.coef)
+        self.min_gain = np.maximum(np.maximum(min_gain_fraction * self.mean, floor), 1e-9)
+        self.rows = np.arange(num_layers)
+        self.rounds = 0
+        self.changed = False  # whether the best state differs from the start
+
+    # -- objective -------------------------------------------------------------------------------
+
+    def compute(self) -> float:
+        """Predicted compute seconds over the horizon of the current state."""
+        return self.fixed + self.coef * float(self.tokens.max(axis=1).sum())
+
+    def objective(self) -> float:
+        """Predicted seconds (without planner runtime) of the current state."""
+        loads = int(self.new_loads.max()) if self.num_servers else 0
+        return self.compute() + self.move_cost * loads
+
+    # -- one round ---------------------------------------------------------------------------------
+
+    def _proposals(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
+        """Every layer's best move off each of its ``pairs`` busiest servers: arrays (gain, kind,
+        layer, e, f, h, v) for the (layer, pair) that have an improving move; None if none.
+
+        Pair ``i`` joins the ``i``-th busiest server with the ``i``-th and ``pairs + i``-th coldest
+        servers with a free slot (relocation, replication) and, for the busiest ``_SWAP_PAIRS``,
+        the ``i``-th coldest open server (swap). The gain is how far the busiest server the move
+        touches ends below the busy server's tokens: with ``gap`` = busy - receiver tokens,
+        relocating share ``x`` gains ``min(x, gap - x)``, replicating an expert whose share drops
+        by ``d`` to ``n`` gains ``min(d, gap - n)``, swapping ``x`` for ``y`` gains
+        ``min(x - y, gap - (x - y))``."""
+        tokens = self.tokens
+        peak = tokens.max(axis=1)
+        active = peak - self.mean > self.min_gain
+        if not active.any():
+            return None
+        rows = self.rows[active]
+        tokens = tokens[rows]
+        layers = len(rows)
+        min_gain = self.min_gain[rows]
+        order = np.argsort(tokens, axis=1)  # [A, S] coldest first
+        hot = order[:, : -pairs - 1 : -1]  # [A, P] busiest first
+        busy = np.take_along_axis(tokens, hot, axis=1)  # [A, P]
+        is_open = self.new_loads < allowance
+        has_slot = is_open & (self.used < self.capacity)
+        candidates = order[:, : self.num_servers - pairs]  # never a busy server
+        slot_receivers = _first(candidates, has_slot, 2 * pairs)  # [A, 2P], -1 = none
+        slot_receivers = np.stack([slot_receivers[:, :pairs], slot_receivers[:, pairs:]], axis=2)  # [A, P, 2]
+        sp = min(pairs, _SWAP_PAIRS)
+        w = _first(candidates, is_open, sp)  # [A, P']
+
+        # The busy servers' experts: [A, P, K] (-1 padded); flat indices into [L, E, S] / [L, E].
+        width = max(1, int(self.filled[rows[:, None], hot].max()))
+        experts = self.table[rows[:, None], hot, :width]
+        valid = experts >= 0
+        pair_index = rows[:, None, None] * self.num_experts + np.maximum(experts, 0)  # [A, P, K]
+        share = np.where(valid, self.share.ravel()[pair_index], 0.0)
+        valid &= share > min_gain[:, None, None]
+        demand = self.load.ravel()[pair_index]
+        count = self.count.ravel()[pair_index]
+        hosts_flat = self.experts_servers.reshape(-1)
+        check_spread = self.spread > 1
+        if check_spread:
+            onehot = self.domain_onehot
+            covered = self.experts_servers.reshape(-1, self.num_servers)[pair_index] @ onehot  # [A, P, K, D]
+            hot_domain = onehot[hot][:, :, None, :]  # [A, P, 1, D]
+
+        x = share[..., None]  # [A, P, K, 1]
+        partner_width = max(1, int(self.filled[rows[:, None], np.maximum(w, 0)].max()))
+        block = width * 2
+        flat = np.full((layers, pairs, 2 * block + width * partner_width), -np.inf)
+        # Relocate or replicate e onto a cold server with a free slot: [A, P, K, 2].
+        v_safe = np.maximum(slot_receivers, 0)
+        gap = (busy[..., None] - np.take_along_axis(tokens[:, None, :], v_safe, axis=2))[:, :, None, :]
+        on_v = hosts_flat[pair_index[..., None] * self.num_servers + v_safe[:, :, None, :]]  # [A, P, K, 2]
+        usable = valid[..., None] & ~on_v
+        usable &= (slot_receivers >= 0)[:, :, None, :]
+        relocate_ok = usable
+        if check_spread:
+            after = covered[..., None, :] - hot_domain[..., None, :] + onehot[v_safe][:, :, None]
+            relocate_ok = usable & ((after > 0).sum(axis=-1) >= self.spread)
+        flat[..., :block] = np.where(relocate_ok, np.minimum(x, gap - x), -np.inf).reshape(layers, pairs, -1)
+        new_share = (demand / (count + 1))[..., None]
+        replicate = np.minimum(x - new_share, gap - new_share)
+        replicate_ok = usable & (count < self.num_servers)[..., None]
+        flat[..., block : 2 * block] = np.where(replicate_ok, replicate, -np.inf).reshape(layers, pairs, -1)
+        # Swap e with a lighter expert f of a cold open server: [A, P', K, F].
+        w_safe = np.maximum(w, 0)
+        hot_s = hot[:, :sp]
+        partners = self.table[rows[:, None], w_safe, :partner_width]  # [A, P', F]
+        partner_index = rows[:, None, None] * self.num_experts + np.maximum(partners, 0)
+        partner_ok = (partners >= 0) & (w >= 0)[..., None]
+        partner_ok &= ~hosts_flat[partner_index * self.num_servers + hot_s[..., None]]
+        y = np.where(partner_ok, self.share.ravel()[partner_index], np.inf)[:, :, None, :]
+        gap_w = (busy[:, :sp] - np.take_along_axis(tokens, w_safe, axis=1))[:, :, None, None]
+        e_on_w = hosts_flat[pair_index[:, :sp] * self.num_servers + w_safe[..., None]]  # [A, P', K]
+        swap_ok = (valid[:, :sp] & ~e_on_w & is_open[hot_s][..., None])[..., None] & (y < x[:, :sp])
+        z = x[:, :sp] - y
+        if check_spread:
+            w_domain = onehot[w_safe][:, :, None, :]
+            e_after = covered[:, :sp] - hot_domain[:, :sp] + w_domain  # [A, P', K, D]
+            partner_hosts = self.experts_servers.reshape(-1, self.num_servers)[partner_index]
+            f_after = partner_hosts @ onehot - w_domain + hot_domain[:, :sp]  # [A, P', F, D]
+            swap_ok &= ((e_after > 0).sum(-1) >= self.spread)[..., None]
+            swap_ok &= ((f_after > 0).sum(-1) >= self.spread)[:, :, None, :]
+        swap = np.where(swap_ok, self.swap_weight * np.minimum(z, gap_w - z), -np.inf)
+        flat[:, :sp, 2 * block : 2 * block + width * partner_width] = swap.reshape(layers, sp, -1)
+
+        best = flat.argmax(axis=2)  # [A, P]
+        best_gain = np.take_along_axis(flat, best[..., None], axis=2)[..., 0]
+        keep = best_gain > min_gain[:, None]
+        if not keep.any():
+            return None
+        layer_index, pair = np.nonzero(keep)
+        best = best[layer_index, pair]
+        kind = np.where(best < block, _RELOCATE, np.where(best < 2 * block, _REPLICATE, _SWAP))
+        local = np.where(best < 2 * block, best % block, 0)
+        swap_local = np.maximum(best - 2 * block, 0)
+        e_pos = np.where(kind == _SWAP, swap_local // partner_width, local // 2)
+        expert = experts[layer_index, pair, e_pos]
+        swap_pair = np.minimum(pair, sp - 1)
+        is_swap = kind == _SWAP
+        partner = np.where(is_swap, partners[layer_index, swap_pair, swap_local % partner_width], -1)
+        receiver = np.where(is_swap, w[layer_index, swap_pair], slot_receivers[layer_index, pair, local % 2])
+        gain = best_gain[layer_index, pair]
+        return gain, kind, rows[layer_index], expert, partner, hot[layer_index, pair], receiver
+
+    def _grant(self, proposals: tuple[np.ndarray, ...], allowance: int) -> tuple[np.ndarray, ...]:
+        """Grant proposals, largest gain first, while the servers they load have allowance left
+        (and a free slot, for relocations and replications); in a layer, moves of one round touch
+        distinct servers and experts. Decided in array operations, conservatively: a proposal that
+        is turned down still counts against the ones after it. Returns the granted moves."""
+        gain, kind, layer, expert, partner, hot, receiver = proposals
+        order = np.argsort(-gain, kind="stable")
+        kind, layer, expert, partner = kind[order], layer[order], expert[order], partner[order]
+        hot, receiver = hot[order], receiver[order]
+        count = len(order)
+        swap = kind == _SWAP
+        # One move per (layer, server) and per (layer, expert) per round.
+        servers = np.stack([layer * self.num_servers + receiver, layer * self.num_servers + hot], axis=1)
+        ok = np.asarray(_first_seen(servers.reshape(-1)).reshape(count, 2).all(axis=1))
+        dummy = -1 - np.arange(count)  # a unique key for the partner of a non-swap
+        pair_key = layer * self.num_experts
+        experts = np.stack([pair_key + expert, np.where(swap, pair_key + partner, dummy)], axis=1)
+        ok &= _first_seen(experts.reshape(-1)).reshape(count, 2).all(axis=1)
+        if self.max_moves is not None:
+            ok &= np.cumsum(ok) <= self.max_moves - self.moves
+        # Allowance: the i-th load a server gets this round needs i < allowance - new_loads.
+        # Events in move order: (receiver, hot) per move, where each costs a load.
+        loads_v = ok & ~self.original[layer, expert, receiver]
+        loads_h = ok & swap & ~self.original[layer, np.maximum(partner, 0), hot]
+        event_loads = np.stack([loads_v, loads_h], axis=1).reshape(-1)
+        event_server = np.stack([receiver, hot], axis=1).reshape(-1)[event_loads]
+        event_move = np.repeat(np.arange(count), 2)[event_loads]
+        over = _rank_within(event_server) >= (allowance - self.new_loads)[event_server]
+        ok[event_move[over]] = False
+        # Slots for relocations and replications (a relocation's freed slot is not reused here).
+        takes_slot = np.flatnonzero(ok & ~swap)
+        slot_server = receiver[takes_slot]
+        ok[takes_slot[_rank_within(slot_server) >= (self.capacity - self.used)[slot_server]]] = False
+        return kind[ok], layer[ok], expert[ok], partner[ok], hot[ok], receiver[ok]
+
+    def _apply(self, moves: tuple[np.ndarray, ...]) -> None:
+        """Apply moves (in a layer they touch distinct servers and experts). Kinds: relocate e
+        from h to v, replicate e onto v, swap e (on h) with f (on v), drop the replica of e on v."""
+        kind, layer, expert, partner, hot, receiver = moves
+        relocate, replicate, swap, drop = kind == _RELOCATE, kind == _REPLICATE, kind == _SWAP, kind == _DROP
+        # Every other host of a replicated (dropped) expert gives up (takes over) part of its share.
+        changed = replicate | drop
+        l, e = layer[changed], expert[changed]
+        old = self.share[l, e]
+        self.count[l, e] += np.where(replicate[changed], 1, -1)
+        new = self.load[l, e] / self.count[l, e]
+        self.share[l, e] = new
+        self._add_rows(l, (new - old)[:, None] * self.experts_servers[l, e])
+        # Tokens each server gains (on the receiving side) or loses (on the busy side).
+        moved = np.where(relocate | replicate, self.share[layer, expert], 0.0)
+        swapped = self.share[layer, expert] - self.share[layer, np.maximum(partner, 0)]
+        moved = np.where(swap, swapped, moved)
+        self.tokens[layer, receiver] += moved
+        self.tokens[layer, hot] -= np.where(relocate | swap, moved, 0.0)
+        # A dropped replica's server had its old share (and got the share change above).
+        self.tokens[layer[drop], receiver[drop]] -= new[drop[changed]]
+        drop_l = np.concatenate([layer[relocate | swap], layer[swap], layer[drop]])
+        drop_e = np.concatenate([expert[relocate | swap], partner[swap], expert[drop]])
+        drop_s = np.concatenate([hot[relocate | swap], receiver[swap], receiver[drop]])
+        grows = ~drop
+        add_l = np.concatenate([layer[grows], layer[swap]])
+        add_e = np.concatenate([expert[grows], partner[swap]])
+        add_s = np.concatenate([receiver[grows], hot[swap]])
+        self._set(drop_l, drop_e, drop_s, False)
+        self._set(add_l, add_e, add_s, True)
+        self.moves += int(grows.sum())
+
+    def _undo(self, moves: tuple[np.ndarray, ...]) -> None:
+        """Take back moves applied by `_apply`: a relocation or swap is the same move with its two
+        servers exchanged; a replication is undone by a drop and the other way round."""
+        kind, layer, expert, partner, hot, receiver = moves
+        inverse = np.select([kind == _REPLICATE, kind == _DROP], [_DROP, _REPLICATE], kind)
+        exchange = (kind == _RELOCATE) | (kind == _SWAP)
+        before = self.moves
+        self._apply(
+            (
+                inverse,
+                layer,
+                expert,
+                partner,
+                np.where(exchange, receiver, hot),
+                np.where(exchange, hot, receiver),
+            )
+        )
+        self.moves = before - int((kind != _DROP).sum())
+
+    def _drops(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
+        """Free slots where moves want them: on full servers with allowance left that are among
+        the ``2 x pairs`` coldest of some layer, drop one surplus replica each (its expert keeps
+        R replicas and its domain spread) whose share, spread over its other hosts, keeps them all
+        below their layer's peak by the layer's minimum gain — so no peak rises. At most one drop
+        per server, per layer and per expert; the replica leaving the most room below the peak
+        first. Returns the drops as moves (kind ``_DROP``, server in ``receiver``), or None."""
+        full = (self.used >= self.capacity) & (self.new_loads < allowance)
+        if not full.any():
+            return None
+        tokens = self.tokens
+        order = np.argsort(tokens, axis=1)[:, : 2 * pairs]  # [L, 2P] coldest servers per layer
+        wanted = np.zeros(self.num_servers, dtype=bool)
+        wanted[order.ravel()] = True
+        servers = np.flatnonzero(full & wanted)
+        if len(servers) == 0:
+            return None
+        cells = self.table[:, servers, :]  # [L, F, W]
+        layer, column, slot = np.nonzero(cells >= 0)
+        expert = cells[layer, column, slot]
+        server = servers[column]
+        count = self.count[layer, expert]
+        surplus = count > self.replication
+        layer, expert, server, count = layer[surplus], expert[surplus], server[surplus], count[surplus]
+        if len(layer) == 0:
+            return None
+        hosts = self.experts_servers[layer, expert]  # [N, S]
+        others = hosts.copy()
+        others[np.arange(len(layer)), server] = False
+        others_max = np.where(others, tokens[layer], -np.inf).max(axis=1)
+        demand = self.load[layer, expert]
+        rise = demand / (count - 1) - demand / count
+        room = tokens.max(axis=1)[layer] - self.min_gain[layer] - (others_max + rise)
+        ok = room >= 0
+        if self.spread > 1:
+            ok &= ((others.astype(np.float64) @ self.domain_onehot) > 0).sum(axis=1) >= self.spread
+        index = np.flatnonzero(ok)
+        if len(index) == 0:
+            return None
+        index = index[np.argsort(-room[index], kind="stable")]
+        layer, expert, server = layer[index], expert[index], server[index]
+        keep = _first_seen(server) & _first_seen(layer)  # (one per layer covers one per expert)
+        layer, expert, server = layer[keep], expert[keep], server[keep]
+        kind = np.full(len(layer), _DROP)
+        return kind, layer, expert, np.full(len(layer), -1), server, server
+
+    def _set(self, l: np.ndarray, e: np.ndarray, s: np.ndarray, value: bool) -> None:
+        """Host (or drop) pairs ``(l, e)`` on servers ``s``, updating slots and new loads."""
+        self.servers_experts[l, s, e] = value
+        self.experts_servers[l, e, s] = value
+        # The table keeps each cell's experts as a prefix: add at the end, remove by moving the
+        # last one into the hole.
+        filled = self.filled[l, s]
+        if value:
+            if int(filled.max(initial=0)) >= self.table.shape[2]:
+                spare = np.full((*self.table.shape[:2], _SPARE_COLUMNS), -1, dtype=self.table.dtype)
+                self.table = np.concatenate([self.table, spare], axis=2)
+            self.table[l, s, filled] = e
+            self.filled[l, s] = filled + 1
+        else:
+            hole = (self.table[l, s] == e[:, None]).argmax(axis=1)
+            last = filled - 1
+            self.table[l, s, hole] = self.table[l, s, last]
+            self.table[l, s, last] = -1
+            self.filled[l, s] = last
+        sign = 1 if value else -1
+        size = self.num_servers
+        self.used += sign * np.bincount(s, minlength=size)
+        self.new_loads += sign * np.bincount(s[~self.original[l, e, s]], minlength=size)
+
+    def _add_rows(self, layers: np.ndarray, rows: np.ndarray) -> None:
+        """``tokens[layers[i]] += rows[i]`` (layers may repeat)."""
+        if len(layers):
+            cells = (layers[:, None] * self.num_servers + np.arange(self.num_servers)).ravel()
+            self.tokens += np.bincount(cells, weights=rows.ravel(), minlength=self.tokens.size).reshape(
+                self.tokens.shape
+            )
+
+    # -- driver ------------------------------------------------------------------------------------
+
+    def optimize(
+        self,
+        step: int = 8,
+        *,
+        min_step: int = 1,
+        pairs_per_step: float = PAIRS_PER_STEP,
+        patience: int = 2,
+        patience_below: int = 3,
+        tolerance: float = 1e-3,
+    ) -> float:
+        """Run rounds, keep the best state; returns its objective.
+
+        Round allowance: the busiest loader's new loads plus ``step``; every layer proposes moves
+        off its ``pairs_per_step x step`` (at least ``MIN_PAIRS``) busiest servers. A round that
+        does not improve the objective is kept on trial: at steps below ``patience_below`` (where
+        a layer with near-ties at the top may need two rounds before its peak falls) up to
+        ``patience`` rounds in a row, else one. A trial that ends without a better objective is
+        taken back and the step halves (or, at ``min_step``, the search stops). The step also
+        halves when a round's compute gain is less than ``HALVE_BELOW`` times the movement the
+        step allows, or when a round improves the objective by less than ``tolerance`` (relative),
+        where at ``min_step`` the search stops. It also stops when no layer can move or the move
+        budget is spent, and ends in the best state."""
+        best = self.objective()
+        trial: list[list[tuple[np.ndarray, ...]]] = []  # rounds applied since the best state
+        pairs_cap = max(1, self.num_servers // 2)
+
+        def take_back() -> None:
+            for applied in reversed(trial):
+                for moves in reversed(applied):
+                    self._undo(moves)
+            trial.clear()
+
+        while self.max_moves is None or self.moves < self.max_moves:
+            allowance = (int(self.new_loads.max()) if self.num_servers else 0) + step
+            before = self.compute()
+            pairs = min(pairs_cap, max(MIN_PAIRS, int(pairs_per_step * step)))
+            applied = []
+            drops = self._drops(allowance, pairs)
+            if drops is not None:
+                self._apply(drops)
+                applied.append(drops)
+            proposals = self._proposals(allowance, pairs)
+            granted = None if proposals is None else self._grant(proposals, allowance)
+            if granted is None or len(granted[0]) == 0:
+                for moves in reversed(applied):
+                    self._undo(moves)
+                if step <= min_step or (proposals is None and not trial):
+                    break
+                take_back()
+                step //= 2
+                continue
+            self._apply(granted)
+            applied.append(granted)
+            self.rounds += 1
+            value = self.objective()
+            if value < best - 1e-12:
+                small = value > (1 - tolerance) * best
+                best = value
+                trial.clear()
+                if small and step <= min_step:
+                    break
+                if step > min_step and (
+                    small or before - self.compute() < HALVE_BELOW * step * self.move_cost
+                ):
+                    step //= 2
+                continue
+            trial.append(applied)
+            if len(trial) < (patience if step < patience_below else 1):
+                continue
+            take_back()
+            if step <= min_step:
+                break
+            step //= 2
+        take_back()
+        self.changed = self.moves > 0
+        return best
+
+    def matrix(self) -> np.ndarray:
+        """bool ``[S, L, E]`` of the current state."""
+        return np.ascontiguousarray(self.servers_experts.transpose(1, 0, 2))
+
+
+def _first_seen(keys: np.ndarray) -> np.ndarray:
+    """bool ``[N]``: ``keys[i]`` does not occur in ``keys[:i]``."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    first = np.empty(len(keys), dtype=bool)
+    first[order] = np.concatenate(([True], ordered[1:] != ordered[:-1]))
+    return first
+
+
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """For events in ``groups [N]`` (in order): how many events of the same group come before
+    each one."""
+    if len(groups) == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(groups, kind="stable")
+    ordered = groups[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    rank = np.arange(len(groups)) - np.repeat(starts, np.diff(np.append(starts, len(groups))))
+    result = np.empty(len(groups), dtype=np.int64)
+    result[order] = rank
+    return result
+
+
+def _first(order: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray:
+    """Per row of ``order [A, N]`` (server ids), the first ``k`` servers with ``mask[server]``:
+    ``[A, k]``, -1 where a row has fewer."""
+    ok = mask[order]
+    rank = np.cumsum(ok, axis=1) - 1  # [A, N] rank of each allowed server in its row
+    result = np.full((order.shape[0], k + 1), -1, dtype=np.int64)
+    rows, columns = np.nonzero(ok & (rank < k))
+    result[rows, rank[rows, columns]] = order[rows, columns]
+    return result[:, :k]
+
+
+def _extreme(values: np.ndarray, k: int, *, largest: bool) -> np.ndarray:
+    """Column indices of the ``k`` largest (or smallest) entries of each row of ``values [A, N]``,
+    in order: ``[A, k]`` (``k <= N``)."""
+    k = min(k, values.shape[1])
+    keys = -values if largest else values
+    if k == 1:
+        return keys.argmin(axis=1)[:, None]
+    part = np.argpartition(keys, k - 1, axis=1)[:, :k]
+    order = np.argsort(np.take_along_axis(keys, part, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1)

@@ -1,0 +1,85 @@
+"""The round-based search batched over layers (`eaas.runtime.placement.batched`), on its own: every
+state it returns is a valid placement, its bookkeeping matches a recomputation from that
+placement, and the objective it reports is the real one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from placement_helpers import assert_invariants, domain_servers, trace_load
+from test_placement_properties import COSTS, SETTINGS, instances
+
+from eaas.runtime.placement import (
+    CostModel,
+    Placement,
+    cost_aware,
+    predicted_seconds,
+    round_robin,
+    server_loads,
+)
+from eaas.runtime.placement.batched import BatchedSearch
+from eaas.runtime.placement.cost_aware import PORTFOLIO_MAX_CELLS
+
+
+def check_search(current: Placement, load: np.ndarray, cost: CostModel, horizon: int, step: int) -> Placement:
+    """Run a search; check its result and bookkeeping; return the placement it found."""
+    search = BatchedSearch(current, load, cost, horizon)
+    keep = search.objective()
+    assert keep == pytest.approx(predicted_seconds(current, current, load, cost, horizon), rel=1e-9)
+    best = search.optimize(step=step)
+    assert best <= keep
+    found = Placement.from_matrix(
+        current.layers, current.num_experts, current.servers, search.matrix(), current.replication, 1
+    )
+    assert_invariants(found)
+    assert best == pytest.approx(predicted_seconds(current, found, load, cost, horizon), rel=1e-9, abs=1e-12)
+    # The incremental state (after any rounds taken back) equals a fresh computation.
+    np.testing.assert_allclose(search.tokens, server_loads(found, load), rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(search.count, found.replica_counts())
+    used = found.used_slots()
+    assert search.used.tolist() == [used[ordinal] for ordinal in found.ordinals]
+    fresh = found.hosting_matrix() & ~current.hosting_matrix()
+    assert search.new_loads.tolist() == fresh.reshape(len(found.ordinals), -1).sum(axis=1).tolist()
+    for layer in range(len(found.layers)):
+        for server in range(found.num_servers):
+            hosted = sorted(int(e) for e in search.table[layer, server] if e >= 0)
+            assert hosted == np.flatnonzero(found.hosting_matrix()[server, layer]).tolist()
+            assert search.filled[layer, server] == len(hosted)
+    return found
+
+
+@SETTINGS
+@given(instances(), COSTS, st.integers(1, 1000))
+def test_every_step_size_gives_a_valid_placement_and_true_objective(
+    instance: tuple[Placement, np.ndarray], cost: CostModel, horizon: int
+) -> None:
+    current, load = instance
+    for step in (1, 2, 8):
+        check_search(current, load, cost, horizon, step)
+
+
+@pytest.mark.parametrize("replication", [1, 2])
+def test_large_instance_uses_the_batched_search_alone(replication: int) -> None:
+    # 12 layers x 64 experts on 16 servers in 4 domains: above the portfolio threshold.
+    servers = domain_servers(16, replication * 12 * 64 // 16 + 8, 4)
+    current = round_robin(12, 64, servers, replication)
+    assert current.hosting_matrix().size > PORTFOLIO_MAX_CELLS
+    load = trace_load(12, 64, seed=3, steps=50)
+    cost = CostModel()
+    found = check_search(current, load, cost, 100, 8)
+    plan = cost_aware(current, load, cost, horizon_steps=100)
+    assert plan is not current and plan.same_assignment(found)
+    keep = predicted_seconds(current, current, load, cost, 100)
+    assert predicted_seconds(current, plan, load, cost, 100) < 0.9 * keep
+    assert cost_aware(current, load, cost, horizon_steps=100) == plan  # deterministic
+
+
+def test_move_budget_is_respected() -> None:
+    current = round_robin(12, 64, domain_servers(16, 60, 4))
+    load = trace_load(12, 64, seed=4)
+    for budget in (1, 7, 40):
+        search = BatchedSearch(current, load, CostModel(), 1000, max_moves=budget)
+        search.optimize()
+        assert 0 < search.moves <= budget
