@@ -1,23 +1,26 @@
 """Round-based local search on the seed-002 objective, batched over layers in numpy (`cost_aware`).
 
-The same moves as `eaas.runtime.placement.search` — take an expert ``e`` off the busiest server
-``h`` of a layer and relocate it to a cold server ``v``, replicate it there, or swap it with a
-lighter expert ``f`` of ``v`` — but evaluated for every layer at once with array operations, one
-move per layer per *round*, instead of one move at a time in Python.
+The same moves as `eaas.runtime.placement.search` — take an expert ``e`` off a busy server ``h`` of
+a layer and relocate it to a cold server ``v``, replicate it there, or swap it with a lighter
+expert ``f`` of ``v`` — but evaluated for every layer at once with array operations, a few moves
+per layer per *round*, instead of one move at a time in Python.
 
-Round ``r`` lets every server newly load up to ``r`` experts in all (movement is charged as the
-busiest loader's time, so the allowance grows by one per round, like the levels of `Search`).
-In a round every layer proposes its best move off its busiest server to its two coldest open
-servers (relocation and replication need a free slot there; a swap does not); proposals are
-granted largest gain first while the servers they load still have allowance and slots. After
-each round the objective (compute over the horizon + movement) is evaluated; the search stops
-``patience`` rounds after the best one (or when no layer can move, or at the move budget) and
-returns the state of the best round.
+Movement is charged as the busiest loader's time, so a round's *allowance* is the busiest
+loader's new loads plus a *step*: every server may newly load up to that many experts in all. In a
+round every layer proposes its best move off each of its busiest servers (pairing the i-th busiest
+with the i-th and (P+i)-th coldest servers that have a free slot, and for the two busiest also a
+swap with the i-th coldest open server); proposals are granted largest gain first while the
+servers they load have allowance and slots left, and moves of one layer in one round touch
+distinct servers and experts. Where cold servers are full, the round first drops a surplus
+replica on each (`BatchedSearch._drops`) so that moves can land there. After each round the
+objective (compute over the horizon + movement) decides: keep, keep on trial, or take back and
+halve the step (see `BatchedSearch.optimize`).
 
-The gain of a move is how far the busiest server it touches ends below the layer's peak (with
-near-ties at the top the peak falls over several rounds); a swap loads two experts and counts
-``SWAP_WEIGHT`` times its gain. Every granted move lowers the layer's sorted load vector, so the
-search cannot cycle. Moves keep every pair's replica count and its failure-domain spread.
+The gain of a move is how far the busiest server it touches ends below that busy server's tokens
+(with near-ties at the top the layer's peak falls over several moves); a swap loads two experts
+and counts ``swap_weight`` times its gain. Every granted move lowers the layer's sorted load
+vector and a drop raises no peak, so the search cannot cycle. Moves keep every pair's replica
+count (R) and its failure-domain spread.
 
 Shapes: ``L`` layers, ``E`` experts per layer, ``S`` servers; ``K`` the most experts a server
 hosts in one layer (the padded width of per-server expert lists).
@@ -32,7 +35,6 @@ from eaas.runtime.placement.placement import Placement
 
 SWAP_WEIGHT = 0.75  # a swap's gain counts 0.75x: it loads two experts
 _RELOCATE, _REPLICATE, _SWAP, _DROP = 0, 1, 2, 3
-_RECEIVERS = 2  # coldest servers with a free slot each layer proposes to
 PAIRS_PER_STEP = 1.0  # busy servers per layer that propose a move, per unit of step
 MIN_PAIRS = 4  # busy servers per layer that propose a move at least (near-ties at the top need several)
 HALVE_BELOW = 3.0  # halve the step when a round gains less than this many loads per unit of step
@@ -511,15 +513,3 @@ def _first(order: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray:
     rows, columns = np.nonzero(ok & (rank < k))
     result[rows, rank[rows, columns]] = order[rows, columns]
     return result[:, :k]
-
-
-def _extreme(values: np.ndarray, k: int, *, largest: bool) -> np.ndarray:
-    """Column indices of the ``k`` largest (or smallest) entries of each row of ``values [A, N]``,
-    in order: ``[A, k]`` (``k <= N``)."""
-    k = min(k, values.shape[1])
-    keys = -values if largest else values
-    if k == 1:
-        return keys.argmin(axis=1)[:, None]
-    part = np.argpartition(keys, k - 1, axis=1)[:, :k]
-    order = np.argsort(np.take_along_axis(keys, part, axis=1), axis=1, kind="stable")
-    return np.take_along_axis(part, order, axis=1)

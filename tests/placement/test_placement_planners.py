@@ -149,9 +149,11 @@ def test_cost_aware_escapes_a_local_optimum_with_a_two_step_chain() -> None:
         search = Search(matrix, matrix, load, [5] * 4, domains.tolist(), 1, spread, cost, 100)
         values.append(search.optimize(chains=chains))
     assert values[1] < 0.99 * values[0]
+    # On an instance this small cost_aware also runs the move-by-move search (its portfolio), so it
+    # is at least as good as the chains.
     plan = cost_aware(current, load, cost, horizon_steps=100)
     assert_invariants(plan)
-    assert predicted_seconds(current, plan, load, cost, 100) == pytest.approx(values[1], rel=1e-9)
+    assert predicted_seconds(current, plan, load, cost, 100) <= values[1] * (1 + 1e-9)
 
 
 def test_cost_aware_longer_horizons_buy_more_balance() -> None:
