@@ -407,7 +407,7 @@ class BatchedSearch:
         pairs_per_step: float = PAIRS_PER_STEP,
         patience: int = 2,
         patience_below: int = 3,
-        tolerance: float = 1e-3,
+        tolerance: float = 2e-3,
     ) -> float:
         """Run rounds, keep the best state; returns its objective.
 

@@ -69,11 +69,11 @@ def cost_aware(
                 best, matrix = value, found
     if matrix is None or best + cost.planner_seconds >= keep:
         return current
-    candidate = Placement.from_matrix(
+    # A strictly better objective means a different assignment.
+    return Placement.from_matrix(
         current.layers, current.num_experts, current.servers, matrix, current.replication,
         current.version + 1,
     )  # fmt: skip
-    return current if candidate.same_assignment(current) else candidate
 
 
 def _portfolio(
