@@ -110,8 +110,11 @@ class BatchedSearch:
         floor = self.move_cost / (max(1, num_servers) * self.coef)
         self.min_gain = np.maximum(np.maximum(min_gain_fraction * self.mean, floor), 1e-9)
         self.rows = np.arange(num_layers)
-        self.rounds = 0
-        self.changed = False  # whether the best state differs from the start
+
+    @property
+    def changed(self) -> bool:
+        """Whether the state has moves (after `optimize`: whether the best state differs from the start)."""
+        return self.moves > 0
 
     # -- objective -------------------------------------------------------------------------------
 
@@ -452,7 +455,6 @@ class BatchedSearch:
                 continue
             self._apply(granted)
             applied.append(granted)
-            self.rounds += 1
             value = self.objective()
             if value < best - 1e-12:
                 small = value > (1 - tolerance) * best
@@ -473,7 +475,6 @@ class BatchedSearch:
                 break
             step //= 2
         take_back()
-        self.changed = self.moves > 0
         return best
 
     def matrix(self) -> np.ndarray:

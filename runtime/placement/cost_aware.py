@@ -9,7 +9,7 @@ predicted gain does not pay for the moves.
 
 The search is `eaas.runtime.placement.batched` (rounds of moves for all layers at once, in array
 operations). On small instances (at most ``PORTFOLIO_MAX_CELLS`` server x layer x expert cells),
-where a search costs well under a millisecond, it also runs the rounds with finer steps and the
+where a search costs about a millisecond, it also runs the rounds with finer steps and the
 move-by-move `eaas.runtime.placement.search` (with its two-step chains), and keeps the best.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from eaas.runtime.placement.batched import BatchedSearch
 from eaas.runtime.placement.cost import CostModel, check_horizon, check_load, server_loads
 from eaas.runtime.placement.placement import Placement, PlacementError
-from eaas.runtime.placement.search import Search
+from eaas.runtime.placement.search import search_for
 
 PORTFOLIO_MAX_CELLS = 1 << 12  # S x L x E up to which cost_aware tries several searches
 
@@ -93,13 +93,10 @@ def _portfolio(
         value = search.optimize(step=step, pairs_per_step=pairs_per_step)
         if search.changed:
             found.append((value, search.matrix()))
-    domain_ids, _ = current.domain_ids()
     matrix = current.hosting_matrix()
-    capacities = [server.capacity for server in current.servers]
-    move_by_move = Search(
-        matrix, matrix, load, capacities, domain_ids.tolist(), current.replication, current.required_spread,
-        cost, horizon_steps, max_moves=max_moves,
-    )  # fmt: skip
+    move_by_move = search_for(
+        current, current.servers, matrix, matrix, load, cost, horizon_steps, max_moves=max_moves
+    )
     value = move_by_move.optimize()
     if move_by_move.log:
         found.append((value, move_by_move.matrix()))

@@ -22,15 +22,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from eaas.runtime.placement.cost import CostModel, check_horizon, check_load
-from eaas.runtime.placement.placement import (
-    Placement,
-    PlacementError,
-    Server,
-    check_feasible,
-    domain_ids,
-    required_spread,
-)
-from eaas.runtime.placement.search import Search
+from eaas.runtime.placement.placement import Placement, PlacementError, Server, check_feasible
+from eaas.runtime.placement.search import search_for
 
 
 def add_server(
@@ -59,7 +52,7 @@ def add_server(
     new_column = next(i for i, s in enumerate(servers) if s.ordinal == server.ordinal)
     original = np.insert(current.hosting_matrix(), new_column, False, axis=0)
     is_new = [s.ordinal == server.ordinal for s in servers]
-    search = _search(
+    search = search_for(
         current, servers, original, original, loads, cost, horizon_steps, load_allowed=is_new,
         charged=[not new for new in is_new],
     )  # fmt: skip
@@ -146,7 +139,7 @@ def _rebuild(
 ) -> Placement:
     keep = [current.server_index(s.ordinal) for s in survivors]
     original = current.hosting_matrix()[keep]
-    search = _search(
+    search = search_for(
         current, survivors, original, original, load, cost, horizon_steps, replication=replication
     )
     counts = original.sum(axis=0)  # [L, E]
@@ -167,36 +160,6 @@ def _rebuild(
     search.ensure_replicas(pairs)
     search.optimize()
     return _result(current, survivors, search.matrix(), replication)
-
-
-def _search(
-    current: Placement,
-    servers: list[Server],
-    start: np.ndarray,
-    original: np.ndarray,
-    load: np.ndarray,
-    cost: CostModel,
-    horizon_steps: int,
-    *,
-    replication: int | None = None,
-    load_allowed: list[bool] | None = None,
-    charged: list[bool] | None = None,
-) -> Search:
-    domains, _ = domain_ids(servers)
-    replicas = replication or current.replication
-    return Search(
-        start,
-        original,
-        load,
-        [s.capacity for s in servers],
-        domains.tolist(),
-        replicas,
-        required_spread(servers, len(current.layers) * current.num_experts, replicas),
-        cost,
-        horizon_steps,
-        load_allowed=load_allowed,
-        charged=charged,
-    )
 
 
 def _result(current: Placement, servers: list[Server], matrix: np.ndarray, replication: int) -> Placement:

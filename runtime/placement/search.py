@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from eaas.runtime.placement.cost import CostModel
-from eaas.runtime.placement.placement import PlacementError
+from eaas.runtime.placement.placement import Placement, PlacementError, Server, domain_ids, required_spread
 
 _RELOCATE, _REPLICATE, _SWAP = 0, 1, 2
 _FREE: tuple[int, int] = (-1, -1)
@@ -630,6 +630,41 @@ class Search:
                 for s in hosts:
                     result[s, l, e] = True
         return result
+
+
+def search_for(
+    current: Placement,
+    servers: Sequence[Server],
+    start: np.ndarray,
+    original: np.ndarray,
+    load: np.ndarray,
+    cost: CostModel,
+    horizon_steps: int,
+    *,
+    replication: int | None = None,
+    load_allowed: Sequence[bool] | None = None,
+    charged: Sequence[bool] | None = None,
+    max_moves: int | None = None,
+) -> Search:
+    """A `Search` over ``servers`` (in ordinal order, the columns of ``start``/``original``) for
+    ``current``'s layers and experts, with their capacities, failure domains and the spread that
+    ``replication`` (default ``current.replication``) needs."""
+    domains, _ = domain_ids(servers)
+    replicas = replication or current.replication
+    return Search(
+        start,
+        original,
+        load,
+        [s.capacity for s in servers],
+        domains.tolist(),
+        replicas,
+        required_spread(servers, len(current.layers) * current.num_experts, replicas),
+        cost,
+        horizon_steps,
+        load_allowed=load_allowed,
+        charged=charged,
+        max_moves=max_moves,
+    )
 
 
 def _grouped(matrix: np.ndarray) -> list[list[list[int]]]:

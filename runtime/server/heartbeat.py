@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eaas.operator import naming
+from eaas.runtime.server.daemon import DaemonLoop
 
 log = logging.getLogger("eaas.server.heartbeat")
 
@@ -117,7 +117,7 @@ class Utilization:
         return max(0, min(1000, round(1000 * (busy - busy_then) / (now - then))))
 
 
-class Heartbeat:
+class Heartbeat(DaemonLoop):
     """Creates and renews the Lease in a daemon thread: ``start()``, ``stop()``."""
 
     def __init__(
@@ -133,17 +133,7 @@ class Heartbeat:
         self._lease: dict[str, Any] | None = None  # as last read or written (carries resourceVersion)
         self.renewals = 0
         self.failures = 0  # in a row
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="eaas-heartbeat", daemon=True)
-
-    def start(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        super().__init__("eaas-heartbeat")
 
     def _run(self) -> None:
         delay = 0.0

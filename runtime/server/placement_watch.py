@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 from eaas.operator.naming import PENDING_KEY, PLACEMENT_KEY
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.placement.placement import LayerExpert
+from eaas.runtime.server.daemon import DaemonLoop
 
 if TYPE_CHECKING:
     from eaas.runtime.server.expert_server import ExpertServer
@@ -112,7 +112,7 @@ def initial_target(files: PlacementFiles, ordinal: int) -> Target:
     return target
 
 
-class PlacementWatcher:
+class PlacementWatcher(DaemonLoop):
     """Polls a :class:`PlacementFiles` in a daemon thread and re-hosts ``server`` on changes."""
 
     def __init__(self, server: ExpertServer, files: PlacementFiles, poll_s: float = 1.0) -> None:
@@ -123,17 +123,7 @@ class PlacementWatcher:
         self.poll_s = poll_s
         self._stamps: tuple[FileStamp, FileStamp] | None = None
         self._digest = ""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="eaas-placement-watch", daemon=True)
-
-    def start(self) -> PlacementWatcher:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        super().__init__("eaas-placement-watch")
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
