@@ -151,7 +151,8 @@ class BatchedSearch:
         min_gain = self.min_gain[rows]
         order = np.argsort(tokens, axis=1)  # [A, S] coldest first
         hot = order[:, : -pairs - 1 : -1]  # [A, P] busiest first
-        busy = np.take_along_axis(tokens, hot, axis=1)  # [A, P]
+        row = np.arange(layers)[:, None]  # [A, 1]
+        busy = tokens[row, hot]  # [A, P]
         is_open = self.new_loads < allowance
         has_slot = is_open & (self.used < self.capacity)
         candidates = order[:, : self.num_servers - pairs]  # never a busy server
@@ -182,7 +183,7 @@ class BatchedSearch:
         flat = np.full((layers, pairs, 2 * block + width * partner_width), -np.inf)
         # Relocate or replicate e onto a cold server with a free slot: [A, P, K, 2].
         v_safe = np.maximum(slot_receivers, 0)
-        gap = (busy[..., None] - np.take_along_axis(tokens[:, None, :], v_safe, axis=2))[:, :, None, :]
+        gap = (busy[..., None] - tokens[row[..., None], v_safe])[:, :, None, :]
         on_v = hosts_flat[pair_index[..., None] * self.num_servers + v_safe[:, :, None, :]]  # [A, P, K, 2]
         usable = valid[..., None] & ~on_v
         usable &= (slot_receivers >= 0)[:, :, None, :]
@@ -203,7 +204,7 @@ class BatchedSearch:
         partner_ok = (partners >= 0) & (w >= 0)[..., None]
         partner_ok &= ~hosts_flat[partner_index * self.num_servers + hot_s[..., None]]
         y = np.where(partner_ok, self.share.ravel()[partner_index], np.inf)[:, :, None, :]
-        gap_w = (busy[:, :sp] - np.take_along_axis(tokens, w_safe, axis=1))[:, :, None, None]
+        gap_w = (busy[:, :sp] - tokens[row, w_safe])[:, :, None, None]
         e_on_w = hosts_flat[pair_index[:, :sp] * self.num_servers + w_safe[..., None]]  # [A, P', K]
         swap_ok = (valid[:, :sp] & ~e_on_w & is_open[hot_s][..., None])[..., None] & (y < x[:, :sp])
         z = x[:, :sp] - y
@@ -218,7 +219,7 @@ class BatchedSearch:
         flat[:, :sp, 2 * block : 2 * block + width * partner_width] = swap.reshape(layers, sp, -1)
 
         best = flat.argmax(axis=2)  # [A, P]
-        best_gain = np.take_along_axis(flat, best[..., None], axis=2)[..., 0]
+        best_gain = flat.max(axis=2)
         keep = best_gain > min_gain[:, None]
         if not keep.any():
             return None
@@ -249,11 +250,11 @@ class BatchedSearch:
         swap = kind == _SWAP
         # One move per (layer, server) and per (layer, expert) per round.
         servers = np.stack([layer * self.num_servers + receiver, layer * self.num_servers + hot], axis=1)
-        ok = np.asarray(_first_seen(servers.reshape(-1)).reshape(count, 2).all(axis=1))
-        dummy = -1 - np.arange(count)  # a unique key for the partner of a non-swap
+        ok = np.asarray(_first_seen(servers.reshape(-1), self.tokens.size).reshape(count, 2).all(axis=1))
+        dummy = self.load.size + np.arange(count)  # a unique key for the partner of a non-swap
         pair_key = layer * self.num_experts
         experts = np.stack([pair_key + expert, np.where(swap, pair_key + partner, dummy)], axis=1)
-        ok &= _first_seen(experts.reshape(-1)).reshape(count, 2).all(axis=1)
+        ok &= _first_seen(experts.reshape(-1), self.load.size + count).reshape(count, 2).all(axis=1)
         if self.max_moves is not None:
             ok &= np.cumsum(ok) <= self.max_moves - self.moves
         # Allowance: the i-th load a server gets this round needs i < allowance - new_loads.
@@ -263,12 +264,13 @@ class BatchedSearch:
         event_loads = np.stack([loads_v, loads_h], axis=1).reshape(-1)
         event_server = np.stack([receiver, hot], axis=1).reshape(-1)[event_loads]
         event_move = np.repeat(np.arange(count), 2)[event_loads]
-        over = _rank_within(event_server) >= (allowance - self.new_loads)[event_server]
+        over = _rank_within(event_server, self.num_servers) >= (allowance - self.new_loads)[event_server]
         ok[event_move[over]] = False
         # Slots for relocations and replications (a relocation's freed slot is not reused here).
         takes_slot = np.flatnonzero(ok & ~swap)
         slot_server = receiver[takes_slot]
-        ok[takes_slot[_rank_within(slot_server) >= (self.capacity - self.used)[slot_server]]] = False
+        full = _rank_within(slot_server, self.num_servers) >= (self.capacity - self.used)[slot_server]
+        ok[takes_slot[full]] = False
         return kind[ok], layer[ok], expert[ok], partner[ok], hot[ok], receiver[ok]
 
     def _apply(self, moves: tuple[np.ndarray, ...]) -> None:
@@ -363,7 +365,8 @@ class BatchedSearch:
             return None
         index = index[np.argsort(-room[index], kind="stable")]
         layer, expert, server = layer[index], expert[index], server[index]
-        keep = _first_seen(server) & _first_seen(layer)  # (one per layer covers one per expert)
+        # One per server and per layer (which covers one per expert).
+        keep = _first_seen(server, self.num_servers) & _first_seen(layer, self.num_layers)
         layer, expert, server = layer[keep], expert[keep], server[keep]
         kind = np.full(len(layer), _DROP)
         return kind, layer, expert, np.full(len(layer), -1), server, server
@@ -411,6 +414,7 @@ class BatchedSearch:
         patience: int = 2,
         patience_below: int = 3,
         tolerance: float = 2e-3,
+        stop_step: int = 2,
     ) -> float:
         """Run rounds, keep the best state; returns its objective.
 
@@ -422,8 +426,9 @@ class BatchedSearch:
         taken back and the step halves (or, at ``min_step``, the search stops). The step also
         halves when a round's compute gain is less than ``HALVE_BELOW`` times the movement the
         step allows, or when a round improves the objective by less than ``tolerance`` (relative),
-        where at ``min_step`` the search stops. It also stops when no layer can move or the move
-        budget is spent, and ends in the best state."""
+        where at ``stop_step`` or below (by then the rounds gain about a tenth of a percent each)
+        the search stops. It also stops when no layer can move or the move budget is spent, and
+        ends in the best state."""
         best = self.objective()
         trial: list[list[tuple[np.ndarray, ...]]] = []  # rounds applied since the best state
         pairs_cap = max(1, self.num_servers // 2)
@@ -460,7 +465,7 @@ class BatchedSearch:
                 small = value > (1 - tolerance) * best
                 best = value
                 trial.clear()
-                if small and step <= min_step:
+                if small and step <= max(min_step, stop_step):
                     break
                 if step > min_step and (
                     small or before - self.compute() < HALVE_BELOW * step * self.move_cost
@@ -482,27 +487,23 @@ class BatchedSearch:
         return np.ascontiguousarray(self.servers_experts.transpose(1, 0, 2))
 
 
-def _first_seen(keys: np.ndarray) -> np.ndarray:
-    """bool ``[N]``: ``keys[i]`` does not occur in ``keys[:i]``."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    first = np.empty(len(keys), dtype=bool)
-    first[order] = np.concatenate(([True], ordered[1:] != ordered[:-1]))
-    return first
+def _first_seen(keys: np.ndarray, size: int) -> np.ndarray:
+    """bool ``[N]``: ``keys[i]`` (in ``0..size-1``) does not occur in ``keys[:i]``."""
+    index = np.arange(len(keys))
+    first = np.full(size, len(keys))
+    np.minimum.at(first, keys, index)
+    return np.asarray(first[keys] == index)
 
 
-def _rank_within(groups: np.ndarray) -> np.ndarray:
-    """For events in ``groups [N]`` (in order): how many events of the same group come before
-    each one."""
-    if len(groups) == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.argsort(groups, kind="stable")
-    ordered = groups[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    rank = np.arange(len(groups)) - np.repeat(starts, np.diff(np.append(starts, len(groups))))
-    result = np.empty(len(groups), dtype=np.int64)
-    result[order] = rank
-    return result
+def _rank_within(groups: np.ndarray, size: int) -> np.ndarray:
+    """For events in ``groups [N]`` (in order, values in ``0..size-1``): how many events of the
+    same group come before each one."""
+    order = np.argsort(groups.astype(np.min_scalar_type(size)), kind="stable")  # a radix sort
+    counts = np.bincount(groups, minlength=size)
+    starts = np.cumsum(counts) - counts
+    rank = np.empty(len(groups), dtype=np.int64)
+    rank[order] = np.arange(len(groups)) - starts[groups[order]]
+    return rank
 
 
 def _first(order: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray:

@@ -90,7 +90,7 @@ def _portfolio(
         search = BatchedSearch(
             current, load, cost, horizon_steps, tokens=tokens, max_moves=max_moves, swap_weight=swap_weight
         )
-        value = search.optimize(step=step, pairs_per_step=pairs_per_step)
+        value = search.optimize(step=step, pairs_per_step=pairs_per_step, stop_step=1)
         if search.changed:
             found.append((value, search.matrix()))
     matrix = current.hosting_matrix()

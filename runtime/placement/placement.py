@@ -229,14 +229,14 @@ class Placement:
         num_servers = len(self._servers)
         replication = self._replication
         check_feasible(len(self._layers), self._num_experts, self._servers, replication)
-        used = self._matrix.sum(axis=(1, 2))
+        used = _count_true(self._matrix.reshape(num_servers, -1), axis=1)
         for column, server in enumerate(self._servers):
             if used[column] > server.capacity:
                 raise PlacementError(
                     f"server {server.ordinal} hosts {int(used[column])} (layer, expert) pairs but its "
                     f"capacity is {server.capacity}"
                 )
-        counts = self._matrix.sum(axis=0)  # [L, E]
+        counts = _count_true(self._matrix, axis=0)  # [L, E]
         short = np.argwhere(counts < replication)
         if len(short):
             row, expert = (int(v) for v in short[0])
@@ -567,6 +567,13 @@ def required_spread(servers: Sequence[Server], num_pairs: int, replication: int)
     np.add.at(slots, ids, [server.capacity for server in servers])
     usable = int(np.minimum(slots, num_pairs).sum())
     return max(1, min(replication, num_domains, usable // max(num_pairs, 1)))
+
+
+def _count_true(matrix: np.ndarray, axis: int) -> np.ndarray:
+    """``matrix.sum(axis)`` of a bool matrix, summed in the narrowest unsigned type that cannot
+    overflow (several times faster than numpy's default int64 sum of bools)."""
+    total = np.add.reduce(matrix.view(np.uint8), axis=axis, dtype=np.min_scalar_type(matrix.shape[axis]))
+    return total.astype(np.int64)
 
 
 def _is_int(value: object) -> bool:

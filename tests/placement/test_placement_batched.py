@@ -19,7 +19,7 @@ from eaas.runtime.placement import (
     round_robin,
     server_loads,
 )
-from eaas.runtime.placement.batched import BatchedSearch
+from eaas.runtime.placement.batched import BatchedSearch, _first_seen, _rank_within
 from eaas.runtime.placement.cost_aware import PORTFOLIO_MAX_CELLS
 
 
@@ -83,3 +83,18 @@ def test_move_budget_is_respected() -> None:
         search = BatchedSearch(current, load, CostModel(), 1000, max_moves=budget)
         search.optimize()
         assert 0 < search.moves <= budget
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 9), max_size=60))
+def test_first_seen_and_rank_within_match_a_loop(keys: list[int]) -> None:
+    """The grant's bounded-range helpers agree with a plain loop over the events."""
+    array = np.array(keys, dtype=np.int64)
+    seen: dict[int, int] = {}
+    first, rank = [], []
+    for key in keys:
+        first.append(key not in seen)
+        rank.append(seen.get(key, 0))
+        seen[key] = seen.get(key, 0) + 1
+    np.testing.assert_array_equal(_first_seen(array, 10), np.array(first, dtype=bool))
+    np.testing.assert_array_equal(_rank_within(array, 10), np.array(rank, dtype=np.int64))
