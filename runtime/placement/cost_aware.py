@@ -57,7 +57,10 @@ def cost_aware(
     if max_moves == 0:
         return current
     tokens = server_loads(current, loads)  # [L, S]
-    if not _may_pay(tokens, cost, horizon_steps):
+    if (
+        gain_bound(tokens, current.replica_counts(), current.replication, cost, horizon_steps)
+        <= cost.planner_seconds
+    ):
         return current
     search = BatchedSearch(current, loads, cost, horizon_steps, tokens=tokens, max_moves=max_moves)
     keep = search.objective()  # the current placement's predicted seconds (it moves nothing)
@@ -103,10 +106,28 @@ def _portfolio(
     return found
 
 
-def _may_pay(tokens: np.ndarray, cost: CostModel, horizon_steps: int) -> bool:
-    """Quick skip: even a perfect balance (every layer's peak down to its mean) gains at most
-    ``horizon * seconds_per_token * sum_l (peak_l - mean_l)``; one load costs at least
-    ``seconds_per_expert_load``. If the bound does not cover that plus the planner, nothing pays.
-    ``tokens``: ``[L, S]`` per server and layer on the current placement."""
-    bound = horizon_steps * cost.seconds_per_token * float((tokens.max(axis=1) - tokens.mean(axis=1)).sum())
-    return bound > cost.seconds_per_expert_load + cost.planner_seconds
+def gain_bound(
+    tokens: np.ndarray, counts: np.ndarray, replication: int, cost: CostModel, horizon_steps: int
+) -> float:
+    """An upper bound on what any rebalance of the current placement can save (predicted seconds,
+    planner runtime aside); `cost_aware` skips the search when it does not exceed
+    ``planner_seconds``.
+
+    ``tokens``: ``[L, S]`` per layer and server on the current placement; ``counts``: its replica
+    counts ``[L, E]``. Lowering layer ``l``'s peak to a level ``T`` gains at most
+    ``H * seconds_per_token * (peak_l - max(T, mean_l))``, and every server above ``T`` must shed
+    tokens: a relocation or swap lowers one server, a replication lowers the expert's current
+    hosts (``R`` of them in a layer without surplus replicas; where a layer has some, a free drop
+    may lower a server, and only the gain counts there). So at least ``n_l(T) / R`` loads, of
+    which the busiest loader bears at least ``1 / S``, and at least one load in all."""
+    coef = horizon_steps * cost.seconds_per_token
+    num_servers = tokens.shape[1]
+    ordered = -np.sort(-tokens, axis=1)  # [L, S] busiest first
+    mean = tokens.mean(axis=1, keepdims=True)
+    # Column k: lower the peak to just above the (k+1)-th busiest server (k servers must shed).
+    gains = coef * (ordered[:, :1] - np.maximum(ordered, mean))  # [L, S], column 0 = 0
+    charged = gains - cost.seconds_per_expert_load / (num_servers * replication) * np.arange(num_servers)
+    surplus = (counts > replication).any(axis=1)
+    charged[surplus] = gains[surplus]
+    perfect = float(gains.max(axis=1).sum())  # every peak down to its mean
+    return min(perfect - cost.seconds_per_expert_load, float(charged.max(axis=1).sum()))

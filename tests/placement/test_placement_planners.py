@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from placement_helpers import assert_invariants, domain_servers, trace_load
@@ -22,6 +24,8 @@ from eaas.runtime.placement import (
     replicate_and_pack,
     round_robin,
 )
+from eaas.runtime.placement.cost import server_loads
+from eaas.runtime.placement.cost_aware import gain_bound
 from eaas.runtime.placement.diff import diff
 from eaas.runtime.placement.search import Search
 
@@ -114,6 +118,21 @@ def test_cost_aware_returns_current_when_the_gain_does_not_pay() -> None:
     assert cost_aware(current, load, expensive, horizon_steps=10) is current
     slow_planner = CostModel(planner_seconds=1e3)
     assert cost_aware(current, load, slow_planner, horizon_steps=100) is current
+
+
+def test_the_skip_bound_charges_the_loads_a_balance_needs() -> None:
+    """16 layers where half of the 8 servers carry 1100 tokens and half 900: a perfect balance gains
+    100 tokens per layer per step, but 4 servers per layer must shed an expert (64 loads, 8 on the
+    busiest loader). The bound takes the best depth per layer: 4 servers for 2.5 ms of compute
+    over 100 steps, charged 4/8 of a 1 ms load."""
+    servers = [Server(s, 20) for s in range(8)]
+    current = Placement(range(16), 8, servers, {s: [(layer, s) for layer in range(16)] for s in range(8)})
+    load = np.tile([1100.0] * 4 + [900.0] * 4, (16, 1))
+    cost = CostModel()
+    bound = gain_bound(server_loads(current, load), current.replica_counts(), 1, cost, 100)
+    assert bound == pytest.approx(16 * (100 * 100 * cost.seconds_per_token - 4 / 8 * 1e-3))
+    assert bound < 16 * 100 * 100 * cost.seconds_per_token - 1e-3  # the perfect-balance bound
+    assert cost_aware(current, load, replace(cost, planner_seconds=bound), horizon_steps=100) is current
 
 
 def test_cost_aware_improves_the_objective_with_few_moves() -> None:
@@ -211,6 +230,10 @@ def test_ilp_is_a_lower_bound_for_the_heuristics() -> None:
     ):
         assert best <= predicted_seconds(current, plan, load, cost, 100) + 1e-12
     assert best < predicted_seconds(current, current, load, cost, 100)
+    # The bound cost_aware skips by covers the optimum's gain.
+    keep = predicted_seconds(current, current, load, cost, 100)
+    bound = gain_bound(server_loads(current, load), current.replica_counts(), current.replication, cost, 100)
+    assert bound >= keep - best - 1e-12
 
 
 def test_ilp_keeps_current_when_nothing_pays() -> None:

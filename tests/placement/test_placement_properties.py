@@ -22,7 +22,10 @@ from eaas.runtime.placement import (
     replicate_and_pack,
     round_robin,
 )
-from eaas.runtime.placement.search import Search
+from eaas.runtime.placement.batched import BatchedSearch
+from eaas.runtime.placement.cost import server_loads
+from eaas.runtime.placement.cost_aware import gain_bound
+from eaas.runtime.placement.search import Search, search_for
 
 # EAAS_PLACEMENT_EXAMPLES=1000 for a thorough local run; the default keeps the suite fast.
 EXAMPLES = int(os.environ.get("EAAS_PLACEMENT_EXAMPLES", "40"))
@@ -70,6 +73,28 @@ def test_cost_aware_output_is_valid_and_never_worse(
         keep = predicted_seconds(current, current, load, cost, horizon)
         assert predicted_seconds(current, plan, load, cost, horizon) < keep
     assert cost_aware(current, load, cost, horizon_steps=horizon) == plan
+
+
+@SETTINGS
+@given(instances(), COSTS, st.integers(1, 1000), st.booleans(), st.integers(0, 2**16))
+def test_the_skip_bound_covers_every_gain_the_searches_find(
+    instance: tuple[Placement, np.ndarray], cost: CostModel, horizon: int, replicated: bool, seed: int
+) -> None:
+    """`gain_bound` (which lets cost_aware skip the search) is at least what the searches save,
+    also from a rebalanced placement that holds surplus replicas."""
+    current, load = instance
+    if replicated:
+        current = cost_aware(current, load[:, ::-1].copy(), cost, horizon_steps=horizon)
+        load = load * np.random.default_rng(seed).uniform(0.5, 1.5, load.shape)
+    tokens = server_loads(current, load)
+    bound = gain_bound(tokens, current.replica_counts(), current.replication, cost, horizon)
+    keep = predicted_seconds(current, current, load, cost, horizon)
+    matrix = current.hosting_matrix()
+    found = [search_for(current, current.servers, matrix, matrix, load, cost, horizon).optimize()]
+    for step in (1, 8):
+        found.append(BatchedSearch(current, load, cost, horizon).optimize(step=step))
+    gain = keep - min(found)  # 0 when no search moved anything (the bound is about changes)
+    assert gain <= 1e-9 * keep or bound >= gain - 1e-9 * keep
 
 
 @SETTINGS
