@@ -113,8 +113,8 @@ class BatchedSearch:
 
     @property
     def changed(self) -> bool:
-        """Whether the state has moves (after `optimize`: whether the best state differs from the start)."""
-        return self.moves > 0
+        """Whether the state differs from the start (loads or drops; after `optimize`, the best state)."""
+        return not np.array_equal(self.experts_servers, self.original)
 
     # -- objective -------------------------------------------------------------------------------
 
@@ -326,11 +326,12 @@ class BatchedSearch:
 
     def _drops(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
         """Free slots where moves want them: on full servers with allowance left that are among
-        the ``2 x pairs`` coldest of some layer, drop one surplus replica each (its expert keeps
-        R replicas and its domain spread) whose share, spread over its other hosts, keeps them all
-        below their layer's peak by the layer's minimum gain — so no peak rises. At most one drop
-        per server, per layer and per expert; the replica leaving the most room below the peak
-        first. Returns the drops as moves (kind ``_DROP``, server in ``receiver``), or None."""
+        the ``2 x pairs`` coldest of some layer, drop surplus replicas (their experts keep R
+        replicas and their domain spread) whose share, spread over the other hosts, keeps them all
+        below their layer's peak by the layer's minimum gain — so no peak rises. In a layer, drops
+        touch distinct servers (their experts' hosts); a server gets at most as many as it may
+        load this round; the replica leaving the most room below the peak first. Returns the drops
+        as moves (kind ``_DROP``, server in ``receiver``), or None."""
         full = (self.used >= self.capacity) & (self.new_loads < allowance)
         if not full.any():
             return None
@@ -364,9 +365,12 @@ class BatchedSearch:
         if len(index) == 0:
             return None
         index = index[np.argsort(-room[index], kind="stable")]
-        layer, expert, server = layer[index], expert[index], server[index]
-        # One per server and per layer (which covers one per expert).
-        keep = _first_seen(server, self.num_servers) & _first_seen(layer, self.num_layers)
+        layer, expert, server, touched = layer[index], expert[index], server[index], hosts[index]
+        # In a layer, keep a drop only if no drop before it touches one of its expert's hosts (so
+        # each room check above still holds); per server, as many as it may load this round.
+        keep = ~_overlaps_earlier(layer, touched)
+        layer, expert, server = layer[keep], expert[keep], server[keep]
+        keep = _rank_within(server, self.num_servers) < (allowance - self.new_loads)[server]
         layer, expert, server = layer[keep], expert[keep], server[keep]
         kind = np.full(len(layer), _DROP)
         return kind, layer, expert, np.full(len(layer), -1), server, server
@@ -461,6 +465,15 @@ class BatchedSearch:
             self._apply(granted)
             applied.append(granted)
             value = self.objective()
+            if value >= best - 1e-12 and drops is not None:
+                # A drop may lower a layer's peak for free (the server is cold in another layer);
+                # keep the drops alone when they improve and the round's moves do not.
+                self._undo(granted)
+                alone = self.objective()
+                if alone < best - 1e-12:
+                    applied, value = [drops], alone
+                else:
+                    self._apply(granted)
             if value < best - 1e-12:
                 small = value > (1 - tolerance) * best
                 best = value
@@ -493,6 +506,21 @@ def _first_seen(keys: np.ndarray, size: int) -> np.ndarray:
     first = np.full(size, len(keys))
     np.minimum.at(first, keys, index)
     return np.asarray(first[keys] == index)
+
+
+def _overlaps_earlier(groups: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """bool ``[N]``: row ``i`` of ``members [N, S]`` (bool) shares a member with an earlier row of
+    the same group (``groups [N]``)."""
+    order = np.argsort(groups, kind="stable")
+    counts = np.cumsum(members[order], axis=0, dtype=np.int32)  # inclusive, over all groups
+    ordered = groups[order]
+    start = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    before_group = np.concatenate([np.zeros((1, members.shape[1]), np.int32), counts[start[1:] - 1]])
+    group_of_row = np.repeat(np.arange(len(start)), np.diff(np.append(start, len(order))))
+    earlier = counts - members[order] - before_group[group_of_row]  # exclusive, within the group
+    overlaps = np.empty(len(groups), dtype=bool)
+    overlaps[order] = ((earlier > 0) & members[order]).any(axis=1)
+    return overlaps
 
 
 def _rank_within(groups: np.ndarray, size: int) -> np.ndarray:
