@@ -11,8 +11,8 @@ round every layer proposes its best move off each of its busiest servers (pairin
 with the i-th and (P+i)-th coldest servers that have a free slot, and for the two busiest also a
 swap with the i-th coldest open server); proposals are granted largest gain first while the
 servers they load have allowance and slots left, and moves of one layer in one round touch
-distinct servers and experts. Where cold servers are full, the round first drops a surplus
-replica on each (`BatchedSearch._drops`) so that moves can land there. After each round the
+distinct servers and experts. Where cold servers are full, the round first drops surplus
+replicas there (`BatchedSearch._drops`) so that moves can land there. After each round the
 objective (compute over the horizon + movement) decides: keep, keep on trial, or take back and
 halve the step (see `BatchedSearch.optimize`).
 
