@@ -45,6 +45,7 @@ from eaas.runtime.placement import (
     movement_seconds,
     num_moves,
     predicted_seconds,
+    prediction_error,
     replicate_and_pack,
     round_robin,
 )
@@ -55,7 +56,8 @@ WINDOW = 100  # steps of history the planners see (a moving window of the server
 INTERVALS = (1, 10, 100, 1000)
 SLOTS_PER_LAYER = 256 + 32
 
-Planner = Callable[[Placement, np.ndarray, int], Placement]
+Planner = Callable[[Placement, np.ndarray, int, float], Placement]
+"""(current, load forecast [L, E], horizon steps, the forecast's relative error) -> placement"""
 
 
 def dsv3_placement() -> Placement:
@@ -71,19 +73,21 @@ def planners(
     """none / eplb / cost_aware; with ``planner_seconds`` also "cost_aware+p", which knows that its
     own runtime (that many seconds, profiled in part A) is charged as a stall."""
     table: dict[str, Planner] = {
-        "none": lambda current, load, horizon: current,
-        "eplb": lambda current, load, horizon: replicate_and_pack(
+        "none": lambda current, load, horizon, error: current,
+        "eplb": lambda current, load, horizon, error: replicate_and_pack(
             current, load, slots_per_layer=slots_per_layer
         ),
-        "cost_aware": lambda current, load, horizon: cost_aware(current, load, COST, horizon_steps=horizon),
+        "cost_aware": lambda current, load, horizon, error: cost_aware(
+            current, load, replace(COST, load_error=error), horizon_steps=horizon
+        ),
     }
     if planner_seconds is not None:
         aware = replace(COST, planner_seconds=planner_seconds)
-        table["cost_aware+p"] = lambda current, load, horizon: cost_aware(
-            current, load, aware, horizon_steps=horizon
+        table["cost_aware+p"] = lambda current, load, horizon, error: cost_aware(
+            current, load, replace(aware, load_error=error), horizon_steps=horizon
         )
     if hierarchical:
-        table["eplb_hierarchical"] = lambda current, load, horizon: replicate_and_pack(
+        table["eplb_hierarchical"] = lambda current, load, horizon, error: replicate_and_pack(
             current, load, slots_per_layer=SLOTS_PER_LAYER, num_groups=8
         )
     return table
@@ -108,7 +112,7 @@ def single_rebalance(trace: SyntheticTrace, repeats: int) -> list[dict[str, obje
     load = trace.loads(0, WINDOW).mean(axis=0).astype(np.float64)
     rows = []
     for name, plan in planners(hierarchical=True).items():
-        placement, seconds = timed(partial(plan, current, load, 100), repeats if name != "none" else 1)
+        placement, seconds = timed(partial(plan, current, load, 100, 0.0), repeats if name != "none" else 1)
         change = current.diff(placement)
         rows.append(
             {
@@ -142,14 +146,25 @@ class Simulation:
     planner_runs: list[float] = field(default_factory=list)
     moves: list[int] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)
+    # The last forecast and the loads served since: how wrong it was is the next one's load_error.
+    forecast: np.ndarray | None = None
+    served: np.ndarray | None = None
+    served_steps: int = 0
 
     def __post_init__(self) -> None:
         self.weights = routing_weights(self.placement).astype(np.float32)
 
     def rebalance(self, window_load: np.ndarray) -> None:
         started = time.perf_counter()
-        new = self.plan(self.placement, window_load, self.interval)
+        error = 0.0
+        if self.forecast is not None and self.served is not None and self.served_steps:
+            actual = self.served / self.served_steps
+            error = prediction_error(self.forecast, actual, WINDOW, self.served_steps)
+        new = self.plan(self.placement, window_load, self.interval, error)
         self.planner_runs.append(time.perf_counter() - started)
+        self.errors.append(error)
+        self.forecast, self.served, self.served_steps = window_load, None, 0
         self.movement_s += movement_seconds(self.placement, new, COST)
         self.moves.append(num_moves(self.placement, new))
         if new is not self.placement:
@@ -163,6 +178,9 @@ class Simulation:
         self.compute_s += float(loads.shape[1] * loads.shape[0] * COST.seconds_per_layer)
         self.compute_s += float(COST.seconds_per_token * peaks.sum(dtype=np.float64))
         self.ratios.extend(max_over_mean(per_server).mean(axis=0).tolist())
+        total = loads.sum(axis=0, dtype=np.float64)
+        self.served = total if self.served is None else self.served + total
+        self.served_steps += loads.shape[0]
 
     def summary(self) -> dict[str, object]:
         planner_s = (
@@ -184,6 +202,7 @@ class Simulation:
             "moves_per_rebalance": float(np.mean(self.moves)) if self.moves else 0.0,
             "planner_runtime_s_median": statistics.median(self.planner_runs) if self.planner_runs else 0.0,
             "max_over_mean": float(np.mean(self.ratios)),
+            "load_error_mean": float(np.mean(self.errors)) if self.errors else 0.0,
         }
 
 
@@ -237,7 +256,7 @@ def small_shape(instances: int, time_limit: float) -> list[dict[str, object]]:
         ilp_seconds = time.perf_counter() - started
         results = {"ilp": (solution.placement, ilp_seconds)}
         for name, plan in planners(slots_per_layer=None).items():
-            results[name] = timed(partial(plan, current, load, 100), 3)
+            results[name] = timed(partial(plan, current, load, 100, 0.0), 3)
         for name, (placement, seconds) in results.items():
             objective = predicted_seconds(current, placement, load, COST, 100)
             rows.append(

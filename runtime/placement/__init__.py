@@ -13,9 +13,11 @@
 from eaas.runtime.placement.builders import round_robin
 from eaas.runtime.placement.cost import (
     CostModel,
+    forecast_loads,
     imbalance,
     movement_seconds,
     predicted_seconds,
+    prediction_error,
     server_loads,
     step_seconds,
 )
@@ -43,12 +45,14 @@ __all__ = [
     "cost_aware",
     "diff",
     "drain_server",
+    "forecast_loads",
     "ilp",
     "imbalance",
     "layer_quotas",
     "movement_seconds",
     "num_moves",
     "predicted_seconds",
+    "prediction_error",
     "recover",
     "replicate_and_pack",
     "round_robin",

@@ -50,7 +50,8 @@ class BatchedSearch:
             keep its replication and failure-domain spread.
         load: float ``[L, E]`` predicted tokens per step (validated by the caller).
         cost / horizon_steps: the objective (see `eaas.runtime.placement.cost`).
-        tokens: optional ``server_loads(current, load)`` ``[L, S]``, if the caller has it.
+        tokens: optional ``forecast_loads(current, load, cost.load_error)`` ``[L, S]``, if the
+            caller has it.
         max_moves: stop after this many moves.
         min_gain_fraction: ignore moves that lower a layer's peak by less than this fraction of the
             layer's mean tokens per server (smaller gains are within the load estimate's noise).
@@ -81,7 +82,10 @@ class BatchedSearch:
         self.experts_servers[layer, expert, server] = True
         self.original = self.experts_servers.copy()
         self.count = counts.copy()  # [L, E] replicas
-        self.share = self.load / np.maximum(self.count, 1)  # [L, E] tokens per replica
+        self.mean = self.load.sum(axis=1) / max(1, num_servers)  # [L] tokens per server
+        # Forecast tokens of a share x are x + risk * x^2 (`eaas.runtime.placement.cost`).
+        self.risk = cost.load_error / np.where(self.mean > 0, self.mean, 1.0)  # [L]
+        self.share = self._per_replica(np.arange(num_layers)[:, None], self.load, np.maximum(self.count, 1))
         if tokens is None:
             tokens = np.bincount(
                 layer_server, weights=self.share[layer, expert], minlength=num_layers * num_servers
@@ -106,10 +110,15 @@ class BatchedSearch:
         self.move_cost = cost.seconds_per_expert_load
         self.max_moves = max_moves
         self.moves = 0
-        self.mean = self.load.sum(axis=1) / max(1, num_servers)
         floor = self.move_cost / (max(1, num_servers) * self.coef)
         self.min_gain = np.maximum(np.maximum(min_gain_fraction * self.mean, floor), 1e-9)
         self.rows = np.arange(num_layers)
+
+    def _per_replica(self, layer: np.ndarray, demand: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Forecast tokens of one replica of experts with ``demand`` tokens over ``count``
+        replicas, in ``layer`` (arrays broadcast together)."""
+        share = demand / count
+        return share + self.risk[layer] * share * share
 
     @property
     def changed(self) -> bool:
@@ -192,7 +201,7 @@ class BatchedSearch:
             after = covered[..., None, :] - hot_domain[..., None, :] + onehot[v_safe][:, :, None]
             relocate_ok = usable & ((after > 0).sum(axis=-1) >= self.spread)
         flat[..., :block] = np.where(relocate_ok, np.minimum(x, gap - x), -np.inf).reshape(layers, pairs, -1)
-        new_share = (demand / (count + 1))[..., None]
+        new_share = self._per_replica(rows[:, None, None], demand, count + 1)[..., None]
         replicate = np.minimum(x - new_share, gap - new_share)
         replicate_ok = usable & (count < self.num_servers)[..., None]
         flat[..., block : 2 * block] = np.where(replicate_ok, replicate, -np.inf).reshape(layers, pairs, -1)
@@ -283,7 +292,7 @@ class BatchedSearch:
         l, e = layer[changed], expert[changed]
         old = self.share[l, e]
         self.count[l, e] += np.where(replicate[changed], 1, -1)
-        new = self.load[l, e] / self.count[l, e]
+        new = self._per_replica(l, self.load[l, e], self.count[l, e])
         self.share[l, e] = new
         self._add_rows(l, (new - old)[:, None] * self.experts_servers[l, e])
         # Tokens each server gains (on the receiving side) or loses (on the busy side).
@@ -356,7 +365,7 @@ class BatchedSearch:
         others[np.arange(len(layer)), server] = False
         others_max = np.where(others, tokens[layer], -np.inf).max(axis=1)
         demand = self.load[layer, expert]
-        rise = demand / (count - 1) - demand / count
+        rise = self._per_replica(layer, demand, count - 1) - self._per_replica(layer, demand, count)
         room = tokens.max(axis=1)[layer] - self.min_gain[layer] - (others_max + rise)
         ok = room >= 0
         if self.spread > 1:

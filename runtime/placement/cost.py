@@ -14,6 +14,16 @@ Predicted latency of running ``candidate`` for ``horizon_steps`` steps, starting
 Each MoE layer is synchronous, so its time is that of its busiest server; servers load weights in
 parallel, so movement costs the busiest loader's time. Dropping an expert is free. A server that
 is not in ``current`` loads before the new placement is committed and stalls nobody.
+
+The load is a forecast (e.g. the mean of the last steps), and it is wrong by the time the placement
+serves: experts' loads drift. With ``load_error`` = rho > 0 (the forecast's relative error over the
+horizon, `prediction_error`), ``tokens`` in the compute term are *forecast tokens*: each replica's
+share ``x`` of layer ``l`` counts ``x * (1 + rho * x / m_l)``, ``m_l`` = the layer's mean tokens
+per server. A server's load then deviates from its forecast by about ``rho * sqrt(sum x^2)`` (each
+share by ``rho * x``, independently), and the busiest server is the one that deviates upwards; the
+``x^2 / m_l`` term is that spread to first order around a balanced server, so a server that serves
+one heavy share counts more than one serving the same tokens as several light shares, and
+replicating a heavy expert pays for itself sooner. ``load_error = 0`` is the plain forecast.
 """
 
 from __future__ import annotations
@@ -35,15 +45,28 @@ class CostModel:
     seconds_per_layer: fixed time per MoE layer per step (launch, weight reads, round trip).
     seconds_per_expert_load: time for one server to load one expert's weights.
     planner_seconds: the planner's own runtime, charged to any rebalance that changes placement.
+    load_error: relative error of the load forecast over the horizon (`prediction_error` measures
+        it from the counters); shares are weighted by it as described in the module docstring.
+        Not a profile of the deployment but of the forecast: set it per rebalance with
+        ``dataclasses.replace``. `cost_aware` uses it; `ilp` and the elastic operations plan for
+        the forecast itself.
     """
 
     seconds_per_token: float = 0.25e-6
     seconds_per_layer: float = 50e-6
     seconds_per_expert_load: float = 1e-3
     planner_seconds: float = 0.0
+    load_error: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("seconds_per_token", "seconds_per_layer", "seconds_per_expert_load", "planner_seconds"):
+        fields = (
+            "seconds_per_token",
+            "seconds_per_layer",
+            "seconds_per_expert_load",
+            "planner_seconds",
+            "load_error",
+        )
+        for field in fields:
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise PlacementError(f"CostModel.{field} must be a finite number >= 0, got {value!r}")
@@ -92,6 +115,56 @@ def server_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     return np.moveaxis(result, 0, -2)
 
 
+def forecast_shares(load: np.ndarray, counts: np.ndarray, load_error: float, num_servers: int) -> np.ndarray:
+    """``[L, E]`` forecast tokens of one replica of each (layer, expert): share ``x = load / counts``
+    weighted ``x * (1 + load_error * x / m_l)`` (module docstring); ``counts`` >= 1."""
+    share = load / counts
+    if load_error == 0:
+        return share
+    mean = load.sum(axis=1, keepdims=True) / max(1, num_servers)  # [L, 1] tokens per server
+    return share + load_error * share * share / np.where(mean > 0, mean, 1.0)
+
+
+def forecast_loads(placement: Placement, load: np.ndarray, load_error: float) -> np.ndarray:
+    """``[L, S]`` forecast tokens per layer and server for ``load [L, E]``: `server_loads` with
+    every replica's share weighted by `forecast_shares` (equal to it when ``load_error`` is 0)."""
+    if load_error == 0:
+        return server_loads(placement, load)
+    array = np.asarray(load, dtype=np.float64)
+    layer, server, expert, counts = placement.hosted_entries()
+    num_layers, num_servers = len(placement.layers), placement.num_servers
+    share = forecast_shares(array, np.maximum(counts, 1), load_error, num_servers)[layer, expert]
+    cells = np.bincount(layer * num_servers + server, weights=share, minlength=num_layers * num_servers)
+    return cells.reshape(num_layers, num_servers)
+
+
+def prediction_error(
+    predicted: np.ndarray, actual: np.ndarray, predicted_steps: int, actual_steps: int
+) -> float:
+    """The relative error of a load forecast, for `CostModel.load_error`: ``predicted`` was the
+    mean of ``predicted_steps`` steps of per-step load ``[L, E]``, ``actual`` the mean of the
+    ``actual_steps`` steps it then served (both tokens per step). Returns rho with
+    ``sum (actual - predicted)^2 = rho^2 * sum predicted^2 + sampling noise``: routed-token counts
+    are Poisson-like (variance = mean), so the means carry a noise of ``load / steps`` each, which
+    no placement can hedge and which is subtracted. 0 when the forecast has no tokens."""
+    for name, steps in (("predicted_steps", predicted_steps), ("actual_steps", actual_steps)):
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise PlacementError(f"{name} must be an int >= 1, got {steps!r}")
+    p = np.asarray(predicted, dtype=np.float64)
+    a = np.asarray(actual, dtype=np.float64)
+    if p.shape != a.shape or p.ndim != 2:
+        raise PlacementError(
+            f"predicted and actual must both be [L, E] tokens per step, got {p.shape} and {a.shape}"
+        )
+    if not (np.isfinite(p).all() and np.isfinite(a).all()) or (p < 0).any() or (a < 0).any():
+        raise PlacementError("predicted and actual must hold finite token counts >= 0")
+    scale = float((p * p).sum())
+    if scale == 0:
+        return 0.0
+    noise = float(p.sum()) * (1 / predicted_steps + 1 / actual_steps)
+    return math.sqrt(max(0.0, float(((a - p) ** 2).sum()) - noise) / scale)
+
+
 def imbalance(placement: Placement, load: np.ndarray) -> float:
     """Per-server max/mean tokens, averaged over layers (1.0 = perfectly balanced). The mean is over
     all servers; a layer without tokens counts as 1.0."""
@@ -135,9 +208,13 @@ def predicted_seconds(
     current: Placement, candidate: Placement, load: np.ndarray, cost: CostModel, horizon_steps: int
 ) -> float:
     """The objective: latency of serving ``horizon_steps`` steps of per-step ``load [L, E]`` on
-    ``candidate``, plus moving there from ``current``, plus the planner's runtime if it moved."""
+    ``candidate``, plus moving there from ``current``, plus the planner's runtime if it moved.
+    With ``cost.load_error`` > 0 the compute term counts forecast tokens (`forecast_loads`)."""
     check_horizon(horizon_steps)
-    total = horizon_steps * step_seconds(candidate, load, cost) + movement_seconds(current, candidate, cost)
+    array = check_load(load, len(candidate.layers), candidate.num_experts)
+    peaks = forecast_loads(candidate, array, cost.load_error).max(axis=-1)  # [L]
+    per_step = len(peaks) * cost.seconds_per_layer + cost.seconds_per_token * float(peaks.sum())
+    total = horizon_steps * per_step + movement_seconds(current, candidate, cost)
     if not current.same_assignment(candidate):
         total += cost.planner_seconds
     return total

@@ -11,20 +11,39 @@ The search is `eaas.runtime.placement.batched` (rounds of moves for all layers a
 operations). On small instances (at most ``PORTFOLIO_MAX_CELLS`` server x layer x expert cells),
 where a search costs about a millisecond, it also runs the rounds with finer steps and the
 move-by-move `eaas.runtime.placement.search` (with its two-step chains), and keeps the best.
+
+Moving little is a local search, and a placement that has aged through many rebalances can sit in
+a poor local optimum; when the gain the search leaves is large next to a fresh packing's movement
+(long horizons), a from-scratch packing (`replicate_and_pack`) with its servers exchanged to keep
+as much in place as possible (`keep_in_place`) is scored with the same objective and taken if it
+is better. With ``cost.load_error`` > 0 the objective counts forecast tokens, which prefer
+servers that serve several light shares over one heavy share (`eaas.runtime.placement.cost`).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 
 from eaas.runtime.placement.batched import BatchedSearch
-from eaas.runtime.placement.cost import CostModel, check_horizon, check_load, server_loads
+from eaas.runtime.placement.cost import (
+    CostModel,
+    check_horizon,
+    check_load,
+    forecast_loads,
+    predicted_seconds,
+)
+from eaas.runtime.placement.eplb import keep_in_place, replicate_and_pack
 from eaas.runtime.placement.placement import Placement, PlacementError
 from eaas.runtime.placement.search import search_for
 
 PORTFOLIO_MAX_CELLS = 1 << 12  # S x L x E up to which cost_aware tries several searches
+FRESH_PACK_RELOAD = 0.5
+"""A fresh packing is tried when the compute gain the search left exceeds the time to reload this
+fraction of the largest server's slots (kept in place, a fresh packing of the DeepSeek-V3 shape in
+benchmarks/placement.py still reloads about 78% of them)."""
 
 
 def cost_aware(
@@ -56,9 +75,11 @@ def cost_aware(
     loads = check_load(load, len(current.layers), current.num_experts)
     if max_moves == 0:
         return current
-    tokens = server_loads(current, loads)  # [L, S]
+    tokens = forecast_loads(current, loads, cost.load_error)  # [L, S]
+    floor = loads.sum(axis=1) / current.num_servers  # [L] no placement's peak is below its mean
+    counts = current.replica_counts()
     if (
-        gain_bound(tokens, current.replica_counts(), current.replication, cost, horizon_steps)
+        gain_bound(tokens, counts, current.replication, cost, horizon_steps, floor=floor)
         <= cost.planner_seconds
     ):
         return current
@@ -70,6 +91,13 @@ def cost_aware(
         for value, found in _portfolio(current, loads, cost, horizon_steps, tokens, max_moves):
             if value < best - 1e-12:
                 best, matrix = value, found
+    left = search.compute() - search.fixed - search.coef * float(floor.sum())  # gain still possible
+    reload = FRESH_PACK_RELOAD * cost.seconds_per_expert_load * max(s.capacity for s in current.servers)
+    if max_moves is None and left > reload:
+        fresh = keep_in_place(current, replicate_and_pack(current, loads))
+        value = predicted_seconds(current, fresh, loads, replace(cost, planner_seconds=0.0), horizon_steps)
+        if value < best - 1e-12 and value + cost.planner_seconds < keep:
+            return fresh.with_version(current.version + 1)
     if matrix is None or best + cost.planner_seconds >= keep:
         return current
     # A strictly better objective means a different assignment.
@@ -96,6 +124,8 @@ def _portfolio(
         value = search.optimize(step=step, pairs_per_step=pairs_per_step, stop_step=1)
         if search.changed:
             found.append((value, search.matrix()))
+    if cost.load_error > 0:  # the move-by-move search plans for the forecast itself
+        return found
     matrix = current.hosting_matrix()
     move_by_move = search_for(
         current, current.servers, matrix, matrix, load, cost, horizon_steps, max_moves=max_moves
@@ -107,27 +137,37 @@ def _portfolio(
 
 
 def gain_bound(
-    tokens: np.ndarray, counts: np.ndarray, replication: int, cost: CostModel, horizon_steps: int
+    tokens: np.ndarray,
+    counts: np.ndarray,
+    replication: int,
+    cost: CostModel,
+    horizon_steps: int,
+    *,
+    floor: np.ndarray | None = None,
 ) -> float:
     """An upper bound on what any rebalance of the current placement can save (predicted seconds,
     planner runtime aside); `cost_aware` skips the search when it does not exceed
     ``planner_seconds``.
 
-    ``tokens``: ``[L, S]`` per layer and server on the current placement; ``counts``: its replica
-    counts ``[L, E]``. Lowering layer ``l``'s peak to a level ``T`` gains at most
-    ``H * seconds_per_token * (peak_l - max(T, mean_l))``, and every server above ``T`` must shed
-    tokens: a relocation or swap lowers one server, a replication lowers the expert's current
-    hosts (``R`` of them in a layer without surplus replicas; where a layer has some, a free drop
-    may lower a server, and only the gain counts there). So at least ``n_l(T) / R`` loads, of
-    which the busiest loader bears at least ``1 / S``, and at least one load in all."""
+    ``tokens``: ``[L, S]`` (forecast) tokens per layer and server on the current placement;
+    ``counts``: its replica counts ``[L, E]``; ``floor``: ``[L]`` a level no placement's peak goes
+    below (default: the mean of ``tokens``; with ``load_error`` > 0 replicating lowers the forecast
+    tokens' mean, so the caller passes the plain tokens' mean). Lowering layer ``l``'s peak to a
+    level ``T`` gains at most ``H * seconds_per_token * (peak_l - max(T, floor_l))``, and every
+    server above ``T`` must shed tokens: a relocation or swap lowers one server, a replication
+    lowers the expert's current hosts (``R`` of them in a layer without surplus replicas; where a
+    layer has some, a free drop may lower a server, and only the gain counts there). So at least
+    ``n_l(T) / R`` loads, of which the busiest loader bears at least ``1 / S``, and at least one
+    load in all unless some layer has surplus replicas (then drops alone may gain)."""
     coef = horizon_steps * cost.seconds_per_token
     num_servers = tokens.shape[1]
     ordered = -np.sort(-tokens, axis=1)  # [L, S] busiest first
-    mean = tokens.mean(axis=1, keepdims=True)
+    mean = (tokens.mean(axis=1) if floor is None else np.asarray(floor, dtype=np.float64))[:, None]
     # Column k: lower the peak to just above the (k+1)-th busiest server (k servers must shed).
     gains = coef * (ordered[:, :1] - np.maximum(ordered, mean))  # [L, S], column 0 = 0
     charged = gains - cost.seconds_per_expert_load / (num_servers * replication) * np.arange(num_servers)
     surplus = (counts > replication).any(axis=1)
     charged[surplus] = gains[surplus]
-    perfect = float(gains.max(axis=1).sum())  # every peak down to its mean
-    return min(perfect - cost.seconds_per_expert_load, float(charged.max(axis=1).sum()))
+    perfect = float(gains.max(axis=1).sum())  # every peak down to its floor
+    one_load = 0.0 if surplus.any() else cost.seconds_per_expert_load
+    return min(perfect - one_load, float(charged.max(axis=1).sum()))

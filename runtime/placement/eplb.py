@@ -381,3 +381,35 @@ def _hierarchical(
             layer_rows, local_experts = np.nonzero(local[position])
             matrix[server, layer_rows, experts[layer_rows, local_experts]] = True
     return matrix
+
+
+def keep_in_place(current: Placement, packed: Placement) -> Placement:
+    """``packed`` (a from-scratch plan for ``current``'s servers) with, in every layer, the replica
+    sets of servers that hold equally many of that layer's experts exchanged so that as many
+    replicas as possible stay where ``current`` has them (an assignment problem per layer and set
+    size, `scipy.optimize.linear_sum_assignment`). Every server keeps its slot count per layer, so
+    capacities hold; an exchange is kept only if the failure-domain spread still holds, else
+    ``packed`` is returned. Returns ``packed`` itself when nothing is exchanged."""
+    from scipy.optimize import linear_sum_assignment
+
+    if packed.ordinals != current.ordinals or packed.layers != current.layers:
+        raise PlacementError("keep_in_place needs two placements of the same servers and layers")
+    old = current.hosting_matrix()  # [S, L, E]
+    new = packed.hosting_matrix()
+    # overlap[l, a, b]: experts of layer l that packed server a holds and current server b holds.
+    overlap = np.matmul(new.transpose(1, 0, 2).astype(np.float32), old.transpose(1, 2, 0).astype(np.float32))
+    sizes = new.sum(axis=2)  # [S, L]
+    out = np.zeros_like(new)
+    for layer in range(new.shape[1]):
+        for size in np.unique(sizes[:, layer]):
+            group = np.flatnonzero(sizes[:, layer] == size)
+            rows, cols = linear_sum_assignment(overlap[layer][np.ix_(group, group)], maximize=True)
+            out[group[cols], layer] = new[group[rows], layer]
+    if np.array_equal(out, new):
+        return packed
+    try:
+        return Placement.from_matrix(
+            packed.layers, packed.num_experts, packed.servers, out, packed.replication, packed.version
+        )
+    except PlacementError:  # the exchange broke the failure-domain spread: keep the packing
+        return packed

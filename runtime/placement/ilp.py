@@ -61,6 +61,10 @@ def ilp(
     check_horizon(horizon_steps)
     if time_limit_seconds <= 0:
         raise PlacementError(f"time_limit_seconds must be > 0, got {time_limit_seconds}")
+    if cost.load_error:
+        raise PlacementError(
+            f"ilp models the forecast itself (CostModel.load_error = 0), got load_error={cost.load_error}"
+        )
     num_layers, num_experts, num_servers = len(current.layers), current.num_experts, current.num_servers
     loads = check_load(load, num_layers, num_experts)
     replication = current.replication
