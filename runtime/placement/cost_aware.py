@@ -40,10 +40,13 @@ from eaas.runtime.placement.placement import Placement, PlacementError
 from eaas.runtime.placement.search import search_for
 
 PORTFOLIO_MAX_CELLS = 1 << 12  # S x L x E up to which cost_aware tries several searches
-FRESH_PACK_RELOAD = 0.5
-"""A fresh packing is tried when the compute gain the search left exceeds the time to reload this
-fraction of the largest server's slots (kept in place, a fresh packing of the DeepSeek-V3 shape in
-benchmarks/placement.py still reloads about 78% of them)."""
+FRESH_PACK_RELOAD = 1.0
+"""A fresh packing is scored when the compute gain the search left (its peaks above the layers'
+means) exceeds the time to reload this many times the largest server's slots. Kept in place, a
+fresh packing of the DeepSeek-V3 shape in benchmarks/placement.py reloads about 80% of the
+busiest server, and its own imbalance (about 4%) costs as much again at a 1000-step horizon; it
+won there when the search had left more than about 4 reloads' worth, and never at shorter
+horizons or from round-robin."""
 
 
 def cost_aware(
@@ -161,11 +164,12 @@ def gain_bound(
     load in all unless some layer has surplus replicas (then drops alone may gain)."""
     coef = horizon_steps * cost.seconds_per_token
     num_servers = tokens.shape[1]
-    ordered = -np.sort(-tokens, axis=1)  # [L, S] busiest first
     mean = (tokens.mean(axis=1) if floor is None else np.asarray(floor, dtype=np.float64))[:, None]
-    # Column k: lower the peak to just above the (k+1)-th busiest server (k servers must shed).
-    gains = coef * (ordered[:, :1] - np.maximum(ordered, mean))  # [L, S], column 0 = 0
-    charged = gains - cost.seconds_per_expert_load / (num_servers * replication) * np.arange(num_servers)
+    # Column k < S: lower the peak to just above the (k+1)-th busiest server (k servers must shed);
+    # column S: down to the floor (all S shed; the floor may lie below every server's tokens).
+    ordered = np.concatenate([-np.sort(-tokens, axis=1), mean], axis=1)  # [L, S + 1] busiest first
+    gains = coef * (ordered[:, :1] - np.maximum(ordered, mean))  # column 0 = 0
+    charged = gains - cost.seconds_per_expert_load / (num_servers * replication) * np.arange(num_servers + 1)
     surplus = (counts > replication).any(axis=1)
     charged[surplus] = gains[surplus]
     perfect = float(gains.max(axis=1).sum())  # every peak down to its floor

@@ -15,9 +15,9 @@ from eaas.runtime.placement import (
     CostModel,
     Placement,
     cost_aware,
+    forecast_loads,
     predicted_seconds,
     round_robin,
-    server_loads,
 )
 from eaas.runtime.placement.batched import BatchedSearch, _first_seen, _rank_within
 from eaas.runtime.placement.cost_aware import PORTFOLIO_MAX_CELLS
@@ -36,7 +36,9 @@ def check_search(current: Placement, load: np.ndarray, cost: CostModel, horizon:
     assert_invariants(found)
     assert best == pytest.approx(predicted_seconds(current, found, load, cost, horizon), rel=1e-9, abs=1e-12)
     # The incremental state (after any rounds taken back) equals a fresh computation.
-    np.testing.assert_allclose(search.tokens, server_loads(found, load), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        search.tokens, forecast_loads(found, load, cost.load_error), rtol=1e-9, atol=1e-9
+    )
     np.testing.assert_array_equal(search.count, found.replica_counts())
     used = found.used_slots()
     assert search.used.tolist() == [used[ordinal] for ordinal in found.ordinals]

@@ -10,9 +10,11 @@ from eaas.runtime.placement import (
     Placement,
     PlacementError,
     Server,
+    forecast_loads,
     imbalance,
     movement_seconds,
     predicted_seconds,
+    prediction_error,
     server_loads,
     step_seconds,
 )
@@ -56,6 +58,54 @@ def test_movement_is_the_busiest_loader_and_ignores_new_servers() -> None:
     )
 
 
+def test_forecast_tokens_weight_heavy_shares_by_the_load_error() -> None:
+    # Layer 0: expert 0 (120 tokens) alone on server 0, experts 1..3 (40 each) on server 1: both
+    # serve 120 tokens, but server 0's one heavy share counts more. Layer 1: expert 0 on both.
+    placement = Placement(
+        [0, 1], 4, [Server(0, 8), Server(1, 8)],
+        {0: [(0, 0), (1, 0), (1, 1)], 1: [(0, 1), (0, 2), (0, 3), (1, 0), (1, 2), (1, 3)]},
+    )  # fmt: skip
+    load = np.array([[120.0, 40.0, 40.0, 40.0], [80.0, 20.0, 30.0, 30.0]])
+    assert forecast_loads(placement, load, 0.0).tolist() == server_loads(placement, load).tolist()
+    rho = 0.3
+    forecast = forecast_loads(placement, load, rho)
+    # A share x of a layer with m tokens per server counts x * (1 + rho * x / m).
+    assert forecast[0].tolist() == pytest.approx([120 * (1 + rho), 3 * 40 * (1 + rho * 40 / 120)])
+    # Layer 1: 80 tokens per server; server 0 serves 40 (half of expert 0) + 20, server 1 40 + 30 + 30.
+    assert forecast[1].tolist() == pytest.approx(
+        [
+            40 * (1 + rho * 40 / 80) + 20 * (1 + rho * 20 / 80),
+            40 * (1 + rho * 40 / 80) + 2 * 30 * (1 + rho * 30 / 80),
+        ]
+    )
+    cost = CostModel(
+        seconds_per_token=1e-6, seconds_per_layer=0.0, seconds_per_expert_load=0.0, load_error=rho
+    )
+    assert predicted_seconds(placement, placement, load, cost, 10) == pytest.approx(
+        10 * 1e-6 * float(forecast.max(axis=1).sum())
+    )
+
+
+def test_prediction_error_recovers_a_known_drift_under_sampling_noise() -> None:
+    rng = np.random.default_rng(7)
+    predicted = rng.lognormal(5.0, 0.7, (20, 256))  # ~150 tokens per expert per step
+    drifted = predicted * (1 + 0.2 * rng.standard_normal(predicted.shape))
+    exact = float(np.sqrt(((drifted - predicted) ** 2).sum() / (predicted**2).sum()))
+    assert prediction_error(predicted, drifted, 100, 10**9) == pytest.approx(exact, rel=1e-3)
+    # Means of Poisson counts: 100 steps for the forecast, 10 for the actual; the noise is removed.
+    forecast = rng.poisson(predicted, (100, *predicted.shape)).mean(axis=0)
+    actual = rng.poisson(np.maximum(drifted, 0), (10, *predicted.shape)).mean(axis=0)
+    assert prediction_error(forecast, actual, 100, 10) == pytest.approx(exact, abs=0.01)
+    assert prediction_error(forecast, forecast, 100, 100) == 0.0  # below the noise: clamped to 0
+    assert prediction_error(np.zeros((2, 2)), np.ones((2, 2)), 1, 1) == 0.0
+    with pytest.raises(PlacementError, match=r"both be \[L, E\] tokens per step"):
+        prediction_error(np.ones((2, 2)), np.ones((2, 3)), 1, 1)
+    with pytest.raises(PlacementError, match="actual_steps must be an int >= 1"):
+        prediction_error(np.ones((2, 2)), np.ones((2, 2)), 1, 0)
+    with pytest.raises(PlacementError, match="finite token counts >= 0"):
+        prediction_error(np.ones((2, 2)), np.full((2, 2), np.nan), 1, 1)
+
+
 def test_inputs_are_validated() -> None:
     with pytest.raises(PlacementError, match=r"load has shape \(3,\); expected \[L, E\] = \(2, 2\)"):
         check_load(np.ones(3), 2, 2)
@@ -65,6 +115,10 @@ def test_inputs_are_validated() -> None:
         check_load(np.array([[1.0, np.nan], [0.0, 0.0]]), 2, 2)
     with pytest.raises(PlacementError, match="seconds_per_expert_load must be a finite number >= 0"):
         CostModel(seconds_per_expert_load=-1.0)
+    with pytest.raises(PlacementError, match="load_error must be a finite number >= 0"):
+        CostModel(load_error=-0.1)
+    with pytest.raises(PlacementError, match="load_error must be a finite number >= 0"):
+        CostModel(load_error=float("inf"))
     with pytest.raises(PlacementError, match="seconds_per_token must be > 0"):
         CostModel(seconds_per_token=0.0)
     placement = pair_placement({0: [(0, 0), (0, 1), (1, 0), (1, 1)]})

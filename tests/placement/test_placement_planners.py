@@ -24,9 +24,11 @@ from eaas.runtime.placement import (
     replicate_and_pack,
     round_robin,
 )
+from eaas.runtime.placement.batched import BatchedSearch
 from eaas.runtime.placement.cost import server_loads
 from eaas.runtime.placement.cost_aware import gain_bound
 from eaas.runtime.placement.diff import diff
+from eaas.runtime.placement.eplb import keep_in_place
 from eaas.runtime.placement.search import Search
 
 
@@ -213,6 +215,81 @@ def test_cost_aware_from_a_balanced_start_moves_little() -> None:
     assert num_moves(balanced, again) < 0.2 * num_moves(balanced, reshuffle)
 
 
+def concentration(placement: Placement, load: np.ndarray) -> float:
+    """Mean over layers of the largest sqrt(sum of squared shares) of a server: how far the busiest
+    server swings when every expert's load drifts by the same relative amount."""
+    shares = placement.replica_shares() * load[:, :, None]  # [L, E, S]
+    return float(np.sqrt((shares**2).sum(axis=1)).max(axis=1).mean())
+
+
+def test_cost_aware_with_a_load_error_spreads_heavy_shares() -> None:
+    current, load = mid_instance()
+    plain = cost_aware(current, load, horizon_steps=100)
+    hedged_cost = CostModel(load_error=0.3)
+    hedged = cost_aware(current, load, hedged_cost, horizon_steps=100)
+    assert_invariants(hedged)
+    assert concentration(hedged, load) < 0.95 * concentration(plain, load)
+    # It still balances the forecast, and by its own (forecast-token) objective it beats the plain plan.
+    assert imbalance(hedged, load) < 1.1
+    assert predicted_seconds(current, hedged, load, hedged_cost, 100) < predicted_seconds(
+        current, plain, load, hedged_cost, 100
+    )
+
+
+def test_keep_in_place_exchanges_equal_servers_to_move_less() -> None:
+    current, load = mid_instance()
+    current = cost_aware(current, load, horizon_steps=100)
+    later = trace_load(8, 64, seed=3, steps=50)
+    packed = replicate_and_pack(current, later)
+    kept = keep_in_place(current, packed)
+    assert_invariants(kept)
+    assert num_moves(current, kept) < 0.9 * num_moves(current, packed)
+    new, old = kept.hosting_matrix(), packed.hosting_matrix()
+    assert (new.sum(axis=2) == old.sum(axis=2)).all()  # every server keeps its slots per layer
+    for layer in range(new.shape[1]):  # the same replica sets, on other servers
+        assert sorted(map(tuple, new[:, layer].tolist())) == sorted(map(tuple, old[:, layer].tolist()))
+    assert imbalance(kept, later) == pytest.approx(imbalance(packed, later))
+    assert keep_in_place(packed, packed) is packed
+    with pytest.raises(PlacementError, match="same servers and layers"):
+        keep_in_place(round_robin(1, 4, 2), round_robin(1, 4, 3))
+
+
+def test_keep_in_place_keeps_the_packing_when_an_exchange_breaks_the_domain_spread() -> None:
+    # Found by search: here the best exchange puts both replicas of (0, 3) in domain d0.
+    rng = np.random.default_rng(8)
+    num_servers = int(rng.integers(3, 7))
+    num_domains, layers = int(rng.integers(2, num_servers)), int(rng.integers(1, 3))
+    experts = int(rng.integers(2, 7))
+    capacity = -(-2 * layers * experts // num_servers) + int(rng.integers(0, 3))
+    servers = [Server(i, capacity, domain=f"d{i % num_domains}") for i in range(num_servers)]
+    current = round_robin(layers, experts, servers, 2)
+    current = cost_aware(current, rng.uniform(0, 100, (layers, experts)), horizon_steps=1000)
+    packed = replicate_and_pack(current, rng.uniform(0, 100, (layers, experts)))
+    assert not packed.same_assignment(current)
+    assert keep_in_place(current, packed) is packed
+    assert_invariants(packed)
+
+
+def test_cost_aware_takes_a_fresh_packing_when_the_search_is_stuck() -> None:
+    """An aged DeepSeek-V3-shaped placement at a long horizon: the move-little search ends in a
+    local optimum that a fresh packing, kept in place, beats by the same objective."""
+    trace = SyntheticTrace(TraceConfig(seed=0))
+    servers = [Server(i, 261, domain=f"node-{i // 8}") for i in range(64)]
+    aged = cost_aware(
+        round_robin(range(3, 61), 256, servers), trace.loads(0, 100).mean(axis=0), horizon_steps=1000
+    )
+    load = trace.loads(1000, 1100).mean(axis=0).astype(np.float64)
+    plan = cost_aware(aged, load, horizon_steps=1000)
+    fresh = keep_in_place(aged, replicate_and_pack(aged, load))
+    assert plan.same_assignment(fresh) and plan.version == aged.version + 1
+    searched = BatchedSearch(aged, load, CostModel(), 1000).optimize()
+    assert predicted_seconds(aged, plan, load, CostModel(), 1000) < searched
+    assert num_moves(aged, plan) < num_moves(aged, replicate_and_pack(aged, load))
+    # A move budget rules the fresh packing out.
+    budgeted = cost_aware(aged, load, horizon_steps=1000, max_moves=500)
+    assert num_moves(aged, budgeted) <= 2 * 500
+
+
 # -- ilp ----------------------------------------------------------------------------------------
 
 
@@ -251,6 +328,8 @@ def test_ilp_refuses_large_instances() -> None:
         ilp(current, np.ones((20, 64)))
     with pytest.raises(PlacementError, match="time_limit_seconds must be > 0"):
         ilp(round_robin(1, 4, 2), np.ones((1, 4)), time_limit_seconds=0)
+    with pytest.raises(PlacementError, match=r"ilp models the forecast itself \(CostModel.load_error = 0\)"):
+        ilp(round_robin(1, 4, 2), np.ones((1, 4)), CostModel(load_error=0.1))
 
 
 def test_diff_of_a_rebalance_names_every_load() -> None:
