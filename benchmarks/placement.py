@@ -10,7 +10,9 @@ A. One rebalance, DeepSeek-V3 shape (58 MoE layers x 256 experts, 64 servers in 
 B. The drifting trace (chat -> code -> math phases, slow drift, per-step noise), rebalancing every
    1, 10, 100, 1000 steps with the mean load of the last 100 steps: modelled MoE latency per step
    including the weight-movement stall and the planner's runtime (charged as a stall, as seed 002
-   does), moves per rebalance, realised max/mean.
+   does), moves per rebalance, realised max/mean. Each rebalance also gets the relative error of
+   the planner's previous forecast against the load served since (`prediction_error`, the
+   `CostModel.load_error` that `cost_aware` weighs shares by).
 C. A small shape (2 layers x 8 experts, 4 servers) where the ILP finishes: objective of each
    planner relative to the optimum (12 instances; 2 with ``--quick``).
 
