@@ -8,6 +8,11 @@ the window's load and asks the pure planner for the next placement. Scrapes run 
 short timeouts; a server that does not answer (or answers garbage) is counted in
 ``eaas_operator_stats_scrapes_total{result="error"}`` and left out of the window, never raised.
 The last scrape of every pool is kept in memory only: a restarted operator starts with a baseline.
+
+Each window's load is also the forecast for the next interval; how far the next window lands from
+it (`eaas.runtime.placement.prediction_error`) is the forecast error the planner is given
+(``CostModel.load_error``: heavy shares count more when loads drift, see
+`eaas.runtime.placement.cost`). The first window after a baseline has no forecast to check: 0.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from eaas.operator import naming, rebalance
 from eaas.operator.metrics import OperatorMetrics
-from eaas.runtime.placement import CostModel, Placement, PlacementError
+from eaas.runtime.placement import CostModel, Placement, PlacementError, prediction_error
 
 logger = logging.getLogger("eaas.operator")
 
@@ -76,11 +83,13 @@ class Rebalancer:
     cost: CostModel = field(default_factory=CostModel)
     clock: Callable[[], float] = time.time
     _scrapes: dict[tuple[str, str], rebalance.Scrape] = field(default_factory=dict)
+    _forecasts: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # last interval load
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
             self._scrapes.pop((namespace, name), None)
+            self._forecasts.pop((namespace, name), None)
 
     def scrape(self, urls: Mapping[int, str], layers: tuple[int, ...], num_experts: int) -> rebalance.Scrape:
         """Fetch every server's stats now (in parallel); failures are counted and left out."""
@@ -139,15 +148,26 @@ class Rebalancer:
         if window.total_tokens <= 0:
             return self._count(key, rebalance.Decision(None, "idle", "no tokens routed in the window"))
         load = rebalance.interval_load(window, interval_seconds)  # [L, E]
+        with self._guard:
+            forecast = self._forecasts.get(key)
+            self._forecasts[key] = load
+        # Interval totals of Poisson-like counts: one "step" each for the noise correction.
+        drift = 0.0
+        if forecast is not None and forecast.shape == load.shape:
+            drift = prediction_error(forecast, load, 1, 1)
+        cost = replace(self.cost, load_error=drift)
         try:
-            decision = rebalance.plan(committed, load, policy, self.cost, capacity=capacity)
+            decision = rebalance.plan(committed, load, policy, cost, capacity=capacity)
         except PlacementError as error:
             logger.warning("rebalance of %s/%s failed: %s", *key, error)
             return self._count(key, rebalance.Decision(None, "error", str(error)))
-        return self._count(key, decision)
+        return self._count(key, replace(decision, load_error=drift))
 
     def _count(self, key: tuple[str, str], decision: rebalance.Decision) -> rebalance.Decision:
-        logger.info("rebalance of ExpertPool %s/%s: %s: %s", *key, decision.result, decision.message)
+        logger.info(
+            "rebalance of ExpertPool %s/%s: %s: %s (forecast error %.3f)",
+            *key, decision.result, decision.message, decision.load_error,
+        )  # fmt: skip
         if decision.result != "rebalanced":  # a published one is counted when it is published
             self.metrics.rebalances.labels(decision.result).inc()
         return decision

@@ -157,7 +157,7 @@ class Decision:
     placement: the next placement (version + 1), or None for "no change";
     result: ``rebalanced`` or ``unchanged``; message: for the Event and the logs;
     moves: experts loaded; gain_seconds: predicted compute saved over the next interval, net of
-    the movement.
+    the movement; load_error: the forecast error the plan was made with (``CostModel.load_error``).
     """
 
     placement: Placement | None
@@ -165,6 +165,7 @@ class Decision:
     message: str
     moves: int = 0
     gain_seconds: float = 0.0
+    load_error: float = 0.0
 
 
 def plan(

@@ -13,7 +13,7 @@ from eaas.operator import planning, rebalance
 from eaas.operator.collector import Rebalancer, pod_control_urls
 from eaas.operator.expert_step import Observed, PodState, idle, plan
 from eaas.operator.metrics import OperatorMetrics
-from eaas.runtime.placement import Placement, imbalance
+from eaas.runtime.placement import Placement, imbalance, prediction_error
 
 LAYERS = (1, 2)  # layer 0 is dense: rows of [L, E] are MoE layers 1 and 2
 SHAPE = planning.PoolShape(layers=LAYERS, num_experts=8, replication=2, slots_per_server=12)
@@ -237,6 +237,31 @@ def test_tick_baselines_waits_for_the_interval_then_plans() -> None:
 
     assert rebalancer.tick(key, current, urls, "cost_aware", 0) is None  # 0 = off, and forgets
     fake.now += 600
+    assert rebalancer.tick(key, current, urls, "cost_aware", 60).result == "baseline"  # type: ignore[union-attr]
+
+
+def test_tick_plans_with_the_error_of_the_last_windows_forecast() -> None:
+    current = placement()
+    fake = FakeServers()
+    rebalancer = Rebalancer(OperatorMetrics(CollectorRegistry()), fetch=fake.fetch, clock=lambda: fake.now)
+    urls = {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
+    key = ("ns", "p")
+    windows = [np.zeros((2, 8)), hot_load(0, 3), hot_load(1, 5)]
+    decisions = []
+    total = np.zeros((2, 8))
+    for window in windows:
+        total = total + window
+        for o in current.ordinals:
+            fake.answers[f"{urls[o]}/v1/stats"] = stats(served(current, o, total))
+        decisions.append(rebalancer.tick(key, current, urls, "cost_aware", 60))
+        fake.now += 60
+    assert [d.result for d in decisions if d is not None] == ["baseline", "rebalanced", "rebalanced"]
+    assert decisions[1] is not None and decisions[1].load_error == 0.0  # nothing to check it against
+    # The first window forecast the second: its error is what the second plan was made with.
+    expected = prediction_error(windows[1], windows[2], 1, 1)
+    assert expected > 0.5
+    assert decisions[2] is not None and decisions[2].load_error == pytest.approx(expected)
+    rebalancer.forget(*key)
     assert rebalancer.tick(key, current, urls, "cost_aware", 60).result == "baseline"  # type: ignore[union-attr]
 
 
