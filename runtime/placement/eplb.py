@@ -390,10 +390,15 @@ def keep_in_place(current: Placement, packed: Placement) -> Placement:
     size, `scipy.optimize.linear_sum_assignment`). Every server keeps its slot count per layer, so
     capacities hold; an exchange is kept only if the failure-domain spread still holds, else
     ``packed`` is returned. Returns ``packed`` itself when nothing is exchanged."""
+    # scipy loads in ~0.5 s: imported here so servers and clients that import placement skip it.
     from scipy.optimize import linear_sum_assignment
 
-    if packed.ordinals != current.ordinals or packed.layers != current.layers:
-        raise PlacementError("keep_in_place needs two placements of the same servers and layers")
+    if (packed.ordinals, packed.layers, packed.num_experts) != (
+        current.ordinals,
+        current.layers,
+        current.num_experts,
+    ):
+        raise PlacementError("keep_in_place needs two placements of the same servers, layers and experts")
     old = current.hosting_matrix()  # [S, L, E]
     new = packed.hosting_matrix()
     # overlap[l, a, b]: experts of layer l that packed server a holds and current server b holds.

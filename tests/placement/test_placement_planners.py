@@ -250,8 +250,10 @@ def test_keep_in_place_exchanges_equal_servers_to_move_less() -> None:
         assert sorted(map(tuple, new[:, layer].tolist())) == sorted(map(tuple, old[:, layer].tolist()))
     assert imbalance(kept, later) == pytest.approx(imbalance(packed, later))
     assert keep_in_place(packed, packed) is packed
-    with pytest.raises(PlacementError, match="same servers and layers"):
+    with pytest.raises(PlacementError, match="same servers, layers and experts"):
         keep_in_place(round_robin(1, 4, 2), round_robin(1, 4, 3))
+    with pytest.raises(PlacementError, match="same servers, layers and experts"):
+        keep_in_place(round_robin(1, 4, 2), round_robin(1, 6, 2))
 
 
 def test_keep_in_place_keeps_the_packing_when_an_exchange_breaks_the_domain_spread() -> None:
