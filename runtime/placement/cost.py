@@ -101,18 +101,24 @@ def server_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
             f"E={placement.num_experts}"
         )
     if array.ndim == 2:
-        # One load: sum every hosted pair's share per (layer, server) (sparse, no [L, E, S] array).
-        layer, server, expert, counts = placement.hosted_entries()
-        num_layers, num_servers = len(placement.layers), placement.num_servers
-        share = (array / np.maximum(counts, 1))[layer, expert]
-        cells = np.bincount(layer * num_servers + server, weights=share, minlength=num_layers * num_servers)
-        return cells.reshape(num_layers, num_servers)
+        return _per_server(placement, array / np.maximum(placement.hosted_entries()[3], 1))
     weights = routing_weights(placement)  # [L, E, S]
     # [L, ..., E] @ [L, E, S] -> [L, ..., S], then layers back to axis -2.
     moved = np.moveaxis(array, -2, 0)
     flat = moved.reshape(moved.shape[0], -1, moved.shape[-1])
     result = np.matmul(flat, weights).reshape(*moved.shape[:-1], weights.shape[-1])
     return np.moveaxis(result, 0, -2)
+
+
+def _per_server(placement: Placement, shares: np.ndarray) -> np.ndarray:
+    """``[L, S]``: every hosted pair's share ``shares [L, E]`` summed per (layer, server) (sparse,
+    no ``[L, E, S]`` array)."""
+    layer, server, expert, _ = placement.hosted_entries()
+    num_layers, num_servers = len(placement.layers), placement.num_servers
+    cells = np.bincount(
+        layer * num_servers + server, weights=shares[layer, expert], minlength=num_layers * num_servers
+    )
+    return cells.reshape(num_layers, num_servers)
 
 
 def forecast_shares(load: np.ndarray, counts: np.ndarray, load_error: float, num_servers: int) -> np.ndarray:
@@ -130,12 +136,9 @@ def forecast_loads(placement: Placement, load: np.ndarray, load_error: float) ->
     every replica's share weighted by `forecast_shares` (equal to it when ``load_error`` is 0)."""
     if load_error == 0:
         return server_loads(placement, load)
+    counts = np.maximum(placement.hosted_entries()[3], 1)
     array = np.asarray(load, dtype=np.float64)
-    layer, server, expert, counts = placement.hosted_entries()
-    num_layers, num_servers = len(placement.layers), placement.num_servers
-    share = forecast_shares(array, np.maximum(counts, 1), load_error, num_servers)[layer, expert]
-    cells = np.bincount(layer * num_servers + server, weights=share, minlength=num_layers * num_servers)
-    return cells.reshape(num_layers, num_servers)
+    return _per_server(placement, forecast_shares(array, counts, load_error, placement.num_servers))
 
 
 def prediction_error(

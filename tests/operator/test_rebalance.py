@@ -210,12 +210,18 @@ def counts(metrics: OperatorMetrics, name: str) -> dict[str, float]:
     }
 
 
-def test_tick_baselines_waits_for_the_interval_then_plans() -> None:
-    current = placement()
+def ticking(current: Placement) -> tuple[FakeServers, OperatorMetrics, Rebalancer, dict[int, str]]:
+    """Fake servers, the operator's metrics, a Rebalancer on the fake clock, and the control URLs
+    of `current`'s servers."""
     fake = FakeServers()
     metrics = OperatorMetrics(CollectorRegistry())
     rebalancer = Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now)
-    urls = {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
+    return fake, metrics, rebalancer, {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
+
+
+def test_tick_baselines_waits_for_the_interval_then_plans() -> None:
+    current = placement()
+    fake, metrics, rebalancer, urls = ticking(current)
     for o in current.ordinals:
         fake.answers[f"{urls[o]}/v1/stats"] = stats(np.zeros((2, 8)))
     key = ("ns", "p")
@@ -242,9 +248,7 @@ def test_tick_baselines_waits_for_the_interval_then_plans() -> None:
 
 def test_tick_plans_with_the_error_of_the_last_windows_forecast() -> None:
     current = placement()
-    fake = FakeServers()
-    rebalancer = Rebalancer(OperatorMetrics(CollectorRegistry()), fetch=fake.fetch, clock=lambda: fake.now)
-    urls = {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
+    fake, _, rebalancer, urls = ticking(current)
     key = ("ns", "p")
     windows = [np.zeros((2, 8)), hot_load(0, 3), hot_load(1, 5)]
     decisions = []
@@ -267,10 +271,7 @@ def test_tick_plans_with_the_error_of_the_last_windows_forecast() -> None:
 
 def test_tick_with_no_server_answering_is_incomplete_and_never_raises() -> None:
     current = placement()
-    fake = FakeServers()
-    metrics = OperatorMetrics(CollectorRegistry())
-    rebalancer = Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now)
-    urls = {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
+    fake, metrics, rebalancer, urls = ticking(current)
     for o in current.ordinals:
         fake.answers[f"{urls[o]}/v1/stats"] = ValueError("not JSON")
     assert rebalancer.tick(("ns", "p"), current, urls, "eplb", 60).result == "baseline"  # type: ignore[union-attr]
