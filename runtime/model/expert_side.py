@@ -61,6 +61,17 @@ class ExpertStack:
         w2 = torch.stack([tensors[down] for _, _, down in names])
         return cls(config, pairs, w13, w2)
 
+    def to(self, device: str | torch.device) -> ExpertStack:
+        """This stack with its weights and group table on ``device`` (itself if already there)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.w13.device == device and self.group_table.device == device:
+            return self
+        stack = ExpertStack(self.config, self.pairs, self.w13.to(device), self.w2.to(device))
+        stack.group_table = stack.group_table.to(device)
+        return stack
+
     def groups_for(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         """Expert ids [T, K] of ``layer`` (-1 = skip) -> group ids [T, K] (-1 where not hosted)."""
         groups = self.group_table[layer][expert_ids.clamp(min=0)]

@@ -11,6 +11,9 @@ Request payload (sections start on 64-byte boundaries):
 Response payload: y [T, H] in the header dtype, the router-weighted sum of this server's experts
 for each token; or, when ``status != OK``, a UTF-8 error message of at most ``MAX_MESSAGE_BYTES``.
 Legend: T = tokens, K = top-k, H = hidden.
+
+A payload is host memory (a ``memoryview`` of a slot) or device memory (a 1-D uint8 tensor, as
+in the GPU transports): the views and writers below take either.
 """
 
 from __future__ import annotations
@@ -57,13 +60,23 @@ def slot_capacity_bytes(max_tokens: int, max_top_k: int, hidden: int) -> int:
     return _align(max(largest, MAX_MESSAGE_BYTES))
 
 
-def _view(buffer: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+Payload = memoryview | torch.Tensor  # host bytes, or a 1-D uint8 tensor (device memory)
+
+
+def payload_size(payload: Payload) -> int:
+    return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
+
+
+def _view(buffer: Payload, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        size = torch.empty(0, dtype=dtype).element_size()
+        return buffer[offset : offset + count * size].view(dtype)
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
 
 
-def read_request(payload: memoryview, header: SlotHeader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def read_request(payload: Payload, header: SlotHeader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views (no copies) of x [T, H], ids [T, K] int32, weights [T, K] float32 in ``payload``.
 
     The header must have passed ``check_request``; the views alias the slot until it is rewritten.
@@ -77,7 +90,7 @@ def read_request(payload: memoryview, header: SlotHeader) -> tuple[torch.Tensor,
 
 
 def write_request(
-    payload: memoryview,
+    payload: Payload,
     x: torch.Tensor,  # [T, H]
     ids: torch.Tensor,  # [T, K] int, -1 = not here
     weights: torch.Tensor,  # [T, K]
@@ -91,10 +104,9 @@ def write_request(
     t, h = x.shape
     k = ids.shape[1]
     layout = request_layout(t, k, h, dtype_code(x.dtype))
-    if layout.total > len(payload):
-        raise ValueError(
-            f"request of {t} tokens needs {layout.total} payload bytes, the slot holds {len(payload)}"
-        )
+    if layout.total > payload_size(payload):
+        size = payload_size(payload)
+        raise ValueError(f"request of {t} tokens needs {layout.total} payload bytes, the slot holds {size}")
     if t:
         if include_x:
             _view(payload, x.dtype, layout.x_offset, t * h).copy_(x.reshape(-1))
@@ -103,7 +115,7 @@ def write_request(
     return layout.total
 
 
-def write_response(payload: memoryview, y: torch.Tensor) -> int:
+def write_response(payload: Payload, y: torch.Tensor) -> int:
     """Writes y [T, H] into ``payload``; returns its size in bytes."""
     count = y.numel()
     if count:
@@ -111,7 +123,7 @@ def write_response(payload: memoryview, y: torch.Tensor) -> int:
     return count * y.element_size()
 
 
-def read_response(payload: memoryview, header: SlotHeader) -> torch.Tensor:
+def read_response(payload: Payload, header: SlotHeader) -> torch.Tensor:
     """A view of y [T, H] in ``payload`` (copy it before the slot is reused)."""
     t, h = header.num_tokens, header.hidden
     return _view(payload, torch_dtype(header.dtype), 0, t * h).view(t, h)

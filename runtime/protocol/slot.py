@@ -29,6 +29,7 @@ class SlotState(IntEnum):
     REQUEST_READY = 1  # the client finished writing; the server may process
     RESPONSE_READY = 2  # the server wrote the result; the client may read
     OFFLINE = 3  # the client is gone; the slot is released
+    SERVING = 4  # the server took the request and computes it (transports whose GPU writes the answer)
 
 
 def slot_stride(capacity_bytes: int) -> int:

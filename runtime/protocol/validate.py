@@ -89,22 +89,27 @@ def check_experts(
     weights: torch.Tensor,  # [T, K] float32
     group_table: torch.Tensor,  # [L, E] int64: group of each hosted (layer, expert), -1 elsewhere
 ) -> torch.Tensor:  # [T, K] int64 group ids, -1 = skip
-    """Maps the request's expert ids to hosted groups; refuses ids that are invalid or not hosted here."""
+    """Maps the request's expert ids to hosted groups; refuses ids that are invalid or not hosted here.
+
+    Works on host or device tensors; on a device it synchronises once (one small copy of flags).
+    """
     num_experts = group_table.shape[1]
     ids64 = ids.to(torch.int64)
     bad = (ids64 < -1) | (ids64 >= num_experts)
-    if bool(bad.any()):
+    active = ids64 >= 0
+    groups = torch.where(active & ~bad, group_table[layer][ids64.clamp(0, num_experts - 1)], -1)
+    missing = active & ~bad & (groups < 0)
+    nonfinite = active & ~torch.isfinite(weights)
+    found = torch.stack([bad.any(), missing.any(), nonfinite.any()]).tolist()  # the one synchronisation
+    if found[0]:
         value = int(ids64[bad][0])
         raise ProtocolError(Status.BAD_EXPERT, f"expert ids: must be in [-1, {num_experts}), got {value}")
-    active = ids64 >= 0
-    groups = torch.where(active, group_table[layer][ids64.clamp(min=0)], -1)
-    missing = active & (groups < 0)
-    if bool(missing.any()):
+    if found[1]:
         expert = int(ids64[missing][0])
         raise ProtocolError(
             Status.NOT_HOSTED, f"(layer {layer}, expert {expert}) is not hosted on this server"
         )
-    if not bool(torch.isfinite(weights[active]).all()):
+    if found[2]:
         raise ProtocolError(Status.BAD_VALUE, "router weights: must be finite")
     return groups
 

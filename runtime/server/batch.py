@@ -48,6 +48,6 @@ def _pad(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     """[T, k] -> [T, width] padded with ``value``."""
     if t.shape[1] == width:
         return t
-    out = torch.full((t.shape[0], width), value, dtype=t.dtype)
+    out = torch.full((t.shape[0], width), value, dtype=t.dtype, device=t.device)
     out[:, : t.shape[1]] = t
     return out

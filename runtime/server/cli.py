@@ -64,6 +64,12 @@ from eaas.operator import naming
     help="weight dtype (default: the checkpoint's)",
 )
 @click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="where experts live and compute: cpu, cuda or cuda:N (the GPU transports need cuda)",
+)
+@click.option(
     "--batch-wait-us", default=200.0, show_default=True, help="longest wait for stragglers per batch"
 )
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -135,6 +141,7 @@ def expert_server(
     max_tokens: int,
     kernel_backend: str,
     dtype: str | None,
+    device: str,
     batch_wait_us: float,
     threads: int | None,
     ready_file: Path | None,
@@ -205,6 +212,7 @@ def expert_server(
                 max_tokens=max_tokens,
                 kernel_backend=kernel_backend,
                 dtype=dtype,
+                device=device,
                 loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
             )
         )

@@ -39,6 +39,24 @@ from eaas.runtime.transport.shm_segment import sweep_stale_segments
 log = logging.getLogger("eaas.server")
 
 
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` -> a device with its index; a clear error when CUDA is missing."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device: must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device: must be cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but this process sees no CUDA device")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: {name!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     checkpoint: Path
@@ -53,6 +71,7 @@ class ServerConfig:
     max_tokens: int = 512  # tokens per request (clients split larger batches)
     kernel_backend: str = "torch"  # overrides loop.kernel_backend
     dtype: str | None = None  # weight dtype; None = the checkpoint's
+    device: str = "cpu"  # where the experts live and compute: "cpu", "cuda" or "cuda:N"
     loop: LoopOptions = field(default_factory=LoopOptions)
 
 
@@ -67,11 +86,13 @@ class ExpertServer:
         get_backend(config.kernel_backend)  # unknown names fail here, not on the first request
         for name in config.transports:
             get_transport(name)
+        self.device = resolve_device(config.device)
         self.config = config
         self.instance = uuid.uuid4().hex[:12]
         reader = CheckpointReader(config.checkpoint)
         self.model = reader.config
         stack = ExpertStack.load(reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None)
+        stack = stack.to(self.device)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
         limits = ServerLimits(
             hidden=self.model.hidden_size,
@@ -95,12 +116,13 @@ class ExpertServer:
                     host=config.host,
                     tcp_port=config.tcp_port,
                     tag=f"s{config.ordinal}",
+                    device=str(self.device),
                 )
                 self.transports[name] = get_transport(name).server(options)
             self.metrics = ServerMetrics()
             self.metrics.hosted_experts.set(len(stack.pairs))
             self.metrics.placement_version.set(config.placement_version)
-            self.load = LoadCounter(self.model.num_layers, self.model.num_experts)
+            self.load = LoadCounter(self.model.num_layers, self.model.num_experts, self.device)
             loop_options = replace(config.loop, kernel_backend=config.kernel_backend)
             self.loop = ServerLoop(
                 stack, list(self.transports.values()), limits, self.metrics, self.load, loop_options
@@ -214,7 +236,14 @@ class ExpertServer:
     def _run_loop(self) -> None:
         torch.set_grad_enabled(False)
         try:
-            self.loop.run()
+            if self.device.type == "cuda":
+                # The loop computes on a stream of its own: never the legacy default stream, which
+                # would wait for (and be waited on by) every other stream of the process.
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                    self.loop.run()
+            else:
+                self.loop.run()
         except Exception:
             log.exception("server loop crashed")
             raise
@@ -279,6 +308,7 @@ class ExpertServer:
             "max_tokens": self.limits.max_tokens,
             "capacity_bytes": self.limits.capacity_bytes,
             "kernel_backend": self.config.kernel_backend,
+            "device": str(self.device),
             "dtype": str(stack.w13.dtype).removeprefix("torch."),
         }
 

@@ -40,6 +40,7 @@ log = logging.getLogger("eaas.server")
 
 ACTIVE_CLIENT_WINDOW_S = 1.0  # a client that sent a request this recently is worth waiting for
 HOUSEKEEPING_INTERVAL_S = 0.25
+NO_WAITER_POLL_S = 50e-6  # polling interval when no transport can wait for all the others
 MAX_CONSECUTIVE_FAILURES = 20  # then the loop stops and /healthz turns 503
 
 
@@ -113,8 +114,8 @@ class ServerLoop:
     def _idle_wait(self, timeout_s: float) -> None:
         if self._waiter is not None:
             self._waiter.wait(timeout_s)
-        else:  # no transport can wait for all: poll
-            time.sleep(min(timeout_s, 1e-3))
+        else:  # no transport can wait for all: poll them (a GPU transport cannot be woken)
+            time.sleep(min(timeout_s, NO_WAITER_POLL_S))
 
     def _poll_all(self) -> list[Request]:
         ready: list[Request] = []
@@ -201,7 +202,11 @@ class ServerLoop:
     def _validate(self, request: Request) -> Job:
         header = request.header
         check_request(header, self.limits)
-        x, ids, weights = read_request(request.slot_buffer[PAYLOAD_OFFSET:], header)
+        assert request.payload is not None
+        x, ids, weights = read_request(request.payload, header)
+        device = self.stack.w13.device
+        if x.device != device:  # a host-memory transport in front of experts on a GPU
+            x, ids, weights = x.to(device), ids.to(device), weights.to(device)
         groups = check_experts(header.layer, ids, weights, self.stack.group_table)
         return Job(request, x, groups, weights, ids)
 
@@ -216,15 +221,19 @@ class ServerLoop:
         num_tokens = 0
         for job, y in zip(jobs, outputs, strict=True):
             h = job.request.header
+            assert job.request.payload is not None
+            # Counted before the answer is published (sync-free, also on a GPU): a client that has
+            # its answer finds it in /v1/stats. The Prometheus counters below may lag a batch.
             self.load.add(h.layer, job.expert_ids)
-            size = write_response(job.request.slot_buffer[PAYLOAD_OFFSET:], y)
+            size = write_response(job.request.payload, y)
             response = SlotHeader(
                 FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size
             )
             self._transport(job.request).respond(job.request, response)
             self.metrics.requests.labels(job.request.transport, Status.OK.name).inc()
             num_tokens += h.num_tokens
-            self.metrics.expert_tokens.inc(int((job.groups >= 0).sum()))
+        entries = sum(int((job.groups >= 0).sum()) for job in jobs)  # after answering: may sync a GPU
+        self.metrics.expert_tokens.inc(entries)
         self.metrics.tokens.inc(num_tokens)
         self.metrics.batches.inc()
         self.metrics.batch_tokens.observe(num_tokens)

@@ -28,12 +28,12 @@ def restack(
     fresh = {pair: group for group, pair in enumerate(loaded.pairs)}
     device = old.w13.device
     if not wanted:
-        return ExpertStack(old.config, [], old.w13[:0].clone(), old.w2[:0].clone()), 0
+        return ExpertStack(old.config, [], old.w13[:0].clone(), old.w2[:0].clone()).to(device), 0
     w13 = torch.stack(  # [G, 2I, H]
         [old.w13[kept[p]] if p in kept else loaded.w13[fresh[p]].to(device) for p in wanted]
     )
     w2 = torch.stack([old.w2[kept[p]] if p in kept else loaded.w2[fresh[p]].to(device) for p in wanted])
-    return ExpertStack(old.config, wanted, w13, w2), len(fresh)
+    return ExpertStack(old.config, wanted, w13, w2).to(device), len(fresh)
 
 
 def hosted_layers(stack: ExpertStack) -> frozenset[int]:

@@ -16,24 +16,22 @@ import torch
 class LoadCounter:
     """Tokens routed to each (layer, expert) of this server since start. Shapes: L layers, E experts."""
 
-    def __init__(self, num_layers: int, num_experts: int) -> None:
-        self._tokens = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+    def __init__(self, num_layers: int, num_experts: int, device: str | torch.device = "cpu") -> None:
+        self._tokens = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self._lock = threading.Lock()
         self.started_at = time.time()
 
     def add(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Counts one token for every id >= 0 in ``expert_ids`` [T, K] of ``layer``."""
-        ids = expert_ids.reshape(-1).to(torch.int64)
-        ids = ids[ids >= 0]
-        if ids.numel():
-            counts = torch.bincount(ids, minlength=self._tokens.shape[1])
-            with self._lock:
-                self._tokens[layer] += counts
+        """Counts one token for every id >= 0 in ``expert_ids`` [T, K] of ``layer`` (no host sync)."""
+        ids = expert_ids.reshape(-1).to(device=self._tokens.device, dtype=torch.int64)
+        valid = (ids >= 0).to(torch.int64)
+        with self._lock:
+            self._tokens[layer].index_add_(0, ids.clamp(min=0), valid)
 
     def snapshot(self) -> torch.Tensor:
-        """A copy of the counts [L, E]."""
+        """A copy of the counts [L, E] (in host memory)."""
         with self._lock:
-            return self._tokens.clone()
+            return self._tokens.to("cpu", copy=True)
 
     def to_json(self, layers: list[int]) -> dict[str, Any]:
         """``{"layers": [...], "tokens": [[per expert] per layer], ...}``, rows in ``layers`` order."""

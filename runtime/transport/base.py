@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from eaas.runtime.protocol import SlotHeader, Status
+from eaas.runtime.protocol import PAYLOAD_OFFSET, SlotHeader, Status
 
 
 class ChannelError(ConnectionError):
@@ -60,17 +60,28 @@ class TransportOptions:
     tcp_port: int = 0  # tcp: 0 = any free port
     tag: str = "server"  # shm: part of the segment name
     attach_grace_s: float = 5.0  # a slot attached but never claimed is released after this
+    device: str = "cpu"  # where the server computes; the GPU transports put their slots there
 
 
 @dataclass
 class Request:
-    """A complete request in a slot. ``header`` is raw (unvalidated); ``slot_buffer`` is the whole slot."""
+    """A complete request in a slot. ``header`` is raw (unvalidated); ``slot_buffer`` is the whole slot.
+
+    ``payload`` is where the request's tensors are and the response's go: the slot's payload
+    bytes by default, device memory (a uint8 tensor) for the GPU transports. Error messages
+    always go to ``slot_buffer[PAYLOAD_OFFSET:]``.
+    """
 
     transport: str
     slot: int
     generation: int  # the slot's attach count, so a response never lands in a re-used slot
     header: SlotHeader
     slot_buffer: memoryview
+    payload: memoryview | torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.payload is None:
+            self.payload = self.slot_buffer[PAYLOAD_OFFSET:]
 
 
 class ServerTransport(ABC):

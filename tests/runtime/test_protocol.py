@@ -73,14 +73,19 @@ def test_any_48_bytes_unpack_and_repack_identically(raw: bytes) -> None:
 
 
 def test_slot_states_are_the_design_values() -> None:
-    assert [s.value for s in SlotState] == [0, 1, 2, 3]
-    assert [s.name for s in SlotState] == ["IDLE", "REQUEST_READY", "RESPONSE_READY", "OFFLINE"]
+    assert [s.value for s in SlotState] == [0, 1, 2, 3, 4]
+    assert [s.name for s in SlotState] == ["IDLE", "REQUEST_READY", "RESPONSE_READY", "OFFLINE", "SERVING"]
     assert slot_stride(1) % 4096 == 0 and slot_stride(4096 - PAYLOAD_OFFSET) == 4096
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["memoryview", "uint8 tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_request_and_response_payloads_round_trip(dtype: torch.dtype) -> None:
-    buffer = memoryview(bytearray(LIMITS.capacity_bytes))
+def test_request_and_response_payloads_round_trip(dtype: torch.dtype, as_tensor: bool) -> None:
+    # The GPU transports hand the same functions a uint8 tensor (device memory) instead of bytes.
+    raw = bytearray(LIMITS.capacity_bytes)
+    buffer: memoryview | torch.Tensor = (
+        torch.zeros(LIMITS.capacity_bytes, dtype=torch.uint8) if as_tensor else memoryview(raw)
+    )
     x = torch.randn(5, 64).to(dtype)
     ids = torch.tensor([[0, -1], [3, 4], [-1, 7], [1, 2], [5, -1]])
     weights = torch.rand(5, 2)
