@@ -1,11 +1,15 @@
-"""Transports by name. ``shm`` and ``tcp`` are built in; GPU transports (``cuda_ipc``, ``nvshmem``)
-register the same way (DESIGN.md, "Transports")."""
+"""Transports by name: ``shm`` and ``tcp`` (host memory), ``cuda_ipc`` (GPU memory, one node).
+
+Importing them needs no GPU: the CUDA driver bindings are loaded when a GPU transport is used.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from eaas.runtime.transport.base import Channel, ServerTransport
+from eaas.runtime.transport.cuda_ipc_client import CudaIpcChannel
+from eaas.runtime.transport.cuda_ipc_server import CudaIpcServerTransport
 from eaas.runtime.transport.shm_client import ShmChannel
 from eaas.runtime.transport.shm_server import ShmServerTransport
 from eaas.runtime.transport.tcp_client import TcpChannel
@@ -22,6 +26,7 @@ class TransportSpec:
 _TRANSPORTS: dict[str, TransportSpec] = {
     "shm": TransportSpec("shm", ShmServerTransport, ShmChannel),
     "tcp": TransportSpec("tcp", TcpServerTransport, TcpChannel),
+    "cuda_ipc": TransportSpec("cuda_ipc", CudaIpcServerTransport, CudaIpcChannel),
 }
 
 

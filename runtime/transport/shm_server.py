@@ -61,9 +61,12 @@ class ShmServerTransport(ServerTransport):
             self._close_files()
             raise
         self.response_bells = self._bells[1:]
+        self._init_slots()
+
+    def _init_slots(self) -> None:
         self._lock = threading.Lock()
         self._attached: dict[int, _Attached] = {}
-        self._generations = [0] * options.max_clients
+        self._generations = [0] * self.options.max_clients
         self._in_flight: set[int] = set()
         self._released: dict[int, str] = {}  # slot -> last client, shown as OFFLINE until re-attached
 
@@ -78,6 +81,10 @@ class ShmServerTransport(ServerTransport):
             self.segment.flags[slot] = SlotState.IDLE
             self._attached[slot] = _Attached(client_id, self._generations[slot], time.monotonic())
             self._released.pop(slot, None)
+        return self._handle(slot)
+
+    def _handle(self, slot: int) -> dict[str, Any]:
+        """What a client needs to open ``slot`` (sent back by the handshake)."""
         return {
             "transport": self.name,
             "slot": slot,
@@ -98,11 +105,14 @@ class ShmServerTransport(ServerTransport):
         self._released[slot] = info.client_id
         self._in_flight.discard(slot)
         self.segment.flags[slot] = SlotState.OFFLINE
-        self.response_bells[slot].ring()  # a client still waiting sees OFFLINE at once
+        self._wake_client(slot)  # a client still waiting sees OFFLINE at once
         return True
 
+    def _wake_client(self, slot: int) -> None:
+        self.response_bells[slot].ring()
+
     @property
-    def wakeup_fd(self) -> int:
+    def wakeup_fd(self) -> int | None:
         return self.request_bell.fileno()
 
     def wait(self, timeout_s: float) -> None:
@@ -118,13 +128,16 @@ class ShmServerTransport(ServerTransport):
                 info = self._attached.get(slot)
                 if info is None or slot in self._in_flight:
                     continue
-                buffer = self.segment.slot(slot)
                 self._in_flight.add(slot)
                 info.requests += 1
                 info.claimed = True
-                header = SlotHeader.unpack_from(buffer, HEADER_OFFSET)
-                requests.append(Request(self.name, slot, info.generation, header, buffer))
+                requests.append(self._take(slot, info.generation))
         return requests
+
+    def _take(self, slot: int, generation: int) -> Request:
+        """The request in ``slot`` (called with the lock held, once per request)."""
+        buffer = self.segment.slot(slot)
+        return Request(self.name, slot, generation, SlotHeader.unpack_from(buffer, HEADER_OFFSET), buffer)
 
     def respond(self, request: Request, header: SlotHeader) -> None:
         with self._lock:
