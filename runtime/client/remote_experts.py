@@ -162,8 +162,9 @@ class RemoteExperts:
     ) -> torch.Tensor:
         """Routed-expert output [T, H] for x [T, H], expert ids [T, K], router weights [T, K]."""
         self._apply_rejoins()
-        out = torch.zeros(x.shape, dtype=torch.float32)  # partial sums accumulate in float32
-        todo = expert_ids.to(torch.int64)  # [T, K]; entries already computed become -1
+        # Partial sums accumulate in float32 where x is; routing is decided on the host.
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        todo = expert_ids.to("cpu", torch.int64)  # [T, K]; entries already computed become -1
         weights = weights.to(torch.float32)
         while bool((todo >= 0).any()):
             assignment = self.table.assign(layer, todo, self.live)  # [T, K]
@@ -210,7 +211,8 @@ class RemoteExperts:
                 try:
                     if channel is None:
                         raise ChannelError("not connected")
-                    channel.send(layer, x[rows], ids, weights[rows])
+                    on_device = rows.to(x.device)
+                    channel.send(layer, x[on_device], ids, weights[on_device])
                     in_flight.append((server, rows, ids))
                     self.counters.requests += 1
                     self.counters.tokens_sent += int(rows.numel())
@@ -223,7 +225,7 @@ class RemoteExperts:
                 assert channel is not None
                 try:
                     y = channel.receive(deadline)  # [T_s, H]
-                    out.index_add_(0, rows, y.to(torch.float32))
+                    out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
                 except ChannelError as exc:
                     failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
                     self._mark_dead(server, str(exc), layer)

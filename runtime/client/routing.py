@@ -41,6 +41,7 @@ class RoutingTable:
         index = {ordinal: i for i, ordinal in enumerate(self.ordinals)}
         width = max(len(hosts) for per_expert in table.values() for hosts in per_expert)
         self._replicas: dict[int, torch.Tensor] = {}  # layer -> [E, R] server index, -1 = none
+        self._device_replicas: dict[tuple[int, str], torch.Tensor] = {}
         for layer, per_expert in table.items():
             replicas = torch.full((self.num_experts, width), -1, dtype=torch.int64)
             for expert, hosts in enumerate(per_expert):
@@ -67,27 +68,55 @@ class RoutingTable:
         self,
         layer: int,
         expert_ids: torch.Tensor,  # [T, K] int, -1 = nothing to do for this entry
-        live: torch.Tensor,  # [S] bool
+        live: torch.Tensor,  # [S] bool, on expert_ids' device
+        check: bool = True,
     ) -> torch.Tensor:  # [T, K] int64 server index, -1 where expert_ids is -1
-        """Picks a live replica for every entry; ``ExpertUnavailable`` if an expert has none."""
+        """Picks a live replica for every entry; ``ExpertUnavailable`` if an expert has none.
+
+        Runs where ``expert_ids`` is. With ``check=False`` it never synchronises with the host
+        (capturable in a CUDA graph): an entry without a live replica then gets -1.
+        """
         ids = expert_ids.to(torch.int64)
         active = ids >= 0
-        replicas = self._replicas[layer][ids.clamp(min=0)]  # [T, K, R]
+        replicas = self._replicas_on(layer, ids.device)[ids.clamp(min=0)]  # [T, K, R]
         alive = (replicas >= 0) & live[replicas.clamp(min=0)]
         counts = alive.sum(-1)  # [T, K]
         missing = active & (counts == 0)
-        if bool(missing.any()):
+        if check and bool(missing.any()):
             expert = int(ids[missing][0])
             raise ExpertUnavailable(layer, expert, self.replicas(layer, expert))
-        tokens_per_expert = torch.bincount(ids[active], minlength=self.num_experts)  # [E]
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)  # [E]
+        tokens_per_expert.scatter_add_(0, ids.clamp(min=0).reshape(-1), active.reshape(-1).to(torch.int64))
         hot = tokens_per_expert[ids.clamp(min=0)] > self.spread_threshold  # [T, K]
-        tokens = torch.arange(ids.shape[0])[:, None]  # [T, 1]
+        tokens = torch.arange(ids.shape[0], device=ids.device)[:, None]  # [T, 1]
         salt = torch.where(hot, tokens, layer)  # split hot experts by token, keep others whole
         pick = (salt + ids) % counts.clamp(min=1)  # [T, K]: which live replica
         rank = alive.cumsum(-1) - 1  # [T, K, R]: rank of each live replica
         chosen = (alive & (rank == pick[..., None])).to(torch.int8).argmax(-1)  # [T, K]
         servers = replicas.gather(-1, chosen[..., None]).squeeze(-1)
-        return torch.where(active, servers, -1)
+        return torch.where(active & ~missing, servers, -1)
+
+    def _replicas_on(self, layer: int, device: torch.device) -> torch.Tensor:
+        """The [E, R] replica table of ``layer`` on ``device`` (copied there once)."""
+        if device.type == "cpu":
+            return self._replicas[layer]
+        if device.index is None:
+            device = torch.device(device.type, torch.cuda.current_device())
+        key = (layer, str(device))
+        table = self._device_replicas.get(key)
+        if table is None:
+            table = self._device_replicas[key] = self._replicas[layer].to(device)
+        return table
+
+    def prepare(self, device: torch.device) -> None:
+        """Copies every layer's replica table to ``device`` now (a CUDA-graph capture cannot)."""
+        for layer in self._replicas:
+            self._replicas_on(layer, device)
+
+    def servers_of_layer(self, layer: int) -> list[int]:
+        """Server indices hosting at least one expert of ``layer``."""
+        table = self._replicas[layer]
+        return sorted(int(s) for s in torch.unique(table[table >= 0]).tolist())
 
     @staticmethod
     def split(assignment: torch.Tensor, expert_ids: torch.Tensor) -> list[Share]:

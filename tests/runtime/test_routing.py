@@ -87,3 +87,24 @@ def test_a_dead_replica_is_skipped_and_no_replica_means_expert_unavailable() -> 
     with pytest.raises(ExpertUnavailable, match=r"\(layer 1, expert 0\)"):
         table.assign(1, torch.zeros(10, 1, dtype=torch.int64), live)
     assert (table.assign(1, torch.full((2, 2), -1), live) == -1).all()  # nothing to do, nothing raised
+
+
+def test_unchecked_assignment_never_raises_and_marks_unserved_entries() -> None:
+    # The capturable form (check=False) cannot raise inside a CUDA graph: an entry whose expert has
+    # no live replica gets -1 instead, every other entry a live server hosting its expert.
+    placement = round_robin(LAYERS, EXPERTS, 4, replication=1)
+    table = RoutingTable(placement)
+    live = torch.tensor([True, False, True, True])
+    ids = routed(3, 20, top_k=3)
+    with pytest.raises(ExpertUnavailable):
+        table.assign(2, ids, live)
+    assignment = table.assign(2, ids, live, check=False)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            hosts = table.replicas(2, int(ids[t, k]))
+            server = int(assignment[t, k])
+            if not any(live[table.ordinals.index(o)] for o in hosts):
+                assert server == -1
+            else:
+                assert server >= 0 and live[server] and table.ordinals[server] in hosts
+    assert table.servers_of_layer(2) == [0, 1, 2, 3]
