@@ -43,6 +43,8 @@ SERVER_ARGS = (
     "--control-port", _var(naming.ENV_PORT),
     "--tcp-port", _var(naming.ENV_DATA_PORT),
     "--transports", _var(naming.ENV_TRANSPORT),
+    "--device", _var(naming.ENV_DEVICE),
+    "--kernel-backend", _var(naming.ENV_KERNEL_BACKEND),
 )  # fmt: skip
 # Spec fields that change the placement or the pod count, not the pods themselves.
 _NOT_IN_TEMPLATE = ("replicas", "replicationFactor", "expertSlotsPerServer", "placement")
@@ -95,6 +97,9 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         naming.ENV_PORT: spec.port,
         naming.ENV_DATA_PORT: spec.data_port,
         naming.ENV_EXPERT_SERVICE: f"{name}.{namespace}.svc",
+        # A GPU pod keeps its experts on its GPU and computes with the Triton kernels.
+        naming.ENV_DEVICE: "cuda" if spec.gpus_per_pod else "cpu",
+        naming.ENV_KERNEL_BACKEND: "triton" if spec.gpus_per_pod else "torch",
     }
     container = {
         "name": CONTAINER,

@@ -84,14 +84,19 @@ def test_expert_pod_has_stable_identity_and_its_assignment(
     referenced = {arg[2:-1] for arg in command if arg.startswith("$(")}
     assert referenced <= set(env_of(container))
     assert env_of(container)[naming.ENV_POD_UID] == "<downward>"
+    assert (env[naming.ENV_DEVICE], env[naming.ENV_KERNEL_BACKEND]) == ("cpu", "torch")
 
 
 def test_gpu_expert_pod_requests_exactly_one_gpu(
     pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
 ) -> None:
     spec = pool_spec.model_copy(update={"gpus_per_pod": 1, "gpu_resource_name": "amd.com/gpu"})
-    resources = expertpool.pod(pool_body, spec, 0)["spec"]["containers"][0]["resources"]
+    container = expertpool.pod(pool_body, spec, 0)["spec"]["containers"][0]
+    resources = container["resources"]
     assert resources["limits"]["amd.com/gpu"] == "1" == resources["requests"]["amd.com/gpu"]
+    # A GPU server keeps its experts on the GPU and computes with the Triton kernels.
+    env = env_of(container)
+    assert (env[naming.ENV_DEVICE], env[naming.ENV_KERNEL_BACKEND]) == ("cuda", "triton")
     assert resources["requests"]["cpu"] == "250m"
 
 
