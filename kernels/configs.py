@@ -123,8 +123,14 @@ def validate_tuned_configs(data: dict[str, Any]) -> None:
 def select_configs(
     device_name: str, hidden: int, inter: int, num_tokens: int, path: str | None = None
 ) -> tuple[TileConfig, TileConfig]:
-    """(gate_up, down) tile configurations for ``num_tokens`` tokens of shape (H, I) on a device."""
+    """(gate_up, down) tile configurations for ``num_tokens`` tokens of shape (H, I) on a device.
+
+    A device's tuned buckets override the defaults' buckets of the same size; the defaults fill
+    the buckets a (partial, e.g. ``--quick``) tuning did not measure.
+    """
     data = load_tuned_configs(path)
     shapes = data.get("devices", {}).get(device_name, {}).get("shapes", {})
-    tables = shapes.get(shape_key(hidden, inter), data["default"])
-    return _pick(tables["gate_up"], num_tokens), _pick(tables["down"], num_tokens)
+    tuned = shapes.get(shape_key(hidden, inter), {})
+    default = data["default"]
+    picked = [_pick({**default[stage], **tuned.get(stage, {})}, num_tokens) for stage in ("gate_up", "down")]
+    return picked[0], picked[1]

@@ -44,7 +44,12 @@ def test_device_entry_overrides_default(tmp_path: Path) -> None:
     }
     path = tmp_path / "configs.json"
     path.write_text(json.dumps(data))
-    assert select_configs("Test GPU", 256, 128, 1, path=str(path)) == (tuned, tuned)
+    assert select_configs("Test GPU", 256, 128, 64, path=str(path)) == (tuned, tuned)
+    assert select_configs("Test GPU", 256, 128, 70, path=str(path)) == (tuned, tuned)
+    # Buckets the tuning did not measure keep the defaults (a partial tuning shadows nothing else).
+    default = data["default"]
+    want = (TileConfig.from_dict(default["gate_up"]["1"]), TileConfig.from_dict(default["down"]["1"]))
+    assert select_configs("Test GPU", 256, 128, 1, path=str(path)) == want
     assert select_configs("Test GPU", 512, 128, 64, path=str(path)) != (tuned, tuned)
     assert select_configs("Other GPU", 256, 128, 64, path=str(path)) != (tuned, tuned)
 
