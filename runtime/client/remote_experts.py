@@ -15,6 +15,7 @@ Legend: T = tokens, K = top-k, H = hidden, S = servers.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 import uuid
@@ -33,6 +34,8 @@ from eaas.runtime.placement import Placement
 from eaas.runtime.transport import Channel, ChannelError, RemoteError
 
 log = logging.getLogger("eaas.client")
+
+WAIT_SLICE_S = 0.02  # longest block while waiting on servers (their liveness is checked between)
 
 
 @dataclass(frozen=True)
@@ -220,23 +223,45 @@ class RemoteExperts:
                     failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
                     self._mark_dead(server, f"send failed: {exc}", layer)
             deadline = time.monotonic() + self.options.request_timeout_s
-            for server, rows, _ids in in_flight:
-                channel = self.connections[server].channel
-                assert channel is not None
-                try:
-                    y = channel.receive(deadline)  # [T_s, H]
-                    out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
-                except ChannelError as exc:
-                    failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
-                    self._mark_dead(server, str(exc), layer)
-                except RemoteError as exc:
-                    remote_error = remote_error or RemoteError(
-                        exc.status, f"server {self.table.ordinals[server]}: {exc.message}"
-                    )
-                    queues.pop(server, None)
+            waiting = {server: rows for server, rows, _ids in in_flight}
+            while waiting:  # every server at once: each answer is taken as it comes
+                now = time.monotonic()
+                for server, rows in list(waiting.items()):
+                    channel = self.connections[server].channel
+                    assert channel is not None
+                    if now < deadline and not channel.answered():
+                        continue
+                    del waiting[server]
+                    try:  # an answer already there is taken even past the deadline
+                        y = channel.receive(deadline)  # [T_s, H]
+                        out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
+                    except ChannelError as exc:
+                        failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
+                        self._mark_dead(server, str(exc), layer)
+                    except RemoteError as exc:
+                        remote_error = remote_error or RemoteError(
+                            exc.status, f"server {self.table.ordinals[server]}: {exc.message}"
+                        )
+                        queues.pop(server, None)
+                if waiting:
+                    self._wait_any([self.connections[s].channel for s in waiting], deadline)
             if remote_error is not None:
                 raise remote_error  # a refused request is a bug or a stale placement: never guess
         return {server: torch.cat(rows) for server, rows in failed.items()}
+
+    @staticmethod
+    def _wait_any(channels: list[Channel | None], deadline: float) -> None:
+        """Blocks until one of ``channels`` may have its answer, the deadline, or a liveness check."""
+        waits = [(channel, channel.wakeup_fd()) for channel in channels if channel is not None]
+        fds = [fd for _, fd in waits if fd is not None]
+        if len(fds) < len(waits):  # a channel that cannot be waited on (GPU flags): poll
+            time.sleep(0)
+            return
+        timeout = min(max(deadline - time.monotonic(), 0.0), WAIT_SLICE_S)
+        ready = set(select.select(fds, [], [], timeout)[0])
+        for channel, fd in waits:
+            if fd in ready:
+                channel.clear_wakeup()
 
     def _chunks(self, share: Share) -> list[tuple[torch.Tensor, torch.Tensor]]:
         size = self.connections[share.server].max_tokens

@@ -151,8 +151,22 @@ class Channel(ABC):
     def receive(self, deadline: float) -> torch.Tensor:
         """Waits (until ``time.monotonic()`` reaches ``deadline``) for the response y [T, H].
 
-        The tensor aliases the channel's buffer: use it before the next ``send``.
+        An answer that is already there is returned even when the deadline has passed. The tensor
+        aliases the channel's buffer: use it before the next ``send``.
         """
+
+    def answered(self) -> bool:
+        """Never blocks: True when ``receive`` would return or fail at once (the answer, or a sign
+        that the server is gone, is there). A client waiting on several servers calls it to take
+        each answer as it comes. The default (True) makes such a client just call ``receive``."""
+        return True
+
+    def wakeup_fd(self) -> int | None:
+        """A descriptor that turns readable when ``answered`` may have turned True (None: poll)."""
+        return None
+
+    def clear_wakeup(self) -> None:  # noqa: B027 - most channels have nothing to drain
+        """Drains ``wakeup_fd`` after it turned readable (for descriptors that are only signals)."""
 
     @abstractmethod
     def close(self) -> None: ...

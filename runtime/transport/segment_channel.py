@@ -41,6 +41,7 @@ class SegmentChannel(Channel):
         self._seq = 0
         self._expect: tuple[int, int, int, int] | None = None  # seq, tokens, hidden, dtype
         self._closed = False
+        self._next_liveness_check = 0.0
 
     def _flag(self) -> int:
         return int(self.segment.flags[self.slot])
@@ -59,10 +60,19 @@ class SegmentChannel(Channel):
     def _pause(self, timeout_s: float) -> None:
         """Waits up to ``timeout_s`` for the flag to change (or less: the flag is checked again)."""
 
+    def answered(self) -> bool:
+        if self._flag() in (SlotState.RESPONSE_READY, SlotState.OFFLINE):
+            return True
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return False
+        self._next_liveness_check = now + LIVENESS_CHECK_S
+        return not self.segment.server_alive()
+
     def receive(self, deadline: float) -> torch.Tensor:
         if self._expect is None:
             raise RuntimeError("receive() without a request in flight")
-        next_check = time.monotonic() + LIVENESS_CHECK_S
+        next_check = time.monotonic()  # liveness first: a dead server fails at once
         while (state := self._flag()) != SlotState.RESPONSE_READY:
             if state == SlotState.OFFLINE:
                 raise ChannelClosed("the server released this slot")

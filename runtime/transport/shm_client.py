@@ -78,6 +78,12 @@ class ShmChannel(SegmentChannel):
     def _pause(self, timeout_s: float) -> None:
         self.response_bell.wait(timeout_s)
 
+    def wakeup_fd(self) -> int:
+        return self.response_bell.fileno()
+
+    def clear_wakeup(self) -> None:
+        self.response_bell.drain()
+
     def close(self) -> None:
         if self._closed:
             return

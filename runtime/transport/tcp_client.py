@@ -9,6 +9,7 @@ itself, and large responses are read with a low-water mark (one wake-up per MiB)
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 from typing import Any
@@ -107,20 +108,25 @@ class TcpChannel(Channel):
     def _recv_loop(self, view: memoryview, deadline: float, low_water: bool) -> None:
         while len(view):
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ChannelTimeout("no response within the deadline")
-            if low_water:
+            if low_water and remaining > 0:
                 set_low_water(self.sock, len(view))  # one wake-up per MiB instead of per segment
             try:
-                self.sock.settimeout(remaining)
+                # Past the deadline, bytes that are already here are still taken (non-blocking).
+                self.sock.settimeout(max(remaining, 0.0))
                 n = self.sock.recv_into(view)
-            except TimeoutError as exc:
+            except (TimeoutError, BlockingIOError) as exc:
                 raise ChannelTimeout("no response within the deadline") from exc
             except OSError as exc:
                 raise ChannelClosed(f"receive failed: {exc}") from exc
             if n == 0:
                 raise ChannelClosed("the server closed the connection")
             view = view[n:]
+
+    def answered(self) -> bool:
+        return bool(select.select([self.sock], [], [], 0)[0])  # data, or the server closed it
+
+    def wakeup_fd(self) -> int:
+        return self.sock.fileno()
 
     def receive(self, deadline: float) -> torch.Tensor:
         if self._expect is None:

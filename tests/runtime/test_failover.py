@@ -110,6 +110,26 @@ def test_a_hung_server_times_out_and_its_share_goes_to_replicas(
         healthy.kill(2)  # leave no half-served slots behind; `healthy` restarts it for the next test
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_hung_server_fails_alone_while_the_others_answers_are_taken(
+    healthy: LocalCluster, transport: str, reference_outputs: dict[str, tuple[list[list[int]], torch.Tensor]]
+) -> None:
+    # Server 0 is the first the client waits on: it hangs (SIGSTOP) and uses up the deadline, while
+    # the answers of servers 1 and 2 are already there. Only server 0 may be failed over; with R = 2
+    # every expert keeps a live replica, so no request fails.
+    client = client_for(healthy, transport, timeout_s=1.0)
+    try:
+        kill_at_step(client, 1, lambda: healthy.kill(0, signal.SIGSTOP))
+        tokens, _ = client.generate(PROMPTS, MAX_NEW_TOKENS)
+        assert tokens == reference_outputs[FAMILY][0]
+        failed = {event.server for event in client.experts.events if event.kind == "failed"}
+        assert failed == {0}, [(e.server, e.detail) for e in client.experts.events]
+    finally:
+        healthy.kill(0, signal.SIGCONT)
+        client.close()
+        healthy.kill(0)  # leave no half-served slots behind; `healthy` restarts it for the next test
+
+
 def test_no_live_replica_raises_expert_unavailable_naming_layer_and_expert(
     tiny_checkpoints: dict[str, Path],
 ) -> None:
