@@ -26,8 +26,7 @@ import torch
 from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.transport import RemoteError
 from eaas.runtime.transport.cuda_ipc_client import CudaIpcChannel
-
-LIVENESS_CHECK_S = 0.02
+from eaas.runtime.transport.segment_channel import LIVENESS_CHECK_S
 
 
 class CapturedStepFailed(RuntimeError):
