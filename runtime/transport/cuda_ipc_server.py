@@ -139,15 +139,18 @@ class CudaIpcServerTransport(ShmServerTransport):
         )
         self._bells = []
         self.response_bells = []
+        opened: list[HostMapping | DeviceArena] = []
         try:
             self.mapping = HostMapping(self.segment.buffer, self.device_index)
+            opened.append(self.mapping)
             self.arena = DeviceArena(options.max_clients * self.stride, self.device_index)
+            opened.append(self.arena)
+            self._fd_server = ArenaFdServer(self.segment.name, self.arena)
         except BaseException:
-            if hasattr(self, "mapping"):
-                self.mapping.close()
+            for resource in reversed(opened):
+                resource.close()
             self.segment.close()
             raise
-        self._fd_server = ArenaFdServer(self.segment.name, self.arena)
         self._payloads = [
             self.arena.tensor[slot * self.stride : slot * self.stride + options.capacity_bytes]
             for slot in range(options.max_clients)
