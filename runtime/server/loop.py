@@ -1,7 +1,8 @@
 """The expert server loop: poll slots → batch what is ready → compute → write results → flip flags.
 
 An idle server blocks in the kernel (shm doorbells, tcp sockets: one transport's ``wait``
-watches the others' wake-up descriptors), so it costs no CPU and never spins. Once a request is
+watches the others' wake-up descriptors), so it costs no CPU and never spins; only ``cuda_ipc``,
+whose requests arrive as GPU writes that nothing can wake on, polls its flags. Once a request is
 ready the loop waits at most ``batch_wait_s`` for requests of other recently active clients,
 then computes whatever it has: a slow or dead client delays others by at most that bound. Every
 bad request is answered with an error status; nothing a client sends stops the loop.

@@ -228,21 +228,15 @@ class CudaIpcServerTransport(ShmServerTransport):
         header = SlotHeader.unpack_from(buffer, HEADER_OFFSET)
         return Request(self.name, slot, generation, header, buffer, payload=self._payloads[slot])
 
-    def respond(self, request: Request, header: SlotHeader) -> None:
-        with self._lock:
-            info = self._attached.get(request.slot)
-            if info is None or info.generation != request.generation:
-                return  # the client left while we computed
-            header.pack_into(request.slot_buffer, HEADER_OFFSET)
-            self._in_flight.discard(request.slot)
-            if header.status != Status.OK:  # nothing on the GPU to wait for
-                offset = self.segment.slot_offset(request.slot) + REFUSALS_OFFSET
-                count = int.from_bytes(self.segment.view[offset : offset + 4], "little")
-                self.segment.view[offset : offset + 4] = ((count + 1) & 0xFFFFFFFF).to_bytes(4, "little")
-                self.segment.flags[request.slot] = SlotState.RESPONSE_READY
-                return
-            # After the compute that wrote y, on the stream it ran on.
-            self._respond_ops[request.slot].enqueue(keep=True)
+    def _publish(self, slot: int, header: SlotHeader) -> None:
+        if header.status != Status.OK:  # a refusal: nothing on the GPU to wait for
+            offset = self.segment.slot_offset(slot) + REFUSALS_OFFSET
+            count = int.from_bytes(self.segment.view[offset : offset + 4], "little")
+            self.segment.view[offset : offset + 4] = ((count + 1) & 0xFFFFFFFF).to_bytes(4, "little")
+            self.segment.flags[slot] = SlotState.RESPONSE_READY
+            return
+        # After the compute that wrote y, on the stream it ran on.
+        self._respond_ops[slot].enqueue(keep=True)
 
     def _close_files(self) -> None:
         self._fd_server.close()

@@ -146,8 +146,12 @@ class ShmServerTransport(ServerTransport):
                 return  # the client left while we computed
             header.pack_into(request.slot_buffer, HEADER_OFFSET)
             self._in_flight.discard(request.slot)
-            self.segment.flags[request.slot] = SlotState.RESPONSE_READY
-            self.response_bells[request.slot].ring()
+            self._publish(request.slot, header)
+
+    def _publish(self, slot: int, header: SlotHeader) -> None:
+        """Makes the answer in ``slot`` visible to its client (called with the lock held)."""
+        self.segment.flags[slot] = SlotState.RESPONSE_READY
+        self.response_bells[slot].ring()
 
     def reap(self) -> list[int]:
         now = time.monotonic()
