@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eaas.runtime.model.attention import VARIANTS, Rope
 from eaas.runtime.model.checkpoint import CheckpointReader
 from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.kv_cache import KVCache
-from eaas.runtime.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from eaas.runtime.model.layers import rms_norm, swiglu
 from eaas.runtime.model.naming import (
     EMBED,
     FINAL_NORM,
@@ -21,6 +22,8 @@ from eaas.runtime.model.naming import (
     attention_side_tensor_names,
     mlp_tensor_names,
     router_tensor_names,
+    shared_expert_gate_name,
+    shared_expert_prefix,
 )
 
 
@@ -31,6 +34,8 @@ class AttentionSide:
         self.config = config
         self.t = tensors
         self.dtype = tensors[EMBED].dtype
+        self.rope = Rope(config)
+        self._variant = VARIANTS[config.attention]
 
     @classmethod
     def from_checkpoint(cls, reader: CheckpointReader, dtype: torch.dtype | None = None) -> AttentionSide:
@@ -49,29 +54,9 @@ class AttentionSide:
         position makes right-padded batches (sequences with fewer new tokens) exact.
         """
         c = self.config
-        p = f"model.layers.{layer}.self_attn"
-        batch, steps, _ = h.shape
         x = rms_norm(h, self.t[f"model.layers.{layer}.input_layernorm.weight"], c.rms_norm_eps)
-        q = F.linear(x, self.t[f"{p}.q_proj.weight"]).view(batch, steps, c.num_heads, c.head_dim)
-        k = F.linear(x, self.t[f"{p}.k_proj.weight"]).view(batch, steps, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, self.t[f"{p}.v_proj.weight"]).view(batch, steps, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = rms_norm(q, self.t[f"{p}.q_norm.weight"], c.rms_norm_eps)
-            k = rms_norm(k, self.t[f"{p}.k_norm.weight"], c.rms_norm_eps)
-        positions = cache.lengths[:, None] + torch.arange(steps, device=h.device)  # [B, S]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, positions, k, v)
-        total = int(positions.max()) + 1
-        group = c.num_heads // c.num_kv_heads
-        keys = cache.keys[layer][:, :, :total].repeat_interleave(group, dim=1)  # [B, heads, total, D]
-        values = cache.values[layer][:, :, :total].repeat_interleave(group, dim=1)
-        scores = q.transpose(1, 2) @ keys.transpose(-1, -2) * c.head_dim**-0.5  # [B, heads, S, total]
-        visible = torch.arange(total, device=h.device) <= positions[:, :, None]  # [B, S, total]
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-        out = (probs @ values).transpose(1, 2).reshape(batch, steps, c.num_heads * c.head_dim)
-        return h + F.linear(out, self.t[f"{p}.o_proj.weight"])
+        positions = cache.lengths[:, None] + torch.arange(h.shape[1], device=h.device)  # [B, S]
+        return h + self._variant(c, self.t, layer, x, positions, cache, self.rope)
 
     def ffn_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(
@@ -84,11 +69,16 @@ class AttentionSide:
         return swiglu(x, gate, up, down)
 
     def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
-        """The always-on shared expert of a MoE layer, or None; x [T, H] -> [T, H]."""
-        if not self.config.shared_expert_intermediate_size:
+        """The always-on shared expert of a MoE layer (times its sigmoid gate, if any), or None;
+        x [T, H] -> [T, H]."""
+        c = self.config
+        if not c.shared_expert_intermediate_size:
             return None
-        gate, up, down = (self.t[n] for n in mlp_tensor_names(f"model.layers.{layer}.mlp.shared_experts"))
-        return swiglu(x, gate, up, down)
+        gate, up, down = (self.t[n] for n in mlp_tensor_names(shared_expert_prefix(c, layer)))
+        out = swiglu(x, gate, up, down)
+        if c.shared_expert_gate:
+            out = out * torch.sigmoid(F.linear(x, self.t[shared_expert_gate_name(c, layer)]))
+        return out
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, K] int64, router weights [T, K] float32)."""

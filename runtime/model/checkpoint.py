@@ -9,63 +9,45 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.model.naming import all_expert_tensor_names, attention_side_tensor_names
+from eaas.runtime.model.fp8 import (
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    dequantize_fp8_blocks,
+    fp8_block_size,
+    is_fp8_quantized,
+    quantize_fp8_blocks,
+)
+from eaas.runtime.model.naming import tensor_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORED_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.bfloat16,
+}
+READABLE_DTYPES = tuple(STORED_DTYPES)
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or inconsistent."""
 
 
-def tensor_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor of ``config``'s checkpoint."""
-    h, d = config.hidden_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name in attention_side_tensor_names(config) + all_expert_tensor_names(config):
-        leaf = name.rsplit(".", 2)[-2]  # e.g. q_proj, w1, input_layernorm
-        if name.endswith(("layernorm.weight", "model.norm.weight")):
-            shapes[name] = (h,)
-        elif name.endswith(("q_norm.weight", "k_norm.weight")):
-            shapes[name] = (d,)
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            shapes[name] = (config.vocab_size, h)
-        elif leaf == "q_proj":
-            shapes[name] = (config.num_heads * d, h)
-        elif leaf in ("k_proj", "v_proj"):
-            shapes[name] = (config.num_kv_heads * d, h)
-        elif leaf == "o_proj":
-            shapes[name] = (h, config.num_heads * d)
-        elif name.endswith("gate.weight"):
-            shapes[name] = (config.num_experts, h)
-        elif name.endswith("e_score_correction_bias"):
-            shapes[name] = (config.num_experts,)
-        else:  # an FFN projection: routed expert, shared expert or dense MLP
-            inter = _ffn_intermediate(config, name)
-            shapes[name] = (h, inter) if leaf in ("down_proj", "w2") else (inter, h)
-    return shapes
-
-
-def _ffn_intermediate(config: MoEConfig, name: str) -> int:
-    if ".experts." in name:
-        return config.expert_intermediate_size
-    if ".shared_experts." in name:
-        return config.shared_expert_intermediate_size
-    return config.dense_intermediate_size
-
-
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Random weights that keep activations of order one (so routing and logits are not flat)."""
     if len(shape) == 1:
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith(("e_score_correction_bias", ".bias")):
             return 0.1 * torch.randn(shape, generator=generator)
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)  # norm weights
     if name.endswith("embed_tokens.weight"):
@@ -79,8 +61,13 @@ def write_random_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_bytes: int = 2 << 30,
+    fp8_block: tuple[int, int] | None = None,
 ) -> Path:
-    """Writes a random checkpoint of ``config`` to ``out_dir`` and returns the directory."""
+    """Writes a random checkpoint of ``config`` to ``out_dir`` and returns the directory.
+
+    ``fp8_block``: store projections as block-scaled FP8 the way DeepSeek's checkpoints do
+    (``weight_scale_inv`` beside each, ``quantization_config`` in config.json).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_shard_bytes < 1:
@@ -94,11 +81,15 @@ def write_random_checkpoint(
     total_bytes = 0
     for name, shape in tensor_shapes(config).items():
         tensor = random_tensor(name, shape, generator).to(torch_dtype).contiguous()
-        size = tensor.numel() * tensor.element_size()
+        pieces = {name: tensor}
+        if fp8_block is not None and is_fp8_quantized(name, shape):
+            quantized, scale_inv = quantize_fp8_blocks(tensor, fp8_block)
+            pieces = {name: quantized, name + SCALE_SUFFIX: scale_inv}
+        size = sum(t.numel() * t.element_size() for t in pieces.values())
         if shards[-1] and shard_bytes + size > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
-        shards[-1][name] = tensor
+        shards[-1].update(pieces)
         shard_bytes += size
         total_bytes += size
     weight_map: dict[str, str] = {}
@@ -110,12 +101,23 @@ def write_random_checkpoint(
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     hf = config.to_hf_config()
     hf["torch_dtype"] = dtype
+    if fp8_block is not None:
+        hf["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8_block),
+        }
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
 
 
 class CheckpointReader:
-    """Reads ``config.json`` and any subset of tensors of a Hugging Face-layout checkpoint."""
+    """Reads ``config.json`` and any subset of tensors of a Hugging Face-layout checkpoint.
+
+    Every tensor read is checked against the shape the config gives it and against the dtypes
+    EaaS reads; block-scaled FP8 weights (DeepSeek's ``weight_scale_inv``) are dequantised.
+    """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -123,9 +125,14 @@ class CheckpointReader:
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: not found (is this a checkpoint directory?)")
         try:
-            self.config = MoEConfig.from_hf_config(json.loads(config_path.read_text()))
+            hf = json.loads(config_path.read_text())
+            self.config = MoEConfig.from_hf_config(hf)
+            self.fp8_block = fp8_block_size(hf)
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{config_path}: invalid JSON ({exc})") from exc
+        except ValueError as exc:
+            raise CheckpointError(f"{config_path}: {exc}") from exc
+        self.expected_shapes = tensor_shapes(self.config)
         self.weight_map = self._read_weight_map()
 
     def _read_weight_map(self) -> dict[str, str]:
@@ -139,14 +146,52 @@ class CheckpointReader:
         single = self.directory / "model.safetensors"
         if not single.is_file():
             raise CheckpointError(f"{self.directory}: neither {INDEX_FILE} nor model.safetensors found")
-        with safe_open(str(single), framework="pt") as f:
+        with self._open(single) as f:
             return dict.fromkeys(f.keys(), single.name)
+
+    def _open(self, path: Path) -> Any:
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as exc:  # safetensors raises its own error type for bad headers and sizes
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
 
     def names(self) -> list[str]:
         return sorted(self.weight_map)
 
+    def stored_dtypes(self) -> dict[str, str]:
+        """Name -> safetensors dtype (``F32``, ``BF16``, ``F8_E4M3``, ...) of every tensor, from the
+        shard headers."""
+        by_shard: dict[str, list[str]] = defaultdict(list)
+        for name, shard in self.weight_map.items():
+            by_shard[shard].append(name)
+        dtypes: dict[str, str] = {}
+        for shard, names in sorted(by_shard.items()):
+            with self._open(self.directory / shard) as f:
+                present = set(f.keys())
+                dtypes.update({n: f.get_slice(n).get_dtype() for n in names if n in present})
+        return dtypes
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` loads as with ``dtype=None`` (FP8 weights load as bfloat16)."""
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.directory}: tensors not in checkpoint: {name}")
+        with self._open(self.directory / self.weight_map[name]) as f:
+            stored = f.get_slice(name).get_dtype()
+        return STORED_DTYPES.get(stored, torch.float32)
+
     def load(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Loads ``names`` (opening only the shards that hold them), optionally cast to ``dtype``."""
+        """Loads ``names`` (opening only the shards that hold them), optionally cast to ``dtype``.
+
+        FP8 weights come back dequantised to ``dtype`` (bfloat16 when None).
+        """
+        return dict(self.iter_load(names, dtype))
+
+    def iter_load(
+        self, names: list[str], dtype: torch.dtype | None = None, progress: str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (name, tensor) shard by shard, so a caller can place each tensor and drop it
+        (peak memory: the result plus one tensor). ``progress``: a tqdm bar with this label,
+        shown when stderr is a terminal."""
         missing = [n for n in names if n not in self.weight_map]
         if missing:
             shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
@@ -154,13 +199,69 @@ class CheckpointReader:
         by_shard: dict[str, list[str]] = defaultdict(list)
         for name in names:
             by_shard[self.weight_map[name]].append(name)
-        tensors: dict[str, torch.Tensor] = {}
-        for shard, shard_names in sorted(by_shard.items()):
-            path = self.directory / shard
-            if not path.is_file():
-                raise CheckpointError(f"{path}: shard listed in the index is missing")
-            with safe_open(str(path), framework="pt") as f:
+        bar = tqdm(total=len(names), desc=progress, unit="tensor", disable=None if progress else True)
+        with bar:
+            for shard, shard_names in sorted(by_shard.items()):
+                raw = self._read(shard, shard_names)
                 for name in shard_names:
-                    tensor = f.get_tensor(name)
-                    tensors[name] = tensor if dtype is None else tensor.to(dtype)
+                    tensor = raw.pop(name)
+                    if tensor.dtype == FP8_DTYPE:
+                        scale = self._scale_of(name, shard, raw)
+                        tensor = self._dequantize(name, tensor, scale, dtype or torch.bfloat16)
+                    yield name, tensor if dtype is None else tensor.to(dtype)
+                    bar.update(1)
+
+    def _scale_of(self, name: str, shard: str, raw: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name in raw:
+            return raw[scale_name]
+        if scale_name not in self.weight_map:
+            return None
+        return self._read(self.weight_map[scale_name], [scale_name])[scale_name]
+
+    def _read(self, shard: str, names: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors ``names`` of ``shard``, plus the FP8 scales of theirs that the shard holds."""
+        path = self.directory / shard
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard listed in the index is missing")
+        tensors: dict[str, torch.Tensor] = {}
+        with self._open(path) as f:
+            present = set(f.keys())
+            wanted = [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in present)]
+            for name in wanted:
+                if name not in present:
+                    raise CheckpointError(f"{path}: the index puts {name} here but the shard lacks it")
+                self._check(path, name, f.get_slice(name))
+                try:
+                    tensors[name] = f.get_tensor(name)
+                except Exception as exc:
+                    raise CheckpointError(f"{path}: cannot read {name} ({exc})") from exc
         return tensors
+
+    def _check(self, path: Path, name: str, tensor_slice: Any) -> None:
+        shape = tuple(tensor_slice.get_shape())
+        stored = tensor_slice.get_dtype()
+        expected = self.expected_shapes.get(name)
+        if expected is not None and shape != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {shape}, expected {expected} from config.json"
+            )
+        if stored not in READABLE_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name} is {stored}; readable dtypes are {', '.join(READABLE_DTYPES)}"
+            )
+        if stored == "F8_E4M3" and not name.endswith(SCALE_SUFFIX) and self.fp8_block is None:
+            raise CheckpointError(
+                f"{path}: tensor {name} is FP8 but config.json has no fp8 quantization_config"
+            )
+
+    def _dequantize(
+        self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        assert self.fp8_block is not None  # _check refused FP8 without a quantization_config
+        if scale_inv is None:
+            raise CheckpointError(f"{self.directory}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
+        try:
+            return dequantize_fp8_blocks(weight, scale_inv, self.fp8_block, dtype)
+        except ValueError as exc:
+            raise CheckpointError(f"{self.directory}: {name}: {exc}") from exc

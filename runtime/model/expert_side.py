@@ -7,6 +7,8 @@ I = expert intermediate size, L = layers, E = experts per layer.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -19,6 +21,16 @@ from eaas.runtime.model.naming import expert_tensor_names
 ExpertKey = tuple[int, int]  # (layer, expert)
 
 
+log = logging.getLogger(__name__)
+
+
+def _stored_dtype(reader: CheckpointReader, pairs: list[ExpertKey]) -> torch.dtype:
+    """The dtype the experts are stored in (bfloat16 for FP8: they are dequantised)."""
+    if not pairs:
+        return torch.float32
+    return reader.stored_dtype(expert_tensor_names(reader.config, *pairs[0])[0])
+
+
 class ExpertStack:
     """Stacked weights ``w13`` [G, 2I, H] (gate rows then up rows) and ``w2`` [G, H, I]."""
 
@@ -29,6 +41,7 @@ class ExpertStack:
         self.pairs = pairs
         self.w13 = w13
         self.w2 = w2
+        self.load_seconds = 0.0
         # [L, E] group index of each hosted pair, -1 where not hosted here.
         self.group_table = torch.full((config.num_layers, config.num_experts), -1, dtype=torch.int64)
         for group, (layer, expert) in enumerate(pairs):
@@ -40,8 +53,10 @@ class ExpertStack:
         reader: CheckpointReader,
         pairs: Iterable[ExpertKey],
         dtype: torch.dtype | None = None,
+        progress: bool = False,
     ) -> ExpertStack:
-        """Loads only the tensors of ``pairs`` from the checkpoint."""
+        """Loads only the tensors of ``pairs`` from the checkpoint (in ``dtype``, or as stored;
+        FP8 experts are dequantised to bfloat16), with a progress bar on a terminal if asked."""
         config = reader.config
         pairs = sorted(set(pairs))
         for layer, expert in pairs:
@@ -51,15 +66,40 @@ class ExpertStack:
                     f"(MoE layers {config.num_dense_layers}..{config.num_layers - 1}, "
                     f"experts 0..{config.num_experts - 1})"
                 )
-        names = [expert_tensor_names(config, layer, expert) for layer, expert in pairs]
-        tensors = reader.load([n for triple in names for n in triple], dtype=dtype)
         h, i = config.hidden_size, config.expert_intermediate_size
-        if not pairs:
-            dt = dtype or torch.float32
-            return cls(config, [], torch.zeros(0, 2 * i, h, dtype=dt), torch.zeros(0, h, i, dtype=dt))
-        w13 = torch.stack([torch.cat((tensors[gate], tensors[up]), dim=0) for gate, up, _ in names])
-        w2 = torch.stack([tensors[down] for _, _, down in names])
-        return cls(config, pairs, w13, w2)
+        dt = dtype or _stored_dtype(reader, pairs)
+        # Each tensor is copied into its place as it is read: peak memory is the stack plus one tensor.
+        w13 = torch.empty(len(pairs), 2 * i, h, dtype=dt)
+        w2 = torch.empty(len(pairs), h, i, dtype=dt)
+        places: dict[str, tuple[torch.Tensor, int, slice]] = {}
+        for group, (layer, expert) in enumerate(pairs):
+            gate, up, down = expert_tensor_names(config, layer, expert)
+            places[gate] = (w13, group, slice(0, i))
+            places[up] = (w13, group, slice(i, 2 * i))
+            places[down] = (w2, group, slice(None))
+        start = time.perf_counter()
+        label = f"loading {len(pairs)} experts" if progress else None
+        for name, tensor in reader.iter_load(list(places), dtype=dt, progress=label):
+            target, group, rows = places[name]
+            target[group, rows] = tensor
+        seconds = time.perf_counter() - start
+        stack = cls(config, pairs, w13, w2)
+        stack.load_seconds = seconds
+        if pairs:
+            rate = stack.nbytes / max(seconds, 1e-9) / 1e9
+            log.info(
+                "loaded %d experts: %.1f MiB in %.2f s (%.2f GB/s)",
+                len(pairs),
+                stack.nbytes / 2**20,
+                seconds,
+                rate,
+            )
+        return stack
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stacked weights."""
+        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
 
     def to(self, device: str | torch.device) -> ExpertStack:
         """This stack with its weights and group table on ``device`` (itself if already there)."""

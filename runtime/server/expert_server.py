@@ -91,7 +91,9 @@ class ExpertServer:
         self.instance = uuid.uuid4().hex[:12]
         reader = CheckpointReader(config.checkpoint)
         self.model = reader.config
-        stack = ExpertStack.load(reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None)
+        stack = ExpertStack.load(
+            reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None, progress=True
+        )
         stack = stack.to(self.device)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
         limits = ServerLimits(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from eaas.runtime.model import CheckpointError, CheckpointReader, ExpertStack, preset, write_random_checkpoint
-from eaas.runtime.model.checkpoint import tensor_shapes
-from eaas.runtime.model.naming import expert_tensor_names
+from eaas.runtime.model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks, quantize_fp8_blocks
+from eaas.runtime.model.naming import expert_tensor_names, tensor_shapes
+from eaas.runtime.model.reference import load_reference
 
 
 def test_sharded_checkpoint_has_index_and_every_tensor(tiny_checkpoints: dict[str, Path]) -> None:
@@ -66,3 +70,104 @@ def test_bad_checkpoints_give_clear_errors(tmp_path: Path, tiny_checkpoints: dic
         reader.load(["nope"])
     with pytest.raises(ValueError, match=r"\(layer=0, expert=99\) is not a routed expert"):
         ExpertStack.load(reader, [(0, 99)])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 8}))
+    with pytest.raises(CheckpointError, match=r"config\.json: config\.json \(qwen3_moe\): missing field"):
+        CheckpointReader(tmp_path)
+
+
+def _copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def _rewrite(directory: Path, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """Replaces tensor ``name`` in its shard by ``change(tensor)``; returns the shard's file name."""
+    shard = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(directory / shard))
+    tensors[name] = change(tensors[name]).contiguous()
+    save_file(tensors, str(directory / shard), metadata={"format": "pt"})
+    return str(shard)
+
+
+def test_mis_shaped_mis_typed_and_truncated_tensors_are_named(
+    tmp_path: Path, tiny_checkpoints: dict[str, Path]
+) -> None:
+    config = CheckpointReader(tiny_checkpoints["deepseek_v3"]).config
+    layer = config.moe_layers[0]
+    down = expert_tensor_names(config, layer, 2)[2]
+    directory = _copy(tiny_checkpoints["deepseek_v3"], tmp_path / "shape")
+    shard = _rewrite(directory, down, lambda t: t[:, :-1])
+    expected = (config.hidden_size, config.expert_intermediate_size)
+    with pytest.raises(CheckpointError) as info:
+        ExpertStack.load(CheckpointReader(directory), [(layer, 2)])
+    message = str(info.value)
+    assert all(part in message for part in (shard, down, str(expected), "(64, 31)")), message
+
+    kv_b = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+    directory = _copy(tiny_checkpoints["deepseek_v3"], tmp_path / "dtype")
+    _rewrite(directory, kv_b, lambda t: t.to(torch.int32))
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {kv_b} is I32; readable dtypes are F32, BF16, F16, F8_E4M3"
+    ):
+        load_reference(directory)
+
+    directory = _copy(tiny_checkpoints["deepseek_v3"], tmp_path / "truncated")
+    shard_path = directory / CheckpointReader(directory).weight_map[kv_b]
+    shard_path.write_bytes(shard_path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{shard_path.name}: not a readable safetensors file"):
+        load_reference(directory)
+
+
+def test_fp8_round_trip_is_within_half_an_fp8_step() -> None:
+    weight = torch.randn(40, 72, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 10, 72)
+    quantized, scale_inv = quantize_fp8_blocks(weight, (16, 32))
+    assert quantized.dtype == FP8_DTYPE and scale_inv.shape == (3, 3)  # partial tiles at both edges
+    restored = dequantize_fp8_blocks(quantized, scale_inv, (16, 32), torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 of each tile's scale-normalised value.
+    tile_max = scale_inv.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :72] * 448
+    assert ((restored - weight).abs() <= tile_max * 2**-4 + 1e-6).all()
+    with pytest.raises(ValueError, match=r"scale_inv shape \(3, 2\) does not match"):
+        dequantize_fp8_blocks(quantized, scale_inv[:, :2], (16, 32), torch.float32)
+
+
+def test_fp8_checkpoints_load_dequantised(tmp_path: Path) -> None:
+    """DeepSeek's FP8 conventions (weight_scale_inv, quantization_config) at tiny size: loading
+    dequantises to exactly what the per-block formula gives, and the model runs on it."""
+    config = preset("deepseek_v3")
+    directory = write_random_checkpoint(config, tmp_path / "fp8", seed=5, fp8_block=(16, 16))
+    reader = CheckpointReader(directory)
+    assert reader.fp8_block == (16, 16)
+    kv_b = f"model.layers.{config.moe_layers[0]}.self_attn.kv_b_proj.weight"
+    raw = load_file(str(directory / reader.weight_map[kv_b]))
+    assert raw[kv_b].dtype == FP8_DTYPE
+    assert kv_b + SCALE_SUFFIX in reader.weight_map
+    assert "model.embed_tokens.weight" + SCALE_SUFFIX not in reader.weight_map
+    loaded = reader.load([kv_b], dtype=torch.float32)[kv_b]
+    scale = reader.load([kv_b + SCALE_SUFFIX])[kv_b + SCALE_SUFFIX]
+    torch.testing.assert_close(loaded, dequantize_fp8_blocks(raw[kv_b], scale, (16, 16), torch.float32))
+    assert reader.load([kv_b])[kv_b].dtype == torch.bfloat16  # the default for FP8 weights
+    dense = write_random_checkpoint(config, tmp_path / "dense", seed=5)
+    ours = load_reference(directory, dtype=torch.float32)
+    reference = load_reference(dense)
+    generated, _ = ours.generate([[1, 2, 3]], 4)
+    assert len(generated[0]) == 4
+    quantised_expert = ours.experts.stack.w2  # type: ignore[attr-defined]
+    exact_expert = reference.experts.stack.w2  # type: ignore[attr-defined]
+    assert 0 < (quantised_expert - exact_expert).abs().max() < 0.1 * exact_expert.abs().max()
+
+    broken = _copy(directory, tmp_path / "no-scale")
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = broken / index["weight_map"].pop(kv_b + SCALE_SUFFIX)
+    index_path.write_text(json.dumps(index))
+    tensors = load_file(str(shard))
+    del tensors[kv_b + SCALE_SUFFIX]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"FP8 tensor {kv_b} has no {kv_b}_scale_inv"):
+        CheckpointReader(broken).load([kv_b])
+    unlabelled = _copy(directory, tmp_path / "no-config")
+    hf = json.loads((unlabelled / "config.json").read_text())
+    del hf["quantization_config"]
+    (unlabelled / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=r"is FP8 but config\.json has no fp8 quantization_config"):
+        CheckpointReader(unlabelled).load([kv_b])

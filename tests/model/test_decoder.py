@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eaas.runtime.model import (
+    FAMILIES,
     ByteTokenizer,
     CheckpointReader,
     ExpertStack,
@@ -18,7 +19,7 @@ from eaas.runtime.model import (
 PROMPTS = [[5, 17, 200, 3], [42], [7, 7, 7, 7, 7, 7, 7, 9, 11]]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cached_generation_equals_full_recompute(family: str, tiny_checkpoints: dict[str, Path]) -> None:
     decoder = load_reference(tiny_checkpoints[family])
     generated, step_logits = decoder.generate(PROMPTS, max_new_tokens=6)
