@@ -41,7 +41,21 @@ def presets_cmd() -> None:
 @click.option(
     "--max-shard-mb", default=2048.0, show_default=True, help="split tensors into shards of this size"
 )
-def init_cmd(family: str, preset_name: str, out: Path, seed: int, dtype: str, max_shard_mb: float) -> None:
+@click.option(
+    "--fp8-block",
+    type=int,
+    default=None,
+    help="store projections as block-scaled FP8 (DeepSeek's layout) with this block size",
+)
+def init_cmd(
+    family: str,
+    preset_name: str,
+    out: Path,
+    seed: int,
+    dtype: str,
+    max_shard_mb: float,
+    fp8_block: int | None,
+) -> None:
     """Write a random checkpoint (Hugging Face layout) of a preset."""
     from eaas.runtime.model.checkpoint import write_random_checkpoint
     from eaas.runtime.model.presets import preset
@@ -50,11 +64,39 @@ def init_cmd(family: str, preset_name: str, out: Path, seed: int, dtype: str, ma
         config = preset(family, preset_name)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--preset") from exc
-    write_random_checkpoint(config, out, seed=seed, dtype=dtype, max_shard_bytes=int(max_shard_mb * 2**20))
+    if fp8_block is not None and fp8_block < 1:
+        raise click.BadParameter(f"must be >= 1, got {fp8_block}", param_hint="--fp8-block")
+    write_random_checkpoint(
+        config,
+        out,
+        seed=seed,
+        dtype=dtype,
+        max_shard_bytes=int(max_shard_mb * 2**20),
+        fp8_block=(fp8_block, fp8_block) if fp8_block else None,
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
     size_mib = index["metadata"]["total_size"] / 2**20
     click.echo(f"wrote {family}/{preset_name} ({size_mib:.1f} MiB, {shards} shards) to {out}")
+
+
+@model.command("inspect")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--servers", default=8, show_default=True, help="expert servers in the pool")
+@click.option("--replication", default=2, show_default=True, help="copies of each expert (R)")
+def inspect_cmd(checkpoint: Path, servers: int, replication: int) -> None:
+    """Family, sizes, dtypes and memory per expert server of a checkpoint (reads headers only)."""
+    from eaas.runtime.model.checkpoint import CheckpointError, CheckpointReader
+    from eaas.runtime.model.inspect import summarize
+
+    try:
+        summary = summarize(CheckpointReader(checkpoint), servers, replication)
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--servers/--replication") from exc
+    for line in summary.lines():
+        click.echo(line)
 
 
 @model.command("generate")
