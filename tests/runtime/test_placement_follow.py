@@ -190,9 +190,11 @@ def test_restack_reads_only_new_experts(model: tuple[Path, list[int], int]) -> N
     read: list[str] = []
 
     class CountingReader(CheckpointReader):
-        def load(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        def iter_load(
+            self, names: list[str], dtype: torch.dtype | None = None, progress: str | None = None
+        ) -> Iterator[tuple[str, torch.Tensor]]:
             read.extend(names)
-            return super().load(names, dtype)
+            return super().iter_load(names, dtype, progress)
 
     reader = CountingReader(checkpoint)
     old = ExpertStack.load(reader, [(layers[0], 0), (layers[0], 1), (layers[1], 5)])
