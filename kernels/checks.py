@@ -66,6 +66,23 @@ def check_expert_inputs(
     return ExpertShapes(num_tokens, topk, hidden, inter, num_groups)
 
 
+def check_expert_biases(
+    shapes: ExpertShapes, x: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None, backend: str
+) -> None:
+    """``b13`` [G, 2I] and ``b2`` [G, H], in x's dtype and device, when given."""
+    for name, bias, shape in (
+        ("b13", b13, (shapes.num_groups, 2 * shapes.inter)),
+        ("b2", b2, (shapes.num_groups, shapes.hidden)),
+    ):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != shape or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(
+                f"experts_forward[{backend}]: {name} must be {list(shape)} {x.dtype} on {x.device}, "
+                f"got {list(bias.shape)} {bias.dtype} on {bias.device}"
+            )
+
+
 def check_group_range(group_of: torch.Tensor, num_groups: int, backend: str) -> None:
     """Raise when an id is outside ``[-1, G)``. Reads the values: a host sync on CUDA."""
     if group_of.numel() == 0:

@@ -54,6 +54,8 @@ def compile_kernel(
         if isinstance(value, str):
             signature[name] = value
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
         elif value == 1:
             signature[name] = "constexpr"
             constants[name] = 1
@@ -95,6 +97,10 @@ def gemm_launch_values(hidden: int, inter: int, dtype: str) -> dict[str, dict[st
         "stride_w_hidden": 1,
         "stride_act_row": inter,
         "stride_act_col": 1,
+        "b13_ptr": f"*{dtype}",
+        "stride_b_group": 2 * inter,
+        "alpha": 1.702,
+        "limit": 7.0,
     }
     down = {
         **common,
@@ -108,6 +114,8 @@ def gemm_launch_values(hidden: int, inter: int, dtype: str) -> dict[str, dict[st
         "stride_w_row": inter,
         "stride_w_inter": 1,
         "stride_out_token": hidden,
+        "b2_ptr": f"*{dtype}",
+        "stride_b_group": hidden,
     }
     return {"gate_up": gate_up, "down": down}
 
@@ -129,34 +137,48 @@ def check_all(arch: int, hidden: int, inter: int, dtype: str = "bf16") -> list[d
     kernels = {"gate_up": grouped_gemm._gate_up_silu_kernel, "down": grouped_gemm._down_combine_kernel}
     values = gemm_launch_values(hidden, inter, dtype)
     reports: list[dict[str, Any]] = []
-    for stage, config in sorted(configs, key=str):
-        for shrink in (True, False):
-            constexprs = {
-                "SHRINK": shrink,
-                "BLOCK_M": config.block_m,
-                "BLOCK_N": config.block_n,
-                "BLOCK_K": config.block_k,
-                "UPCAST": False,
-                "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+    # Every configuration plain (no bias, SiLU), plus each stage's largest with biases and the
+    # clamped SwiGLU of gpt-oss (the epilogue variants; the main loop is the same).
+    largest = {
+        stage: max((c for s, c in configs if s == stage), key=lambda c: c.block_m * c.block_n)
+        for stage in STAGES
+    }
+    variants = [
+        (stage, config, shrink, False)
+        for stage, config in sorted(configs, key=str)
+        for shrink in (True, False)
+    ]
+    variants += [(stage, largest[stage], True, True) for stage in STAGES]
+    for stage, config, shrink, epilogue in variants:
+        constexprs = {
+            "HAS_BIAS": epilogue,
+            **({"ACTIVATION": 1 if epilogue else 0} if stage == "gate_up" else {}),
+            "SHRINK": shrink,
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k,
+            "UPCAST": False,
+            "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+        }
+        compiled = compile_kernel(
+            kernels[stage], values[stage], constexprs, arch, config.num_warps, config.num_stages
+        )
+        shared = int(compiled.metadata.shared)
+        ttgir = compiled.asm["ttgir"]
+        fits = shared <= SHARED_MEMORY_PER_PROGRAM.get(arch, 99 * 1024) and (
+            shared * config.programs_per_sm <= SHARED_MEMORY_PER_SM.get(arch, 100 * 1024)
+        )
+        reports.append(
+            {
+                "kernel": stage,
+                "shrink": shrink,
+                "bias_and_clamped_swiglu": epilogue,
+                "config": config.as_dict(),
+                "shared_bytes": shared,
+                "pipelined": "async_copy" in ttgir or "async_tma" in ttgir,
+                "ok": fits,
             }
-            compiled = compile_kernel(
-                kernels[stage], values[stage], constexprs, arch, config.num_warps, config.num_stages
-            )
-            shared = int(compiled.metadata.shared)
-            ttgir = compiled.asm["ttgir"]
-            fits = shared <= SHARED_MEMORY_PER_PROGRAM.get(arch, 99 * 1024) and (
-                shared * config.programs_per_sm <= SHARED_MEMORY_PER_SM.get(arch, 100 * 1024)
-            )
-            reports.append(
-                {
-                    "kernel": stage,
-                    "shrink": shrink,
-                    "config": config.as_dict(),
-                    "shared_bytes": shared,
-                    "pipelined": "async_copy" in ttgir or "async_tma" in ttgir,
-                    "ok": fits,
-                }
-            )
+        )
     entry = {"group_of_ptr": "*i32", "num_entries": 1024, "num_groups": 256}
     compile_kernel(
         align._count_kernel, {**entry, "counts_ptr": "*i32"}, {"BLOCK": align.ALIGN_BLOCK}, arch, 4, 1

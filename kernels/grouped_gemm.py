@@ -5,9 +5,11 @@ R = T*K entry rows (positions in ``Alignment.sorted_entries``).
 
 1. ``gate_up_silu``: ``act[r] = silu(x[t] @ gate[g].T) * (x[t] @ up[g].T)`` for each sorted entry
    row r (token t, group g); gate and up are both accumulated by the same program, so the SiLU·mul
-   is the GEMM's epilogue and ``[R, 2I]`` never exists in memory.
-2. ``down_combine``: ``out[t] += weight[t, k] * (act[r] @ down[g].T)`` with fp32 atomics, so the
-   router weight and the combine are the epilogue and no ``[T, K, H]`` intermediate exists.
+   is the GEMM's epilogue and ``[R, 2I]`` never exists in memory. Optional gate/up biases and the
+   clamped SwiGLU of gpt-oss (``activation.py``) are constexpr branches of the same epilogue.
+2. ``down_combine``: ``out[t] += weight[t, k] * (act[r] @ down[g].T + b2[g])`` with fp32 atomics,
+   so the bias, the router weight and the combine are the epilogue and no ``[T, K, H]``
+   intermediate exists.
 
 Schedule (seed 000, Algorithm 1): the grid is a fixed number of programs (SMs × occupancy, or the
 number of tiles if smaller). Program p starts at tile p of the first group and walks the group
@@ -25,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eaas.kernels.activation import SILU, Activation
 from eaas.kernels.align import Alignment
 from eaas.kernels.configs import TileConfig
 from eaas.kernels.triton_env import is_interpreted, multiprocessor_count
@@ -36,6 +39,7 @@ INTERPRETER_PROGRAMS = 4  # grid size under TRITON_INTERPRET=1 (programs run one
 def _gate_up_silu_tile(
     x_ptr,
     w13_ptr,
+    b13_ptr,
     act_ptr,
     sorted_entries_ptr,
     group,
@@ -53,6 +57,11 @@ def _gate_up_silu_tile(
     stride_w_hidden,
     stride_act_row,
     stride_act_col,
+    stride_b_group,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,7 +96,16 @@ def _gate_up_silu_tile(
             b_up = b_up.to(tl.float32)
         acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up, fp32
+    if HAS_BIAS:
+        b_group_ptr = b13_ptr + group.to(tl.int64) * stride_b_group
+        acc_gate += tl.load(b_group_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_group_ptr + inter + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 0:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up, fp32
+    else:  # clamped SwiGLU (gpt-oss)
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = gate * tl.sigmoid(gate * alpha) * (up + 1.0)
     tl.store(
         act_ptr + rows[:, None].to(tl.int64) * stride_act_row + cols[None, :] * stride_act_col,
         act.to(act_ptr.dtype.element_ty),
@@ -99,6 +117,7 @@ def _gate_up_silu_tile(
 def _gate_up_silu_kernel(
     x_ptr,
     w13_ptr,
+    b13_ptr,
     act_ptr,
     sorted_entries_ptr,
     walk_groups_ptr,
@@ -117,6 +136,11 @@ def _gate_up_silu_kernel(
     stride_w_hidden,
     stride_act_row,
     stride_act_col,
+    stride_b_group,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     SHRINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -140,6 +164,7 @@ def _gate_up_silu_kernel(
                 _gate_up_silu_tile(
                     x_ptr,
                     w13_ptr,
+                    b13_ptr,
                     act_ptr,
                     sorted_entries_ptr,
                     group,
@@ -157,6 +182,11 @@ def _gate_up_silu_kernel(
                     stride_w_hidden,
                     stride_act_row,
                     stride_act_col,
+                    stride_b_group,
+                    alpha,
+                    limit,
+                    HAS_BIAS,
+                    ACTIVATION,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_K,
@@ -171,6 +201,7 @@ def _gate_up_silu_kernel(
 def _down_combine_tile(
     act_ptr,
     w2_ptr,
+    b2_ptr,
     out_ptr,
     sorted_entries_ptr,
     weight_ptr,
@@ -188,6 +219,8 @@ def _down_combine_tile(
     stride_w_row,
     stride_w_inter,
     stride_out_token,
+    stride_b_group,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -221,6 +254,9 @@ def _down_combine_tile(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(b2_ptr + group.to(tl.int64) * stride_b_group + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     acc = acc * router_weight[:, None]
     tl.atomic_add(
         out_ptr + tokens[:, None] * stride_out_token + cols[None, :],
@@ -234,6 +270,7 @@ def _down_combine_tile(
 def _down_combine_kernel(
     act_ptr,
     w2_ptr,
+    b2_ptr,
     out_ptr,
     sorted_entries_ptr,
     weight_ptr,
@@ -252,6 +289,8 @@ def _down_combine_kernel(
     stride_w_row,
     stride_w_inter,
     stride_out_token,
+    stride_b_group,
+    HAS_BIAS: tl.constexpr,
     SHRINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -275,6 +314,7 @@ def _down_combine_kernel(
                 _down_combine_tile(
                     act_ptr,
                     w2_ptr,
+                    b2_ptr,
                     out_ptr,
                     sorted_entries_ptr,
                     weight_ptr,
@@ -292,6 +332,8 @@ def _down_combine_kernel(
                     stride_w_row,
                     stride_w_inter,
                     stride_out_token,
+                    stride_b_group,
+                    HAS_BIAS,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_K,
@@ -335,8 +377,11 @@ def gate_up_silu(
     topk: int,
     config: TileConfig,
     shrink: bool = True,
+    b13: torch.Tensor | None = None,  # [G, 2I]
+    activation: Activation = SILU,
 ) -> torch.Tensor:  # [T*K, I], dtype of x; rows of sorted positions (only valid rows written)
-    """First GEMM with the SiLU·mul epilogue, one row per sorted entry position."""
+    """First GEMM with the bias and activation (SiLU·mul by default) as its epilogue, one row per
+    sorted entry position."""
     num_groups, two_inter, hidden = w13.shape
     inter = two_inter // 2
     num_rows = alignment.sorted_entries.numel()
@@ -347,6 +392,7 @@ def gate_up_silu(
     _gate_up_silu_kernel[(programs,)](
         x,
         w13,
+        w13 if b13 is None else b13,  # never read without HAS_BIAS
         act,
         alignment.sorted_entries,
         walk_groups,
@@ -365,6 +411,11 @@ def gate_up_silu(
         w13.stride(2),
         act.stride(0),
         act.stride(1),
+        0 if b13 is None else b13.stride(0),
+        activation.alpha,
+        activation.limit,
+        HAS_BIAS=b13 is not None,
+        ACTIVATION=activation.code,
         SHRINK=shrink,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -385,8 +436,9 @@ def down_combine(
     out: torch.Tensor,  # [T, H] float32, zeroed; accumulated into
     config: TileConfig,
     shrink: bool = True,
+    b2: torch.Tensor | None = None,  # [G, H]
 ) -> torch.Tensor:  # out
-    """Second GEMM with the router weight and the per-token combine as its epilogue."""
+    """Second GEMM with the bias, the router weight and the per-token combine as its epilogue."""
     num_groups, hidden, inter = w2.shape
     topk = weight_of.shape[1]
     if out.dtype != torch.float32 or not out.is_contiguous():
@@ -399,6 +451,7 @@ def down_combine(
     _down_combine_kernel[(programs,)](
         act,
         w2,
+        w2 if b2 is None else b2,  # never read without HAS_BIAS
         out,
         alignment.sorted_entries,
         weights,
@@ -417,6 +470,8 @@ def down_combine(
         w2.stride(1),
         w2.stride(2),
         out.stride(0),
+        0 if b2 is None else b2.stride(0),
+        HAS_BIAS=b2 is not None,
         SHRINK=shrink,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

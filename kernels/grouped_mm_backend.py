@@ -11,9 +11,9 @@ so H and I must be multiples of 16 bytes / element size (8 for bf16/fp16, 4 for 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from eaas.kernels.checks import check_expert_inputs, check_group_range
+from eaas.kernels.activation import SILU, Activation
+from eaas.kernels.checks import check_expert_biases, check_expert_inputs, check_group_range
 
 BACKEND = "grouped_mm"
 
@@ -48,9 +48,15 @@ def experts_forward_grouped_mm(
     weight_of: torch.Tensor,  # [T, K]
     w13: torch.Tensor,  # [G, 2I, H]
     w2: torch.Tensor,  # [G, H, I]
+    *,
+    b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
+    b2: torch.Tensor | None = None,  # [G, H] down biases
+    activation: Activation = SILU,
 ) -> torch.Tensor:  # [T, H], dtype of x
-    """``experts_forward`` on two ``torch._grouped_mm`` calls (outputs in x.dtype, combine in fp32)."""
+    """``experts_forward`` on two ``torch._grouped_mm`` calls (outputs in x.dtype, combine in fp32);
+    biases are added per row by the group each row belongs to."""
     shapes = check_expert_inputs(x, group_of, weight_of, w13, w2, BACKEND)
+    check_expert_biases(shapes, x, b13, b2, BACKEND)
     _check_supported(x, shapes.hidden, shapes.inter)
     if x.device.type == "cpu":
         check_group_range(group_of, shapes.num_groups, BACKEND)
@@ -67,10 +73,16 @@ def experts_forward_grouped_mm(
     offs = torch.cumsum(counts[:num_groups], dim=0, dtype=torch.int32)  # [G] group ends
     tokens = order // topk  # [R]
     rows = x.index_select(0, tokens)  # [R, H]
+    row_groups = sort_key.index_select(0, order)  # [R], G for skipped entries
+    bias_rows = row_groups.clamp(max=num_groups - 1)  # skipped rows are masked below
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [R, 2I]
-    act = F.silu(gate_up[:, : shapes.inter]) * gate_up[:, shapes.inter :]  # [R, I]
+    if b13 is not None:
+        gate_up = gate_up + b13.index_select(0, bias_rows)
+    act = activation.apply(gate_up[:, : shapes.inter], gate_up[:, shapes.inter :])  # [R, I]
     down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [R, H]
-    valid = (sort_key.index_select(0, order) < num_groups)[:, None]  # [R, 1]
+    if b2 is not None:
+        down = down + b2.index_select(0, bias_rows)
+    valid = (row_groups < num_groups)[:, None]  # [R, 1]
     weights = weight_of.reshape(-1).index_select(0, order).to(torch.float32)[:, None]  # [R, 1]
     contribution = torch.where(valid, down.to(torch.float32) * weights, 0.0)  # [R, H]
     out.index_add_(0, tokens, contribution)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eaas.kernels.activation import SILU, Activation
+
 
 def experts_forward_reference(
     x: torch.Tensor,  # [T, H]
@@ -16,8 +18,13 @@ def experts_forward_reference(
     weight_of: torch.Tensor,  # [T, K] router weights
     w13: torch.Tensor,  # [G, 2I, H]: rows [0, I) gate, [I, 2I) up
     w2: torch.Tensor,  # [G, H, I]: down
+    *,
+    b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
+    b2: torch.Tensor | None = None,  # [G, H] down biases
+    activation: Activation = SILU,
 ) -> torch.Tensor:  # [T, H], dtype of x
-    """Router-weighted sum over each token's entries of ``down(silu(gate(x)) * up(x))``.
+    """Router-weighted sum over each token's entries of ``down(act(gate(x), up(x)))``, with the
+    projections' biases when given.
 
     Accumulates in float32 and returns ``x.dtype``.
     """
@@ -34,8 +41,12 @@ def experts_forward_reference(
         tokens = flat_token[sel]  # [n]
         xs = x[tokens].to(torch.float32)  # [n, H]
         gate_up = xs @ w13[group].to(torch.float32).t()  # [n, 2I]
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
+        if b13 is not None:
+            gate_up = gate_up + b13[group].to(torch.float32)
+        act = activation.apply(gate_up[:, :inter], gate_up[:, inter:])  # [n, I]
         y = act @ w2[group].to(torch.float32).t()  # [n, H]
+        if b2 is not None:
+            y = y + b2[group].to(torch.float32)
         out.index_add_(0, tokens, y * flat_weight[sel, None])
     return out.to(x.dtype)
 

@@ -15,15 +15,28 @@ Built-in backends:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from eaas.kernels.activation import SILU, Activation
 from eaas.kernels.reference import experts_forward_reference
 
-ExpertsForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
+
+class ExpertsForward(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        group_of: torch.Tensor,
+        weight_of: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        activation: Activation = SILU,
+    ) -> torch.Tensor: ...
+
 
 _BACKENDS: dict[str, ExpertsForward] = {"torch": experts_forward_reference}
 
@@ -64,6 +77,11 @@ def experts_forward(
     w13: torch.Tensor,  # [G, 2I, H]
     w2: torch.Tensor,  # [G, H, I]
     backend: str = "torch",
+    *,
+    b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
+    b2: torch.Tensor | None = None,  # [G, H] down biases
+    activation: Activation = SILU,
 ) -> torch.Tensor:  # [T, H]
-    """For each token, the router-weighted sum over its K entries of the group's SwiGLU expert."""
-    return get_backend(backend)(x, group_of, weight_of, w13, w2)
+    """For each token, the router-weighted sum over its K entries of the group's gated expert
+    ``down(act(gate(x), up(x)))`` (plus the biases, when given)."""
+    return get_backend(backend)(x, group_of, weight_of, w13, w2, b13=b13, b2=b2, activation=activation)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from eaas.kernels.activation import SILU, Activation
 from eaas.kernels.align import Alignment, align_entries
-from eaas.kernels.checks import check_expert_inputs, check_group_range
+from eaas.kernels.checks import check_expert_biases, check_expert_inputs, check_group_range
 from eaas.kernels.configs import INTERPRETER_CONFIG, TileConfig, select_configs
 from eaas.kernels.grouped_gemm import _gate_up_silu_kernel, down_combine, gate_up_silu
 from eaas.kernels.triton_env import device_name, is_interpreted, require_runnable
@@ -26,6 +27,9 @@ def experts_forward_triton(
     w13: torch.Tensor,  # [G, 2I, H]: rows [0, I) gate, [I, 2I) up
     w2: torch.Tensor,  # [G, H, I]: down
     *,
+    b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
+    b2: torch.Tensor | None = None,  # [G, H] down biases
+    activation: Activation = SILU,
     shrink: bool = True,
     configs: tuple[TileConfig, TileConfig] | None = None,
 ) -> torch.Tensor:  # [T, H], dtype of x
@@ -37,6 +41,7 @@ def experts_forward_triton(
     token's K entries is not fixed) and returns ``x.dtype``.
     """
     shapes = check_expert_inputs(x, group_of, weight_of, w13, w2, BACKEND)
+    check_expert_biases(shapes, x, b13, b2, BACKEND)
     require_runnable(x.device, _gate_up_silu_kernel)
     interpreted = is_interpreted(_gate_up_silu_kernel)
     if x.device.type == "cpu":
@@ -50,7 +55,7 @@ def experts_forward_triton(
             configs = select_configs(device_name(x.device), shapes.hidden, shapes.inter, shapes.num_tokens)
     gate_up_config, down_config = configs
     alignment: Alignment = align_entries(group_of, shapes.num_groups)
-    act = gate_up_silu(x, w13, alignment, shapes.topk, gate_up_config, shrink=shrink)  # [T*K, I]
+    act = gate_up_silu(x, w13, alignment, shapes.topk, gate_up_config, shrink, b13, activation)  # [T*K, I]
     out = torch.zeros((shapes.num_tokens, shapes.hidden), dtype=torch.float32, device=x.device)
-    down_combine(act, w2, weight_of, alignment, out, down_config, shrink=shrink)
+    down_combine(act, w2, weight_of, alignment, out, down_config, shrink, b2)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

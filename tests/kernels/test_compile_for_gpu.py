@@ -32,6 +32,7 @@ def test_kernels_compile_for_sm90() -> None:
     gemms = [report for report in reports if report["kernel"] in ("gate_up", "down")]
     assert {report["kernel"] for report in gemms} == {"gate_up", "down"}
     assert any(report["kernel"] == "align" for report in reports)
+    assert {r["kernel"] for r in gemms if r["bias_and_clamped_swiglu"]} == {"gate_up", "down"}
     for report in gemms:
         assert report["ok"], f"does not fit in shared memory: {report}"
         if report["config"]["num_stages"] > 1:

@@ -28,8 +28,9 @@ def test_unknown_backend_names_the_available_ones() -> None:
 def test_registered_backend_is_dispatched_to() -> None:
     calls: list[int] = []
 
-    def doubled(x, group_of, weight_of, w13, w2):  # type: ignore[no-untyped-def]
+    def doubled(x, group_of, weight_of, w13, w2, *, b13, b2, activation):  # type: ignore[no-untyped-def]
         calls.append(x.shape[0])
+        assert b13 is None and b2 is None and activation.kind == "silu"
         return 2 * x
 
     register_backend("test-doubled", doubled)
