@@ -1,5 +1,6 @@
-"""The attention variants: ``gqa`` (grouped-query attention, optional biases, q/k norm and
-partial rotary) and ``mla`` (DeepSeek's Multi-head Latent Attention over a latent KV cache).
+"""The attention variants: ``gqa`` (grouped-query attention, optional biases, q/k norm, partial
+rotary, attention sinks and a sliding window) and ``mla`` (DeepSeek's Multi-head Latent Attention
+over a latent KV cache).
 
 Both take the normalised hidden states of new tokens and return the attention output before
 the residual add. Legend: B = batch, S = new tokens per sequence, N = heads, D = head dim,
@@ -40,11 +41,25 @@ def _linear(x: torch.Tensor, t: dict[str, torch.Tensor], name: str) -> torch.Ten
     return F.linear(x, t[f"{name}.weight"], t.get(f"{name}.bias"))
 
 
-def _causal_softmax(scores: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """scores [B, N, S, L] masked so a query at position p sees positions <= p; softmax in float32."""
-    visible = torch.arange(scores.shape[-1], device=scores.device) <= positions[:, :, None]  # [B, S, L]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    return torch.softmax(scores.to(torch.float32), dim=-1).to(dtype)
+def _causal_softmax(
+    scores: torch.Tensor,  # [B, N, S, L]
+    positions: torch.Tensor,  # [B, S]
+    dtype: torch.dtype,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [B, N, S, L]
+    """Softmax (float32) over the positions a query at position p sees: those <= p, and with a
+    ``window`` only the last ``window`` of them. ``sinks``: one learned logit per head that joins
+    each softmax and takes its share of the probability mass, which is then dropped."""
+    keys = torch.arange(scores.shape[-1], device=scores.device)
+    visible = keys <= positions[:, :, None]  # [B, S, L]
+    if window:
+        visible &= keys > positions[:, :, None] - window
+    scores = scores.to(torch.float32).masked_fill(~visible[:, None], float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(dtype)
+    sink = sinks.to(torch.float32).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1].to(dtype)
 
 
 def gqa(
@@ -75,9 +90,10 @@ def gqa(
     keys = cache.keys[layer][:, :, :total].repeat_interleave(group, dim=1)  # [B, N, L, D]
     values = cached_values[:, :, :total].repeat_interleave(group, dim=1)
     scores = q.transpose(1, 2) @ keys.transpose(-1, -2) * softmax_scale(c)  # [B, N, S, L]
-    probs = _causal_softmax(scores, positions, q.dtype)
+    window = c.sliding_window if layer in c.sliding_window_layers else 0
+    probs = _causal_softmax(scores, positions, q.dtype, window, t.get(f"{p}.sinks"))
     out = (probs @ values).transpose(1, 2).reshape(batch, steps, c.num_heads * c.head_dim)
-    return F.linear(out, t[f"{p}.o_proj.weight"])
+    return _linear(out, t, f"{p}.o_proj")
 
 
 def mla(

@@ -84,7 +84,8 @@ class AttentionSide:
         """x [T, H] -> (expert ids [T, K] int64, router weights [T, K] float32)."""
         c = self.config
         names = router_tensor_names(c, layer)
-        logits = F.linear(x, self.t[names["weight"]]).to(torch.float32)  # [T, E]
+        bias = self.t[names["bias"]] if "bias" in names else None
+        logits = F.linear(x, self.t[names["weight"]], bias).to(torch.float32)  # [T, E]
         if c.router_type == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
             weights, ids = torch.topk(probs, c.top_k, dim=-1)
@@ -93,7 +94,7 @@ class AttentionSide:
             return ids, weights
         # sigmoid_grouped (DeepSeek-V3): the bias steers selection only, weights use raw scores.
         scores = torch.sigmoid(logits)
-        choice = scores + self.t[names["bias"]].to(torch.float32)
+        choice = scores + self.t[names["selection_bias"]].to(torch.float32)
         num_tokens = x.shape[0]
         per_group = c.num_experts // c.n_group
         group_scores = (

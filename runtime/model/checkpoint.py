@@ -27,6 +27,7 @@ from eaas.runtime.model.fp8 import (
     is_fp8_quantized,
     quantize_fp8_blocks,
 )
+from eaas.runtime.model.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 from eaas.runtime.model.naming import tensor_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,7 +38,7 @@ STORED_DTYPES = {
     "F16": torch.float16,
     "F8_E4M3": torch.bfloat16,
 }
-READABLE_DTYPES = tuple(STORED_DTYPES)
+READABLE_DTYPES = (*STORED_DTYPES, "U8")  # U8: MXFP4 blocks and scales
 
 
 class CheckpointError(ValueError):
@@ -46,6 +47,8 @@ class CheckpointError(ValueError):
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Random weights that keep activations of order one (so routing and logits are not flat)."""
+    if name.endswith("_bias"):  # fused expert biases [E, N]
+        return 0.1 * torch.randn(shape, generator=generator)
     if len(shape) == 1:
         if name.endswith(("e_score_correction_bias", ".bias")):
             return 0.1 * torch.randn(shape, generator=generator)
@@ -172,7 +175,9 @@ class CheckpointReader:
         return dtypes
 
     def stored_dtype(self, name: str) -> torch.dtype:
-        """The dtype ``name`` loads as with ``dtype=None`` (FP8 weights load as bfloat16)."""
+        """The dtype ``name`` loads as with ``dtype=None`` (FP8 and MXFP4 weights load as bfloat16)."""
+        if self.is_mxfp4(name):
+            return torch.bfloat16
         if name not in self.weight_map:
             raise CheckpointError(f"{self.directory}: tensors not in checkpoint: {name}")
         with self._open(self.directory / self.weight_map[name]) as f:
@@ -189,51 +194,100 @@ class CheckpointReader:
     def iter_load(
         self, names: list[str], dtype: torch.dtype | None = None, progress: str | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (name, tensor) shard by shard, so a caller can place each tensor and drop it
-        (peak memory: the result plus one tensor). ``progress``: a tqdm bar with this label,
-        shown when stderr is a terminal."""
-        missing = [n for n in names if n not in self.weight_map]
+        """Yields (name, tensor) shard by shard (see ``iter_load_slices``)."""
+        for (name, _), tensor in self.iter_load_slices([(n, None) for n in names], dtype, progress):
+            yield name, tensor
+
+    def iter_load_slices(
+        self,
+        refs: list[tuple[str, int | None]],
+        dtype: torch.dtype | None = None,
+        progress: str | None = None,
+    ) -> Iterator[tuple[tuple[str, int | None], torch.Tensor]]:
+        """Yields ((name, index), tensor) shard by shard: the whole tensor for index None, else
+        only ``tensor[index]`` (one expert of a per-layer tensor), so a caller can place each piece
+        and drop it (peak memory: the result plus one piece). MXFP4 tensors (``<name>_blocks``
+        and ``_scales``) are read in their place and dequantised. ``progress``: a tqdm bar with
+        this label, shown when stderr is a terminal."""
+        missing = [n for n, _ in refs if n not in self.weight_map and not self.is_mxfp4(n)]
         if missing:
             shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
             raise CheckpointError(f"{self.directory}: tensors not in checkpoint: {shown}")
-        by_shard: dict[str, list[str]] = defaultdict(list)
-        for name in names:
-            by_shard[self.weight_map[name]].append(name)
-        bar = tqdm(total=len(names), desc=progress, unit="tensor", disable=None if progress else True)
+        by_shard: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
+        for name, index in refs:
+            by_shard[self.weight_map.get(name) or self.weight_map[name + BLOCKS_SUFFIX]].append((name, index))
+        bar = tqdm(total=len(refs), desc=progress, unit="tensor", disable=None if progress else True)
         with bar:
-            for shard, shard_names in sorted(by_shard.items()):
-                raw = self._read(shard, shard_names)
-                for name in shard_names:
-                    tensor = raw.pop(name)
-                    if tensor.dtype == FP8_DTYPE:
-                        scale = self._scale_of(name, shard, raw)
-                        tensor = self._dequantize(name, tensor, scale, dtype or torch.bfloat16)
-                    yield name, tensor if dtype is None else tensor.to(dtype)
+            for shard, shard_refs in sorted(by_shard.items()):
+                plain = [ref for ref in shard_refs if ref[0] in self.weight_map]
+                raw = self._read(shard, plain)
+                for ref in shard_refs:
+                    if ref[0] not in self.weight_map:
+                        tensor = self._read_mxfp4(ref, dtype or torch.bfloat16)
+                    else:
+                        tensor = raw.pop(ref)
+                        if tensor.dtype == FP8_DTYPE:
+                            scale = self._scale_of(ref[0], shard, raw)
+                            tensor = self._dequantize(ref[0], tensor, scale, dtype or torch.bfloat16)
+                    yield ref, tensor if dtype is None else tensor.to(dtype)
                     bar.update(1)
 
-    def _scale_of(self, name: str, shard: str, raw: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def is_mxfp4(self, name: str) -> bool:
+        return name + BLOCKS_SUFFIX in self.weight_map and name + SCALES_SUFFIX in self.weight_map
+
+    def _read_mxfp4(self, ref: tuple[str, int | None], dtype: torch.dtype) -> torch.Tensor:
+        """``name`` (or ``name[index]``) from its MXFP4 blocks and scales, in the layout the
+        unquantised tensor has: [..., in, out] (the blocks are stored [..., out, in / 32, 16])."""
+        name, index = ref
+        blocks_name, scales_name = name + BLOCKS_SUFFIX, name + SCALES_SUFFIX
+        blocks = self._read(self.weight_map[blocks_name], [(blocks_name, index)])[(blocks_name, index)]
+        scales = self._read(self.weight_map[scales_name], [(scales_name, index)])[(scales_name, index)]
+        expected = self.expected_shapes.get(name)
+        try:
+            values = dequantize_mxfp4(blocks, scales, dtype)  # [..., out, in]
+        except ValueError as exc:
+            raise CheckpointError(f"{self.directory}: {name}: {exc}") from exc
+        values = values.transpose(-1, -2)
+        want = expected if index is None or expected is None else expected[1:]
+        if want is not None and tuple(values.shape) != tuple(want):
+            raise CheckpointError(
+                f"{self.directory}: MXFP4 tensor {name} dequantises to shape {tuple(values.shape)}, "
+                f"expected {tuple(want)} from config.json"
+            )
+        return values.contiguous()
+
+    def _scale_of(
+        self, name: str, shard: str, raw: dict[tuple[str, int | None], torch.Tensor]
+    ) -> torch.Tensor | None:
         scale_name = name + SCALE_SUFFIX
-        if scale_name in raw:
-            return raw[scale_name]
+        if (scale_name, None) in raw:
+            return raw[(scale_name, None)]
         if scale_name not in self.weight_map:
             return None
-        return self._read(self.weight_map[scale_name], [scale_name])[scale_name]
+        return self._read(self.weight_map[scale_name], [(scale_name, None)])[(scale_name, None)]
 
-    def _read(self, shard: str, names: list[str]) -> dict[str, torch.Tensor]:
-        """Tensors ``names`` of ``shard``, plus the FP8 scales of theirs that the shard holds."""
+    def _read(
+        self, shard: str, refs: list[tuple[str, int | None]]
+    ) -> dict[tuple[str, int | None], torch.Tensor]:
+        """Tensors (or slices) ``refs`` of ``shard``, plus the FP8 scales of whole tensors that the
+        shard holds."""
         path = self.directory / shard
         if not path.is_file():
             raise CheckpointError(f"{path}: shard listed in the index is missing")
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[tuple[str, int | None], torch.Tensor] = {}
         with self._open(path) as f:
             present = set(f.keys())
-            wanted = [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in present)]
-            for name in wanted:
+            scales = [(n + SCALE_SUFFIX, None) for n, i in refs if i is None and n + SCALE_SUFFIX in present]
+            for name, index in [*refs, *scales]:
                 if name not in present:
                     raise CheckpointError(f"{path}: the index puts {name} here but the shard lacks it")
-                self._check(path, name, f.get_slice(name))
+                tensor_slice = f.get_slice(name)
+                self._check(path, name, tensor_slice)
                 try:
-                    tensors[name] = f.get_tensor(name)
+                    if index is None:
+                        tensors[(name, index)] = f.get_tensor(name)
+                    else:
+                        tensors[(name, index)] = tensor_slice[index : index + 1][0]
                 except Exception as exc:
                     raise CheckpointError(f"{path}: cannot read {name} ({exc})") from exc
         return tensors
@@ -250,6 +304,8 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{path}: tensor {name} is {stored}; readable dtypes are {', '.join(READABLE_DTYPES)}"
             )
+        if stored == "U8" and not name.endswith((BLOCKS_SUFFIX, SCALES_SUFFIX)):
+            raise CheckpointError(f"{path}: tensor {name} is U8, which only MXFP4 blocks and scales may be")
         if stored == "F8_E4M3" and not name.endswith(SCALE_SUFFIX) and self.fp8_block is None:
             raise CheckpointError(
                 f"{path}: tensor {name} is FP8 but config.json has no fp8 quantization_config"

@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"]
+Family = Literal["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 AttentionKind = Literal["gqa", "mla"]
-FAMILIES: tuple[Family, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+ExpertActivation = Literal["silu", "clamped_swiglu"]
+FAMILIES: tuple[Family, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 class YarnScaling(BaseModel):
@@ -44,11 +45,13 @@ class MoEConfig(BaseModel):
     Layers ``[0, num_dense_layers)`` use a dense SwiGLU FFN of ``dense_intermediate_size``;
     the others are MoE layers with ``num_experts`` routed experts (``expert_intermediate_size``
     each), ``top_k`` of them per token, plus an optional always-on shared expert (optionally
-    scaled by a sigmoid gate, as in qwen2_moe).
+    scaled by a sigmoid gate, as in qwen2_moe). Experts may carry biases and use the clamped
+    SwiGLU of gpt-oss (``expert_activation``); the router may carry a bias.
 
     Attention is ``gqa`` (``num_heads`` query heads over ``num_kv_heads`` key/value heads of
     ``head_dim``, optional q/k norm and q/k/v biases, rotary on the first
-    ``partial_rotary_factor`` of each head) or ``mla`` (Multi-head Latent Attention: low-rank
+    ``partial_rotary_factor`` of each head, optional per-head attention sinks and a sliding
+    window on ``sliding_window_layers``) or ``mla`` (Multi-head Latent Attention: low-rank
     q and kv projections, a ``kv_lora_rank`` latent plus one ``qk_rope_head_dim`` rotary key per
     token in the KV cache).
     """
@@ -74,9 +77,18 @@ class MoEConfig(BaseModel):
     n_group: int = Field(default=1, ge=1)
     topk_group: int = Field(default=1, ge=1)
     routed_scaling_factor: float = Field(default=1.0, gt=0.0)
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: ExpertActivation = "silu"
+    swiglu_alpha: float = Field(default=1.702, gt=0.0)
+    swiglu_limit: float = Field(default=7.0, gt=0.0)
     attention: AttentionKind = "gqa"
     qk_norm: bool = False
     attention_bias: bool = False
+    attention_output_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = Field(default=0, ge=0)
+    sliding_window_layers: tuple[int, ...] = ()
     partial_rotary_factor: float = Field(default=1.0, gt=0.0, le=1.0)
     q_lora_rank: int = Field(default=0, ge=0, le=65536)
     kv_lora_rank: int = Field(default=0, ge=0, le=65536)
@@ -93,6 +105,7 @@ class MoEConfig(BaseModel):
     @model_validator(mode="after")
     def _check_consistency(self) -> MoEConfig:
         from eaas.runtime.model.families import family_spec
+        from eaas.runtime.model.families.base import check_features
 
         def fail(field: str, message: str) -> None:
             raise ValueError(f"{field}: {message}")
@@ -150,7 +163,14 @@ class MoEConfig(BaseModel):
                     "partial_rotary_factor",
                     f"head_dim * partial_rotary_factor must be an even number >= 2, got {self.rotary_dim}",
                 )
-        family_spec(self.family).check(self, fail)
+        if bool(self.sliding_window) != bool(self.sliding_window_layers):
+            fail("sliding_window", "sliding_window > 0 and sliding_window_layers go together")
+        bad_layers = [layer for layer in self.sliding_window_layers if not 0 <= layer < self.num_layers]
+        if bad_layers:
+            fail("sliding_window_layers", f"must be layer ids in [0, {self.num_layers}), got {bad_layers}")
+        spec = family_spec(self.family)
+        check_features(self, spec, fail)
+        spec.check(self, fail)
         return self
 
     # --- derived -----------------------------------------------------------------------------

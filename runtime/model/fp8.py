@@ -21,8 +21,12 @@ def fp8_block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
     if not quant:
         return None
     method = quant.get("quant_method")
+    if method == "mxfp4":  # gpt-oss: the blocks and scales name themselves (see mxfp4.py)
+        return None
     if method != "fp8":
-        raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported (fp8)")
+        raise ValueError(
+            f"config.json: quantization_config.quant_method {method!r} is not supported (fp8, mxfp4)"
+        )
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(

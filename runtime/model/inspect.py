@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from eaas.runtime.model.checkpoint import CheckpointReader
 from eaas.runtime.model.fp8 import SCALE_SUFFIX
 from eaas.runtime.model.kv_cache import KVCache
-from eaas.runtime.model.naming import attention_side_tensor_shapes, expert_tensor_shapes
+from eaas.runtime.model.naming import attention_side_tensor_shapes, expert_numel, expert_parts
 
 ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
 
@@ -22,7 +22,7 @@ class CheckpointSummary:
     num_moe_layers: int
     num_experts: int
     top_k: int
-    stored_dtypes: dict[str, int]  # dtype -> tensor count
+    stored_dtypes: dict[str, int]  # dtype -> tensor count (MXFP4 blocks and scales count as U8)
     fp8_block: tuple[int, int] | None
     expert_bytes: int  # one routed expert as it will be served (FP8 dequantised to bf16)
     attention_side_bytes: int  # everything but the routed experts, as served
@@ -87,7 +87,7 @@ def summarize(reader: CheckpointReader, servers: int, replication: int) -> Check
     def served_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
         return sum(math.prod(shape) * served.get(name, 4) for name, shape in shapes.items())
 
-    first = config.moe_layers[0]
+    part = expert_parts(config, config.moe_layers[0], 0)[0].name
     kv_dtype_bytes = served.get("model.embed_tokens.weight", 4)
     kv = KVCache(config.model_copy(update={"num_layers": 1}), 1, 1)
     return CheckpointSummary(
@@ -99,7 +99,7 @@ def summarize(reader: CheckpointReader, servers: int, replication: int) -> Check
         top_k=config.top_k,
         stored_dtypes=dict(Counter(d for n, d in stored.items() if not n.endswith(SCALE_SUFFIX))),
         fp8_block=reader.fp8_block,
-        expert_bytes=served_bytes(expert_tensor_shapes(config, first, 0)),
+        expert_bytes=expert_numel(config) * (2 if reader.is_mxfp4(part) else served.get(part, 4)),
         attention_side_bytes=served_bytes(attention_side_tensor_shapes(config)),
         kv_bytes_per_token=kv.bytes_per_token() // 4 * kv_dtype_bytes * config.num_layers,
         servers=servers,

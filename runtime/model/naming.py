@@ -4,6 +4,9 @@ and every loaded tensor is checked against it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.families import family_spec
 
@@ -18,18 +21,67 @@ def moe_prefix(config: MoEConfig, layer: int) -> str:
     return f"model.layers.{layer}.{family_spec(config.family).moe_block}"
 
 
+ExpertRole = Literal["gate", "up", "down", "gate_up_columns", "down_rows", "gate_up_bias", "down_bias"]
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """Where one piece of a routed expert is stored.
+
+    ``index`` is the expert's position along dim 0 of a per-layer tensor (fused storage), None
+    for a tensor of its own. Roles: ``gate``/``up`` [I, H], ``down`` [H, I] (one tensor per
+    expert); ``gate_up_columns`` [H, 2I] with gate and up in alternating columns, ``down_rows``
+    [I, H], ``gate_up_bias`` [2I] alternating, ``down_bias`` [H] (gpt-oss's fused layout).
+    """
+
+    name: str
+    role: ExpertRole
+    index: int | None = None
+
+
+def expert_parts(config: MoEConfig, layer: int, expert: int) -> list[ExpertPart]:
+    """Every stored piece of routed expert ``expert`` of ``layer``."""
+    if family_spec(config.family).fused_experts:
+        prefix = f"{moe_prefix(config, layer)}.experts"
+        parts = [
+            ExpertPart(f"{prefix}.gate_up_proj", "gate_up_columns", expert),
+            ExpertPart(f"{prefix}.down_proj", "down_rows", expert),
+        ]
+        if config.expert_bias:
+            parts += [
+                ExpertPart(f"{prefix}.gate_up_proj_bias", "gate_up_bias", expert),
+                ExpertPart(f"{prefix}.down_proj_bias", "down_bias", expert),
+            ]
+        return parts
+    gate, up, down = expert_tensor_names(config, layer, expert)
+    return [ExpertPart(gate, "gate"), ExpertPart(up, "up"), ExpertPart(down, "down")]
+
+
+def expert_numel(config: MoEConfig) -> int:
+    """Numbers in one routed expert (weights and biases)."""
+    h, i = config.hidden_size, config.expert_intermediate_size
+    return 3 * h * i + (2 * i + h if config.expert_bias else 0)
+
+
 def expert_tensor_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, str, str]:
-    """(gate [I, H], up [I, H], down [H, I]) tensor names of one routed expert."""
+    """(gate [I, H], up [I, H], down [H, I]) tensor names of one routed expert stored on its own
+    (every family but the fused ones; see ``expert_parts``)."""
+    if family_spec(config.family).fused_experts:
+        raise ValueError(f"{config.family} stores experts fused per layer; use expert_parts")
     prefix = f"{moe_prefix(config, layer)}.experts.{expert}"
     gate, up, down = family_spec(config.family).expert_leaves
     return f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight", f"{prefix}.{down}.weight"
 
 
 def router_tensor_names(config: MoEConfig, layer: int) -> dict[str, str]:
-    """``weight`` [E, H] and, for sigmoid routing, ``bias`` [E] (selection-only correction)."""
-    names = {"weight": f"{moe_prefix(config, layer)}.gate.weight"}
+    """``weight`` [E, H]; for sigmoid routing ``selection_bias`` [E] (steers the choice only);
+    with ``router_bias`` ``bias`` [E] (added to the logits)."""
+    router = f"{moe_prefix(config, layer)}.{family_spec(config.family).router_leaf}"
+    names = {"weight": f"{router}.weight"}
     if config.router_type == "sigmoid_grouped":
-        names["bias"] = f"{moe_prefix(config, layer)}.gate.e_score_correction_bias"
+        names["selection_bias"] = f"{router}.e_score_correction_bias"
+    if config.router_bias:
+        names["bias"] = f"{router}.bias"
     return names
 
 
@@ -79,6 +131,10 @@ def attention_tensor_shapes(config: MoEConfig, layer: int) -> dict[str, Shape]:
         f"{p}.v_proj.weight": (kv, h),
         f"{p}.o_proj.weight": (h, heads * d),
     }
+    if config.attention_output_bias:
+        shapes[f"{p}.o_proj.bias"] = (h,)
+    if config.attention_sinks:
+        shapes[f"{p}.sinks"] = (heads,)
     if config.attention_bias:
         shapes.update(
             {f"{p}.q_proj.bias": (heads * d,), f"{p}.k_proj.bias": (kv,), f"{p}.v_proj.bias": (kv,)}
@@ -104,8 +160,9 @@ def attention_side_tensor_shapes(config: MoEConfig) -> dict[str, Shape]:
             continue
         router = router_tensor_names(config, layer)
         shapes[router["weight"]] = (config.num_experts, h)
-        if "bias" in router:
-            shapes[router["bias"]] = (config.num_experts,)
+        for kind in ("selection_bias", "bias"):
+            if kind in router:
+                shapes[router[kind]] = (config.num_experts,)
         if config.shared_expert_intermediate_size:
             prefix = shared_expert_prefix(config, layer)
             shapes.update(_mlp_shapes(prefix, h, config.shared_expert_intermediate_size))
@@ -120,10 +177,24 @@ def expert_tensor_shapes(config: MoEConfig, layer: int, expert: int) -> dict[str
     return {gate: (i, h), up: (i, h), down: (h, i)}
 
 
+def fused_expert_shapes(config: MoEConfig, layer: int) -> dict[str, Shape]:
+    """The per-layer expert tensors of a fused family (gpt_oss)."""
+    prefix = f"{moe_prefix(config, layer)}.experts"
+    e, h, i = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    shapes: dict[str, Shape] = {f"{prefix}.gate_up_proj": (e, h, 2 * i), f"{prefix}.down_proj": (e, i, h)}
+    if config.expert_bias:
+        shapes.update({f"{prefix}.gate_up_proj_bias": (e, 2 * i), f"{prefix}.down_proj_bias": (e, h)})
+    return shapes
+
+
 def tensor_shapes(config: MoEConfig) -> dict[str, Shape]:
     """Name -> shape of every tensor of ``config``'s checkpoint."""
     shapes = attention_side_tensor_shapes(config)
+    fused = family_spec(config.family).fused_experts
     for layer in config.moe_layers:
+        if fused:
+            shapes.update(fused_expert_shapes(config, layer))
+            continue
         for expert in range(config.num_experts):
             shapes.update(expert_tensor_shapes(config, layer, expert))
     return shapes
@@ -134,9 +205,5 @@ def attention_side_tensor_names(config: MoEConfig) -> list[str]:
 
 
 def all_expert_tensor_names(config: MoEConfig) -> list[str]:
-    return [
-        name
-        for layer in config.moe_layers
-        for expert in range(config.num_experts)
-        for name in expert_tensor_names(config, layer, expert)
-    ]
+    """Every stored tensor that holds routed-expert weights."""
+    return sorted(set(tensor_shapes(config)) - set(attention_side_tensor_shapes(config)))

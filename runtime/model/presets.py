@@ -63,6 +63,37 @@ _DEEPSEEK_MLA: dict[str, Any] = {
     "router_type": "sigmoid_grouped",
 }
 
+_GPT_OSS: dict[str, Any] = {
+    "router_bias": True,
+    "expert_bias": True,
+    "expert_activation": "clamped_swiglu",
+    "attention_bias": True,
+    "attention_output_bias": True,
+    "attention_sinks": True,
+}
+
+_GPT_OSS_PUBLISHED: dict[str, Any] = {
+    **_GPT_OSS,
+    "hidden_size": 2880,
+    "num_heads": 64,
+    "num_kv_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 201088,
+    "top_k": 4,
+    "expert_intermediate_size": 2880,
+    "sliding_window": 128,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+}
+
 PRESETS: dict[Family, dict[str, dict[str, Any]]] = {
     "mixtral": {
         "tiny": {**_TINY_COMMON},
@@ -261,6 +292,29 @@ PRESETS: dict[Family, dict[str, dict[str, Any]]] = {
             "rope_theta": 1e6,
             "rms_norm_eps": 1e-5,
             "max_position_embeddings": 131072,
+        },
+    },
+    "gpt_oss": {
+        # A low swiglu_limit and a short window so the clamps and the window act at tiny size.
+        "tiny": {
+            **_TINY_COMMON,
+            **_GPT_OSS,
+            "swiglu_limit": 1.0,
+            "sliding_window": 4,
+            "sliding_window_layers": (0, 2),
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 64, "truncate": False},
+        },
+        "gpt-oss-20b": {
+            **_GPT_OSS_PUBLISHED,
+            "num_layers": 24,
+            "num_experts": 32,
+            "sliding_window_layers": tuple(range(0, 24, 2)),
+        },
+        "gpt-oss-120b": {
+            **_GPT_OSS_PUBLISHED,
+            "num_layers": 36,
+            "num_experts": 128,
+            "sliding_window_layers": tuple(range(0, 36, 2)),
         },
     },
 }

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from eaas.runtime.model import CheckpointReader, ExpertStack
 from eaas.runtime.model.expert_side import ExpertKey
 
@@ -28,12 +26,9 @@ def restack(
     fresh = {pair: group for group, pair in enumerate(loaded.pairs)}
     device = old.w13.device
     if not wanted:
-        return ExpertStack(old.config, [], old.w13[:0].clone(), old.w2[:0].clone()).to(device), 0
-    w13 = torch.stack(  # [G, 2I, H]
-        [old.w13[kept[p]] if p in kept else loaded.w13[fresh[p]].to(device) for p in wanted]
-    )
-    w2 = torch.stack([old.w2[kept[p]] if p in kept else loaded.w2[fresh[p]].to(device) for p in wanted])
-    return ExpertStack(old.config, wanted, w13, w2).to(device), len(fresh)
+        return ExpertStack.empty(old.config, 0, old.w13.dtype, []).to(device), 0
+    sources = [(old, kept[p]) if p in kept else (loaded, fresh[p]) for p in wanted]
+    return ExpertStack.gather(old.config, wanted, sources, device), len(fresh)
 
 
 def hosted_layers(stack: ExpertStack) -> frozenset[int]:

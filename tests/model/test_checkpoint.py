@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from eaas.runtime.model import CheckpointError, CheckpointReader, ExpertStack, preset, write_random_checkpoint
 from eaas.runtime.model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks, quantize_fp8_blocks
-from eaas.runtime.model.naming import expert_tensor_names, tensor_shapes
+from eaas.runtime.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from eaas.runtime.model.naming import expert_parts, expert_tensor_names, tensor_shapes
 from eaas.runtime.model.reference import load_reference
 
 
@@ -25,7 +26,7 @@ def test_sharded_checkpoint_has_index_and_every_tensor(tiny_checkpoints: dict[st
         assert len(set(reader.weight_map.values())) > 1, "tiny checkpoints are written sharded"
         index = json.loads((directory / "model.safetensors.index.json").read_text())
         assert index["metadata"]["total_size"] == sum(4 * torch.Size(s).numel() for s in shapes.values())
-        name = expert_tensor_names(reader.config, reader.config.moe_layers[0], 3)[2]
+        name = expert_parts(reader.config, reader.config.moe_layers[0], 3)[1].name
         assert tuple(reader.load([name])[name].shape) == shapes[name], family
 
 
@@ -171,3 +172,56 @@ def test_fp8_checkpoints_load_dequantised(tmp_path: Path) -> None:
     (unlabelled / "config.json").write_text(json.dumps(hf))
     with pytest.raises(CheckpointError, match=r"is FP8 but config\.json has no fp8 quantization_config"):
         CheckpointReader(unlabelled).load([kv_b])
+
+
+def test_mxfp4_dequantisation_equals_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    values = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(2)) * 3  # [E, out, in]
+    blocks, scales = quantize_mxfp4(values)
+    assert blocks.shape == (3, 40, 2, 16) and scales.shape == (3, 40, 2)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [E, out, in]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), rtol=0, atol=0)
+    # e2m1 steps are at most 2 apart (4 to 6): each value is within 1.0 x its block scale.
+    scale = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
+    assert ((ours - values).abs() <= scale * 1.0 + 1e-6).all()
+    with pytest.raises(
+        ValueError, match=r"MXFP4 blocks \[3, 40, 2, 16\] and scales \[3, 40, 1\] do not match"
+    ):
+        dequantize_mxfp4(blocks, scales[..., :1], torch.float32)
+
+
+def test_mxfp4_expert_checkpoints_load_dequantised(tmp_path: Path, tiny_checkpoints: dict[str, Path]) -> None:
+    """gpt-oss's published layout: fused experts as ``<name>_blocks`` / ``<name>_scales``."""
+    config = CheckpointReader(tiny_checkpoints["gpt_oss"]).config
+    directory = _copy(tiny_checkpoints["gpt_oss"], tmp_path / "mxfp4")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    dequantised: dict[str, torch.Tensor] = {}
+    for layer in config.moe_layers:
+        for leaf in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{leaf}"
+            shard = index["weight_map"].pop(name)
+            tensors = load_file(str(directory / shard))
+            blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))  # stored [E, out, in / 32, 16]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            dequantised[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
+            save_file(tensors, str(directory / shard), metadata={"format": "pt"})
+            index["weight_map"][name + "_blocks"] = index["weight_map"][name + "_scales"] = shard
+    index_path.write_text(json.dumps(index))
+    hf = json.loads((directory / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
+    (directory / "config.json").write_text(json.dumps(hf))
+
+    reader = CheckpointReader(directory)
+    layer = config.moe_layers[0]
+    stack = ExpertStack.load(reader, [(layer, 1), (layer, 4)], dtype=torch.float32)
+    gate_up = dequantised[f"model.layers.{layer}.mlp.experts.gate_up_proj"][4]  # [H, 2I], alternating
+    torch.testing.assert_close(stack.w13[1, : config.expert_intermediate_size], gate_up[:, 0::2].T)
+    torch.testing.assert_close(stack.w13[1, config.expert_intermediate_size :], gate_up[:, 1::2].T)
+    down = dequantised[f"model.layers.{layer}.mlp.experts.down_proj"][1]  # [I, H]
+    torch.testing.assert_close(stack.w2[0], down.T)
+    assert ExpertStack.load(reader, [(layer, 1)]).w13.dtype == torch.bfloat16  # the default for MXFP4
+    generated, _ = load_reference(directory, dtype=torch.float32).generate([[1, 2, 3]], 3)
+    assert len(generated[0]) == 3

@@ -34,3 +34,9 @@ def test_inspect_cli_on_fp8_and_bad_arguments(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "1 <= replication <= servers" in result.output
     result = runner.invoke(model, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and "config.json: not found" in result.output
+
+
+def test_summary_of_fused_experts(tiny_checkpoints: dict[str, Path]) -> None:
+    summary = summarize(CheckpointReader(tiny_checkpoints["gpt_oss"]), servers=2, replication=1)
+    h, i = 64, 32
+    assert summary.expert_bytes == (3 * h * i + 2 * i + h) * 4  # weights and biases, float32

@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 PRESETS = [(family, "tiny") for family in FAMILIES] + [("deepseek_v3", "kimi-k2-tiny")]
 
@@ -110,6 +111,25 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
         "routed_scaling_factor": 1.5,
     },
+    "gpt_oss": {
+        **_SMALL,
+        "intermediate_size": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 6,
+        "sliding_window": 5,
+        "swiglu_limit": 1.5,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+    },
 }
 
 
@@ -166,7 +186,7 @@ def test_checkpoints_transformers_wrote_load_and_match(family: str, tmp_path: Pa
     _compare(tmp_path, theirs)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe", "gpt_oss"])
 def test_greedy_generation_equals_transformers_generate(family: str, tmp_path: Path) -> None:
     theirs = _transformers_checkpoint(family, tmp_path)
     ours = load_reference(tmp_path)

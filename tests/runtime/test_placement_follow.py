@@ -190,11 +190,14 @@ def test_restack_reads_only_new_experts(model: tuple[Path, list[int], int]) -> N
     read: list[str] = []
 
     class CountingReader(CheckpointReader):
-        def iter_load(
-            self, names: list[str], dtype: torch.dtype | None = None, progress: str | None = None
-        ) -> Iterator[tuple[str, torch.Tensor]]:
-            read.extend(names)
-            return super().iter_load(names, dtype, progress)
+        def iter_load_slices(
+            self,
+            refs: list[tuple[str, int | None]],
+            dtype: torch.dtype | None = None,
+            progress: str | None = None,
+        ) -> Iterator[tuple[tuple[str, int | None], torch.Tensor]]:
+            read.extend(name for name, _ in refs)
+            return super().iter_load_slices(refs, dtype, progress)
 
     reader = CountingReader(checkpoint)
     old = ExpertStack.load(reader, [(layers[0], 0), (layers[0], 1), (layers[1], 5)])

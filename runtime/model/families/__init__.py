@@ -11,7 +11,7 @@ import importlib
 
 from eaas.runtime.model.families.base import FamilySpec, HFConfig, write_common
 
-_MODULES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+_MODULES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 _SPECS: dict[str, FamilySpec] = {}
 
 

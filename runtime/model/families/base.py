@@ -17,6 +17,22 @@ if TYPE_CHECKING:
 
 Fail = Callable[[str, str], None]  # fail(field, message) raises
 
+# Features only some architectures have: name -> whether ``config`` uses it.
+FEATURES: dict[str, Callable[[MoEConfig], bool]] = {
+    "router_bias": lambda c: c.router_bias,
+    "expert_bias": lambda c: c.expert_bias,
+    "clamped_swiglu": lambda c: c.expert_activation == "clamped_swiglu",
+    "attention_sinks": lambda c: c.attention_sinks,
+    "sliding_window": lambda c: bool(c.sliding_window),
+    "attention_output_bias": lambda c: c.attention_output_bias,
+}
+
+
+def check_features(config: MoEConfig, spec: FamilySpec, fail: Fail) -> None:
+    for feature, used in FEATURES.items():
+        if used(config) and feature not in spec.features:
+            fail(feature, f"family {config.family} has no {feature}")
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -35,6 +51,13 @@ class FamilySpec:
     """Names of an expert's gate, up and down projections."""
     shared_block: str = "shared_experts"
     """Module name of the shared expert under the MoE block (``shared_expert`` for qwen2_moe)."""
+    router_leaf: str = "gate"
+    """Module name of the router under the MoE block (``router`` for gpt_oss)."""
+    features: frozenset[str] = frozenset()
+    """Optional features the architecture has (see ``FEATURES``); a config using another is refused."""
+    fused_experts: bool = False
+    """Experts stored as one tensor per layer (gpt_oss: ``experts.gate_up_proj`` [E, H, 2I] with
+    gate and up in alternating columns, ``experts.down_proj`` [E, I, H], and their biases)."""
 
 
 class HFConfig:
