@@ -1,4 +1,5 @@
-"""The expert FFN's gated activation: ``act = f(gate, up)`` between the two GEMMs.
+"""The expert FFN's gated activation: ``act = f(gate, up)`` between the two GEMMs, and the
+block scales of FP8 expert weights.
 
 - ``silu``: ``silu(gate) * up`` (Mixtral, Qwen, DeepSeek, GLM).
 - ``clamped_swiglu`` (gpt-oss): gate clamped above at ``limit``, up clamped to
@@ -46,3 +47,22 @@ class Activation:
 
 
 SILU = Activation()
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """Block-scaled FP8 expert weights (DeepSeek's layout): ``w13`` and ``w2`` are
+    ``float8_e4m3fn`` and weight[g, r, c] = fp8[g, r, c] * scale[g, r // rows, c // cols].
+
+    ``w13`` [G, ceil(2I / rows), ceil(H / cols)] and ``w2`` [G, ceil(H / rows), ceil(I / cols)],
+    float32; ``block`` = (rows, cols).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int]
+
+    def expand(self, scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """One group's scale [R/rows, C/cols] -> per-element scale [R, C]."""
+        rows, cols = self.block
+        return scale.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]

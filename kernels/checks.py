@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaas.kernels.activation import BlockScales
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -30,8 +32,9 @@ def check_expert_inputs(
     group_of: torch.Tensor,  # [T, K] int32/int64
     weight_of: torch.Tensor,  # [T, K] float
     w13: torch.Tensor,  # [G, 2I, H], dtype of x
-    w2: torch.Tensor,  # [G, H, I], dtype of x
+    w2: torch.Tensor,  # [G, H, I], dtype of x (float8_e4m3fn with ``scales``)
     backend: str,
+    scales: BlockScales | None = None,
 ) -> ExpertShapes:
     """Validate the ``experts_forward`` arguments and return their sizes."""
 
@@ -54,7 +57,21 @@ def check_expert_inputs(
         fail(f"w2 must be [G, H, I] = {(num_groups, hidden, inter)}, got shape {tuple(w2.shape)}")
     if x.dtype not in FLOAT_DTYPES:
         fail(f"x.dtype must be one of float32, float16, bfloat16, got {x.dtype}")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+    if scales is not None:
+        if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+            fail(f"with block scales, w13 and w2 must be float8_e4m3fn, got {w13.dtype} and {w2.dtype}")
+        rows, cols = scales.block
+        for name, scale, (r, c) in (
+            ("scales.w13", scales.w13, (2 * inter, hidden)),
+            ("scales.w2", scales.w2, (hidden, inter)),
+        ):
+            want = (num_groups, -(-r // rows), -(-c // cols))
+            if tuple(scale.shape) != want or scale.dtype != torch.float32:
+                fail(
+                    f"{name} must be {list(want)} float32 for {rows}x{cols} blocks, "
+                    f"got {list(scale.shape)} {scale.dtype}"
+                )
+    elif w13.dtype != x.dtype or w2.dtype != x.dtype:
         fail(f"w13 and w2 must have the dtype of x ({x.dtype}), got {w13.dtype} and {w2.dtype}")
     if group_of.dtype not in INDEX_DTYPES:
         fail(f"group_of.dtype must be int32 or int64, got {group_of.dtype}")

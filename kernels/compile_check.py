@@ -99,6 +99,10 @@ def gemm_launch_values(hidden: int, inter: int, dtype: str) -> dict[str, dict[st
         "stride_act_col": 1,
         "b13_ptr": f"*{dtype}",
         "stride_b_group": 2 * inter,
+        "s13_ptr": "*fp32",
+        "stride_s_group": (2 * inter // 128) * (hidden // 128),
+        "stride_s_row": hidden // 128,
+        "stride_s_col": 1,
         "alpha": 1.702,
         "limit": 7.0,
     }
@@ -116,6 +120,10 @@ def gemm_launch_values(hidden: int, inter: int, dtype: str) -> dict[str, dict[st
         "stride_out_token": hidden,
         "b2_ptr": f"*{dtype}",
         "stride_b_group": hidden,
+        "s2_ptr": "*fp32",
+        "stride_s_group": (hidden // 128) * (inter // 128),
+        "stride_s_row": inter // 128,
+        "stride_s_col": 1,
     }
     return {"gate_up": gate_up, "down": down}
 
@@ -137,21 +145,31 @@ def check_all(arch: int, hidden: int, inter: int, dtype: str = "bf16") -> list[d
     kernels = {"gate_up": grouped_gemm._gate_up_silu_kernel, "down": grouped_gemm._down_combine_kernel}
     values = gemm_launch_values(hidden, inter, dtype)
     reports: list[dict[str, Any]] = []
-    # Every configuration plain (no bias, SiLU), plus each stage's largest with biases and the
-    # clamped SwiGLU of gpt-oss (the epilogue variants; the main loop is the same).
+    # Every configuration plain (no bias, SiLU, 16-bit weights), plus each stage's largest with
+    # biases and the clamped SwiGLU of gpt-oss (the epilogue variants) and with block-scaled FP8
+    # weights (the main-loop variant).
     largest = {
         stage: max((c for s, c in configs if s == stage), key=lambda c: c.block_m * c.block_n)
         for stage in STAGES
     }
     variants = [
-        (stage, config, shrink, False)
+        (stage, config, shrink, "plain")
         for stage, config in sorted(configs, key=str)
         for shrink in (True, False)
     ]
-    variants += [(stage, largest[stage], True, True) for stage in STAGES]
-    for stage, config, shrink, epilogue in variants:
+    variants += [
+        (stage, largest[stage], True, variant) for stage in STAGES for variant in ("epilogue", "fp8")
+    ]
+    for stage, config, shrink, variant in variants:
+        epilogue, fp8 = variant == "epilogue", variant == "fp8"
+        stage_values = dict(values[stage])
+        if fp8:
+            stage_values["w13_ptr" if stage == "gate_up" else "w2_ptr"] = "*fp8e4nv"
         constexprs = {
             "HAS_BIAS": epilogue,
+            "FP8": fp8,
+            "SCALE_ROWS": 128,
+            "SCALE_COLS": 128,
             **({"ACTIVATION": 1 if epilogue else 0} if stage == "gate_up" else {}),
             "SHRINK": shrink,
             "BLOCK_M": config.block_m,
@@ -161,7 +179,7 @@ def check_all(arch: int, hidden: int, inter: int, dtype: str = "bf16") -> list[d
             "PRECISION": "ieee" if dtype == "fp32" else "tf32",
         }
         compiled = compile_kernel(
-            kernels[stage], values[stage], constexprs, arch, config.num_warps, config.num_stages
+            kernels[stage], stage_values, constexprs, arch, config.num_warps, config.num_stages
         )
         shared = int(compiled.metadata.shared)
         ttgir = compiled.asm["ttgir"]
@@ -172,7 +190,7 @@ def check_all(arch: int, hidden: int, inter: int, dtype: str = "bf16") -> list[d
             {
                 "kernel": stage,
                 "shrink": shrink,
-                "bias_and_clamped_swiglu": epilogue,
+                "variant": variant,
                 "config": config.as_dict(),
                 "shared_bytes": shared,
                 "pipelined": "async_copy" in ttgir or "async_tma" in ttgir,

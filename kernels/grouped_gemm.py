@@ -11,6 +11,12 @@ R = T*K entry rows (positions in ``Alignment.sorted_entries``).
    so the bias, the router weight and the combine are the epilogue and no ``[T, K, H]``
    intermediate exists.
 
+With ``FP8``, the weights are ``float8_e4m3fn`` with one float32 scale per block (DeepSeek's
+layout): each weight tile is dequantised in registers as it is loaded. When the K step lies
+inside one scale block (``SCALE_COLS % BLOCK_K == 0``, true for DeepSeek's 128 x 128 blocks and
+every tuned tile) that takes one scale per output column; otherwise a scale is gathered per
+element, so any tile shape works with any block shape.
+
 Schedule (seed 000, Algorithm 1): the grid is a fixed number of programs (SMs × occupancy, or the
 number of tiles if smaller). Program p starts at tile p of the first group and walks the group
 list; a group with n tiles consumes n tile numbers, so a program's cursor drops by n when it moves
@@ -40,6 +46,7 @@ def _gate_up_silu_tile(
     x_ptr,
     w13_ptr,
     b13_ptr,
+    s13_ptr,
     act_ptr,
     sorted_entries_ptr,
     group,
@@ -58,10 +65,16 @@ def _gate_up_silu_tile(
     stride_act_row,
     stride_act_col,
     stride_b_group,
+    stride_s_group,
+    stride_s_row,
+    stride_s_col,
     alpha,
     limit,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -90,6 +103,27 @@ def _gate_up_silu_tile(
         b_offsets = ks[:, None] * stride_w_hidden + cols[None, :].to(tl.int64) * stride_w_row
         b_gate = tl.load(w_group_ptr + b_offsets, mask=b_mask, other=0.0)  # [BK, BN]
         b_up = tl.load(w_group_ptr + inter * stride_w_row + b_offsets, mask=b_mask, other=0.0)  # [BK, BN]
+        if FP8:  # dequantise the weight tile with its block scales: w = fp8 * scale[row block, col block]
+            s_group_ptr = s13_ptr + group.to(tl.int64) * stride_s_group
+            if SCALE_COLS % BLOCK_K == 0:  # the K step lies in one scale block: one scale per column
+                k_block = (k_start // SCALE_COLS) * stride_s_col
+                s_gate = tl.load(s_group_ptr + (cols // SCALE_ROWS) * stride_s_row + k_block, mask=col_mask)
+                s_up = tl.load(
+                    s_group_ptr + ((inter + cols) // SCALE_ROWS) * stride_s_row + k_block, mask=col_mask
+                )
+                b_gate = (b_gate.to(tl.float32) * s_gate[None, :]).to(a.dtype)
+                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
+            else:  # blocks narrower than the K step: a scale per element
+                k_blocks = (ks // SCALE_COLS)[:, None] * stride_s_col
+                s_gate = tl.load(
+                    s_group_ptr + (cols // SCALE_ROWS)[None, :] * stride_s_row + k_blocks, mask=b_mask
+                )
+                s_up = tl.load(
+                    s_group_ptr + ((inter + cols) // SCALE_ROWS)[None, :] * stride_s_row + k_blocks,
+                    mask=b_mask,
+                )
+                b_gate = (b_gate.to(tl.float32) * s_gate).to(a.dtype)
+                b_up = (b_up.to(tl.float32) * s_up).to(a.dtype)
         if UPCAST:
             a = a.to(tl.float32)
             b_gate = b_gate.to(tl.float32)
@@ -118,6 +152,7 @@ def _gate_up_silu_kernel(
     x_ptr,
     w13_ptr,
     b13_ptr,
+    s13_ptr,
     act_ptr,
     sorted_entries_ptr,
     walk_groups_ptr,
@@ -137,10 +172,16 @@ def _gate_up_silu_kernel(
     stride_act_row,
     stride_act_col,
     stride_b_group,
+    stride_s_group,
+    stride_s_row,
+    stride_s_col,
     alpha,
     limit,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
     SHRINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -165,6 +206,7 @@ def _gate_up_silu_kernel(
                     x_ptr,
                     w13_ptr,
                     b13_ptr,
+                    s13_ptr,
                     act_ptr,
                     sorted_entries_ptr,
                     group,
@@ -183,10 +225,16 @@ def _gate_up_silu_kernel(
                     stride_act_row,
                     stride_act_col,
                     stride_b_group,
+                    stride_s_group,
+                    stride_s_row,
+                    stride_s_col,
                     alpha,
                     limit,
                     HAS_BIAS,
                     ACTIVATION,
+                    FP8,
+                    SCALE_ROWS,
+                    SCALE_COLS,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_K,
@@ -202,6 +250,7 @@ def _down_combine_tile(
     act_ptr,
     w2_ptr,
     b2_ptr,
+    s2_ptr,
     out_ptr,
     sorted_entries_ptr,
     weight_ptr,
@@ -220,7 +269,13 @@ def _down_combine_tile(
     stride_w_inter,
     stride_out_token,
     stride_b_group,
+    stride_s_group,
+    stride_s_row,
+    stride_s_col,
     HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -250,6 +305,20 @@ def _down_combine_tile(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )  # [BK, BN]
+        if FP8:  # w2[g] is [H, I]: the tile's rows are I (ks), its columns H (cols)
+            s_group_ptr = s2_ptr + group.to(tl.int64) * stride_s_group
+            if SCALE_COLS % BLOCK_K == 0:  # the K step lies in one scale block: one scale per column
+                k_block = (k_start // SCALE_COLS) * stride_s_col
+                scale = tl.load(s_group_ptr + (cols // SCALE_ROWS) * stride_s_row + k_block, mask=col_mask)
+                b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
+            else:  # blocks narrower than the K step: a scale per element
+                scale = tl.load(
+                    s_group_ptr
+                    + (cols // SCALE_ROWS)[None, :] * stride_s_row
+                    + (ks // SCALE_COLS)[:, None] * stride_s_col,
+                    mask=k_mask[:, None] & col_mask[None, :],
+                )
+                b = (b.to(tl.float32) * scale).to(a.dtype)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -271,6 +340,7 @@ def _down_combine_kernel(
     act_ptr,
     w2_ptr,
     b2_ptr,
+    s2_ptr,
     out_ptr,
     sorted_entries_ptr,
     weight_ptr,
@@ -290,7 +360,13 @@ def _down_combine_kernel(
     stride_w_inter,
     stride_out_token,
     stride_b_group,
+    stride_s_group,
+    stride_s_row,
+    stride_s_col,
     HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
     SHRINK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -315,6 +391,7 @@ def _down_combine_kernel(
                     act_ptr,
                     w2_ptr,
                     b2_ptr,
+                    s2_ptr,
                     out_ptr,
                     sorted_entries_ptr,
                     weight_ptr,
@@ -333,7 +410,13 @@ def _down_combine_kernel(
                     stride_w_inter,
                     stride_out_token,
                     stride_b_group,
+                    stride_s_group,
+                    stride_s_row,
+                    stride_s_col,
                     HAS_BIAS,
+                    FP8,
+                    SCALE_ROWS,
+                    SCALE_COLS,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_K,
@@ -379,6 +462,8 @@ def gate_up_silu(
     shrink: bool = True,
     b13: torch.Tensor | None = None,  # [G, 2I]
     activation: Activation = SILU,
+    scales: torch.Tensor | None = None,  # FP8 w13: [G, 2I / rows, H / cols] float32
+    scale_block: tuple[int, int] = (1, 1),
 ) -> torch.Tensor:  # [T*K, I], dtype of x; rows of sorted positions (only valid rows written)
     """First GEMM with the bias and activation (SiLU·mul by default) as its epilogue, one row per
     sorted entry position."""
@@ -393,6 +478,7 @@ def gate_up_silu(
         x,
         w13,
         w13 if b13 is None else b13,  # never read without HAS_BIAS
+        w13 if scales is None else scales,  # never read without FP8
         act,
         alignment.sorted_entries,
         walk_groups,
@@ -412,10 +498,14 @@ def gate_up_silu(
         act.stride(0),
         act.stride(1),
         0 if b13 is None else b13.stride(0),
+        *(scales.stride() if scales is not None else (0, 0, 0)),
         activation.alpha,
         activation.limit,
         HAS_BIAS=b13 is not None,
         ACTIVATION=activation.code,
+        FP8=scales is not None,
+        SCALE_ROWS=scale_block[0],
+        SCALE_COLS=scale_block[1],
         SHRINK=shrink,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -437,6 +527,8 @@ def down_combine(
     config: TileConfig,
     shrink: bool = True,
     b2: torch.Tensor | None = None,  # [G, H]
+    scales: torch.Tensor | None = None,  # FP8 w2: [G, H / rows, I / cols] float32
+    scale_block: tuple[int, int] = (1, 1),
 ) -> torch.Tensor:  # out
     """Second GEMM with the bias, the router weight and the per-token combine as its epilogue."""
     num_groups, hidden, inter = w2.shape
@@ -452,6 +544,7 @@ def down_combine(
         act,
         w2,
         w2 if b2 is None else b2,  # never read without HAS_BIAS
+        w2 if scales is None else scales,  # never read without FP8
         out,
         alignment.sorted_entries,
         weights,
@@ -471,7 +564,11 @@ def down_combine(
         w2.stride(2),
         out.stride(0),
         0 if b2 is None else b2.stride(0),
+        *(scales.stride() if scales is not None else (0, 0, 0)),
         HAS_BIAS=b2 is not None,
+        FP8=scales is not None,
+        SCALE_ROWS=scale_block[0],
+        SCALE_COLS=scale_block[1],
         SHRINK=shrink,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eaas.kernels.activation import SILU, Activation
+from eaas.kernels.activation import SILU, Activation, BlockScales
 from eaas.kernels.checks import check_expert_biases, check_expert_inputs, check_group_range
 
 BACKEND = "grouped_mm"
@@ -52,9 +52,15 @@ def experts_forward_grouped_mm(
     b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
     b2: torch.Tensor | None = None,  # [G, H] down biases
     activation: Activation = SILU,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:  # [T, H], dtype of x
     """``experts_forward`` on two ``torch._grouped_mm`` calls (outputs in x.dtype, combine in fp32);
     biases are added per row by the group each row belongs to."""
+    if scales is not None:
+        raise ValueError(
+            f"experts_forward[{BACKEND}]: block-scaled FP8 weights are not supported by torch._grouped_mm; "
+            "use backend='triton' (or 'torch'), or load the experts dequantised"
+        )
     shapes = check_expert_inputs(x, group_of, weight_of, w13, w2, BACKEND)
     check_expert_biases(shapes, x, b13, b2, BACKEND)
     _check_supported(x, shapes.hidden, shapes.inter)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eaas.kernels.activation import SILU, Activation
+from eaas.kernels.activation import SILU, Activation, BlockScales
 
 
 def experts_forward_reference(
@@ -22,9 +22,10 @@ def experts_forward_reference(
     b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
     b2: torch.Tensor | None = None,  # [G, H] down biases
     activation: Activation = SILU,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:  # [T, H], dtype of x
     """Router-weighted sum over each token's entries of ``down(act(gate(x), up(x)))``, with the
-    projections' biases when given.
+    projections' biases when given; FP8 weights with ``scales`` are dequantised per group.
 
     Accumulates in float32 and returns ``x.dtype``.
     """
@@ -40,11 +41,19 @@ def experts_forward_reference(
         sel = flat_group == group
         tokens = flat_token[sel]  # [n]
         xs = x[tokens].to(torch.float32)  # [n, H]
-        gate_up = xs @ w13[group].to(torch.float32).t()  # [n, 2I]
+        up_weights, down_weights = w13[group].to(torch.float32), w2[group].to(torch.float32)
+        if scales is not None:
+            up_weights = up_weights * scales.expand(
+                scales.w13[group], (up_weights.shape[0], up_weights.shape[1])
+            )
+            down_weights = down_weights * scales.expand(
+                scales.w2[group], (down_weights.shape[0], down_weights.shape[1])
+            )
+        gate_up = xs @ up_weights.t()  # [n, 2I]
         if b13 is not None:
             gate_up = gate_up + b13[group].to(torch.float32)
         act = activation.apply(gate_up[:, :inter], gate_up[:, inter:])  # [n, I]
-        y = act @ w2[group].to(torch.float32).t()  # [n, H]
+        y = act @ down_weights.t()  # [n, H]
         if b2 is not None:
             y = y + b2[group].to(torch.float32)
         out.index_add_(0, tokens, y * flat_weight[sel, None])

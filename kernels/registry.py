@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from eaas.kernels.activation import SILU, Activation
+from eaas.kernels.activation import SILU, Activation, BlockScales
 from eaas.kernels.reference import experts_forward_reference
 
 
@@ -35,6 +35,7 @@ class ExpertsForward(Protocol):
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
         activation: Activation = SILU,
+        scales: BlockScales | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -81,7 +82,11 @@ def experts_forward(
     b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
     b2: torch.Tensor | None = None,  # [G, H] down biases
     activation: Activation = SILU,
+    scales: BlockScales | None = None,  # FP8 w13/w2: their block scales
 ) -> torch.Tensor:  # [T, H]
     """For each token, the router-weighted sum over its K entries of the group's gated expert
     ``down(act(gate(x), up(x)))`` (plus the biases, when given)."""
-    return get_backend(backend)(x, group_of, weight_of, w13, w2, b13=b13, b2=b2, activation=activation)
+    fn = get_backend(backend)
+    if scales is None:
+        return fn(x, group_of, weight_of, w13, w2, b13=b13, b2=b2, activation=activation)
+    return fn(x, group_of, weight_of, w13, w2, b13=b13, b2=b2, activation=activation, scales=scales)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eaas.kernels.activation import SILU, Activation
+from eaas.kernels.activation import SILU, Activation, BlockScales
 from eaas.kernels.align import Alignment, align_entries
 from eaas.kernels.checks import check_expert_biases, check_expert_inputs, check_group_range
 from eaas.kernels.configs import INTERPRETER_CONFIG, TileConfig, select_configs
@@ -30,6 +30,7 @@ def experts_forward_triton(
     b13: torch.Tensor | None = None,  # [G, 2I] gate then up biases
     b2: torch.Tensor | None = None,  # [G, H] down biases
     activation: Activation = SILU,
+    scales: BlockScales | None = None,
     shrink: bool = True,
     configs: tuple[TileConfig, TileConfig] | None = None,
 ) -> torch.Tensor:  # [T, H], dtype of x
@@ -40,7 +41,7 @@ def experts_forward_triton(
     Accumulates in float32 (the combine through fp32 atomics, so the summation order over a
     token's K entries is not fixed) and returns ``x.dtype``.
     """
-    shapes = check_expert_inputs(x, group_of, weight_of, w13, w2, BACKEND)
+    shapes = check_expert_inputs(x, group_of, weight_of, w13, w2, BACKEND, scales)
     check_expert_biases(shapes, x, b13, b2, BACKEND)
     require_runnable(x.device, _gate_up_silu_kernel)
     interpreted = is_interpreted(_gate_up_silu_kernel)
@@ -55,7 +56,11 @@ def experts_forward_triton(
             configs = select_configs(device_name(x.device), shapes.hidden, shapes.inter, shapes.num_tokens)
     gate_up_config, down_config = configs
     alignment: Alignment = align_entries(group_of, shapes.num_groups)
-    act = gate_up_silu(x, w13, alignment, shapes.topk, gate_up_config, shrink, b13, activation)  # [T*K, I]
+    block = scales.block if scales is not None else (1, 1)
+    s13, s2 = (scales.w13, scales.w2) if scales is not None else (None, None)
+    act = gate_up_silu(
+        x, w13, alignment, shapes.topk, gate_up_config, shrink, b13, activation, s13, block
+    )  # [T*K, I]
     out = torch.zeros((shapes.num_tokens, shapes.hidden), dtype=torch.float32, device=x.device)
-    down_combine(act, w2, weight_of, alignment, out, down_config, shrink, b2)
+    down_combine(act, w2, weight_of, alignment, out, down_config, shrink, b2, s2, block)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
