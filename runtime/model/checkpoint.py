@@ -131,6 +131,10 @@ class CheckpointReader:
             hf = json.loads(config_path.read_text())
             self.config = MoEConfig.from_hf_config(hf)
             self.fp8_block = fp8_block_size(hf)
+            # Quantised weights dequantise to the dtype the checkpoint declares (bfloat16 if none).
+            self.dequantized_dtype = DTYPES.get(
+                hf.get("torch_dtype") or hf.get("dtype") or "", torch.bfloat16
+            )
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{config_path}: invalid JSON ({exc})") from exc
         except ValueError as exc:
@@ -175,19 +179,22 @@ class CheckpointReader:
         return dtypes
 
     def stored_dtype(self, name: str) -> torch.dtype:
-        """The dtype ``name`` loads as with ``dtype=None`` (FP8 and MXFP4 weights load as bfloat16)."""
+        """The dtype ``name`` loads as with ``dtype=None`` (FP8 and MXFP4 weights: ``dequantized_dtype``)."""
         if self.is_mxfp4(name):
-            return torch.bfloat16
+            return self.dequantized_dtype
         if name not in self.weight_map:
             raise CheckpointError(f"{self.directory}: tensors not in checkpoint: {name}")
         with self._open(self.directory / self.weight_map[name]) as f:
             stored = f.get_slice(name).get_dtype()
+        if stored == "F8_E4M3":
+            return self.dequantized_dtype
         return STORED_DTYPES.get(stored, torch.float32)
 
     def load(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Loads ``names`` (opening only the shards that hold them), optionally cast to ``dtype``.
 
-        FP8 weights come back dequantised to ``dtype`` (bfloat16 when None).
+        FP8 weights come back dequantised to ``dtype`` (when None: the dtype config.json declares,
+        else bfloat16).
         """
         return dict(self.iter_load(names, dtype))
 
@@ -203,12 +210,14 @@ class CheckpointReader:
         refs: list[tuple[str, int | None]],
         dtype: torch.dtype | None = None,
         progress: str | None = None,
+        dequantize: bool = True,
     ) -> Iterator[tuple[tuple[str, int | None], torch.Tensor]]:
         """Yields ((name, index), tensor) shard by shard: the whole tensor for index None, else
         only ``tensor[index]`` (one expert of a per-layer tensor), so a caller can place each piece
         and drop it (peak memory: the result plus one piece). MXFP4 tensors (``<name>_blocks``
         and ``_scales``) are read in their place and dequantised. ``progress``: a tqdm bar with
-        this label, shown when stderr is a terminal."""
+        this label, shown when stderr is a terminal. ``dequantize=False``: FP8 weights come back
+        as stored (ask for their ``_scale_inv`` tensors too), and ``dtype`` casts the others."""
         missing = [n for n, _ in refs if n not in self.weight_map and not self.is_mxfp4(n)]
         if missing:
             shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
@@ -223,12 +232,20 @@ class CheckpointReader:
                 raw = self._read(shard, plain)
                 for ref in shard_refs:
                     if ref[0] not in self.weight_map:
-                        tensor = self._read_mxfp4(ref, dtype or torch.bfloat16)
+                        tensor = self._read_mxfp4(ref, dtype or self.dequantized_dtype)
                     else:
                         tensor = raw.pop(ref)
                         if tensor.dtype == FP8_DTYPE:
+                            if not dequantize:
+                                yield ref, tensor
+                                bar.update(1)
+                                continue
                             scale = self._scale_of(ref[0], shard, raw)
-                            tensor = self._dequantize(ref[0], tensor, scale, dtype or torch.bfloat16)
+                            tensor = self._dequantize(ref[0], tensor, scale, dtype or self.dequantized_dtype)
+                        elif ref[0].endswith(SCALE_SUFFIX):
+                            yield ref, tensor  # scales stay float32
+                            bar.update(1)
+                            continue
                     yield ref, tensor if dtype is None else tensor.to(dtype)
                     bar.update(1)
 

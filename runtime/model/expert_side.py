@@ -14,9 +14,11 @@ from collections.abc import Iterable
 import torch
 
 from eaas.kernels import experts_forward
-from eaas.kernels.activation import Activation
+from eaas.kernels.activation import Activation, BlockScales
 from eaas.runtime.model.checkpoint import CheckpointReader
 from eaas.runtime.model.config import MoEConfig
+from eaas.runtime.model.families import family_spec
+from eaas.runtime.model.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from eaas.runtime.model.naming import ExpertPart, expert_parts
 
 ExpertKey = tuple[int, int]  # (layer, expert)
@@ -30,7 +32,8 @@ def expert_activation(config: MoEConfig) -> Activation:
 
 class ExpertStack:
     """Stacked weights ``w13`` [G, 2I, H] (gate rows then up rows) and ``w2`` [G, H, I], and with
-    ``config.expert_bias`` the biases ``b13`` [G, 2I] and ``b2`` [G, H]."""
+    ``config.expert_bias`` the biases ``b13`` [G, 2I] and ``b2`` [G, H]. With ``scales`` the
+    weights are block-scaled FP8 (kept as the checkpoint stores them; see ``load(keep_fp8=True)``)."""
 
     def __init__(
         self,
@@ -40,6 +43,7 @@ class ExpertStack:
         w2: torch.Tensor,
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
+        scales: BlockScales | None = None,
     ) -> None:
         if config.expert_bias and (b13 is None or b2 is None):
             raise ValueError(f"{config.family} experts have biases: b13 and b2 are required")
@@ -49,6 +53,7 @@ class ExpertStack:
         self.w2 = w2
         self.b13 = b13
         self.b2 = b2
+        self.scales = scales
         self.activation = expert_activation(config)
         self.load_seconds = 0.0
         # [L, E] group index of each hosted pair, -1 where not hosted here.
@@ -56,16 +61,37 @@ class ExpertStack:
         for group, (layer, expert) in enumerate(pairs):
             self.group_table[layer, expert] = group
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations are computed in (bfloat16 for FP8 weights)."""
+        return torch.bfloat16 if self.scales is not None else self.w13.dtype
+
     @classmethod
     def empty(
-        cls, config: MoEConfig, num_groups: int, dtype: torch.dtype, pairs: list[ExpertKey]
+        cls,
+        config: MoEConfig,
+        num_groups: int,
+        dtype: torch.dtype,
+        pairs: list[ExpertKey],
+        fp8_block: tuple[int, int] | None = None,
     ) -> ExpertStack:
-        """A stack of ``num_groups`` uninitialised groups (filled by the caller)."""
+        """A stack of ``num_groups`` uninitialised groups (filled by the caller); FP8 weights with
+        their block scales when ``fp8_block`` is given."""
         h, i = config.hidden_size, config.expert_intermediate_size
-        w13, w2 = torch.empty(num_groups, 2 * i, h, dtype=dtype), torch.empty(num_groups, h, i, dtype=dtype)
+        weights = FP8_DTYPE if fp8_block else dtype
+        w13, w2 = (
+            torch.empty(num_groups, 2 * i, h, dtype=weights),
+            torch.empty(num_groups, h, i, dtype=weights),
+        )
         b13 = torch.empty(num_groups, 2 * i, dtype=dtype) if config.expert_bias else None
         b2 = torch.empty(num_groups, h, dtype=dtype) if config.expert_bias else None
-        return cls(config, pairs, w13, w2, b13, b2)
+        scales = None
+        if fp8_block:
+            rows, cols = fp8_block
+            s13 = torch.empty(num_groups, 2 * i // rows, -(-h // cols))
+            s2 = torch.empty(num_groups, -(-h // rows), -(-i // cols))
+            scales = BlockScales(s13, s2, fp8_block)
+        return cls(config, pairs, w13, w2, b13, b2, scales)
 
     @classmethod
     def load(
@@ -74,10 +100,15 @@ class ExpertStack:
         pairs: Iterable[ExpertKey],
         dtype: torch.dtype | None = None,
         progress: bool = False,
+        keep_fp8: bool = False,
     ) -> ExpertStack:
         """Loads only the tensors (or, for fused storage, the slices) of ``pairs`` from the
-        checkpoint, in ``dtype`` or as stored (FP8 and MXFP4 experts are dequantised to
-        bfloat16), with a progress bar on a terminal if asked."""
+        checkpoint, in ``dtype`` or as stored (FP8 and MXFP4 experts are dequantised to the dtype
+        config.json declares), with a progress bar on a terminal if asked.
+
+        ``keep_fp8``: keep a block-scaled FP8 checkpoint's experts in FP8 with their scales (the
+        ``triton`` and ``torch`` kernel backends compute on them directly).
+        """
         config = reader.config
         pairs = sorted(set(pairs))
         for layer, expert in pairs:
@@ -93,12 +124,24 @@ class ExpertStack:
             for part in expert_parts(config, *pair)
         }
         dt = dtype or (reader.stored_dtype(next(iter(parts))[0]) if parts else torch.float32)
+        fp8_block = _fp8_block(reader) if keep_fp8 else None
+        if fp8_block:
+            for (name, index), (part, group) in list(parts.items()):
+                parts[(name + SCALE_SUFFIX, index)] = (ExpertPart(name + SCALE_SUFFIX, part.role), group)
         # Each piece is copied into its place as it is read: peak memory is the stack plus one tensor.
-        stack = cls.empty(config, len(pairs), dt, pairs)
+        stack = cls.empty(config, len(pairs), dt, pairs, fp8_block)
         start = time.perf_counter()
         label = f"loading {len(pairs)} experts" if progress else None
-        for ref, tensor in reader.iter_load_slices(list(parts), dtype=dt, progress=label):
+        refs = list(parts)
+        for ref, tensor in reader.iter_load_slices(refs, dtype=dt, progress=label, dequantize=not fp8_block):
             part, group = parts[ref]
+            if part.name.endswith(SCALE_SUFFIX):
+                stack._place_scale(group, part, tensor)
+                continue
+            if fp8_block and tensor.dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"{reader.directory}: {part.name} is {tensor.dtype}, not FP8; load dequantised"
+                )
             stack._place(group, part, tensor)
         stack.load_seconds = time.perf_counter() - start
         if pairs:
@@ -130,6 +173,16 @@ class ExpertStack:
             assert self.b2 is not None
             self.b2[group] = tensor
 
+    def _place_scale(self, group: int, part: ExpertPart, scale: torch.Tensor) -> None:
+        assert self.scales is not None
+        rows = self.config.expert_intermediate_size // self.scales.block[0]
+        if part.role == "gate":
+            self.scales.w13[group, :rows] = scale
+        elif part.role == "up":
+            self.scales.w13[group, rows:] = scale
+        else:
+            self.scales.w2[group] = scale
+
     @classmethod
     def gather(
         cls,
@@ -148,12 +201,22 @@ class ExpertStack:
 
         w13, w2, b13, b2 = (stack(attr) for attr in ("w13", "w2", "b13", "b2"))
         assert w13 is not None and w2 is not None
-        return cls(config, pairs, w13, w2, b13, b2).to(device)
+        scales = None
+        first = sources[0][0].scales if sources else None
+        if first is not None:
+            parts = [s.scales for s, _ in sources]
+            assert all(p is not None for p in parts), "FP8 and dequantised stacks cannot be mixed"
+            s13 = torch.stack([p.w13[g].to(device) for p, (_, g) in zip(parts, sources, strict=True) if p])
+            s2 = torch.stack([p.w2[g].to(device) for p, (_, g) in zip(parts, sources, strict=True) if p])
+            scales = BlockScales(s13, s2, first.block)
+        return cls(config, pairs, w13, w2, b13, b2, scales).to(device)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stacked weights and biases."""
         tensors = [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        if self.scales is not None:
+            tensors += [self.scales.w13, self.scales.w2]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, device: str | torch.device) -> ExpertStack:
@@ -163,8 +226,11 @@ class ExpertStack:
             device = torch.device("cuda", torch.cuda.current_device())
         if self.w13.device == device and self.group_table.device == device:
             return self
-        moved = [None if t is None else t.to(device) for t in (self.b13, self.b2)]
-        stack = ExpertStack(self.config, self.pairs, self.w13.to(device), self.w2.to(device), *moved)
+        b13, b2 = (None if t is None else t.to(device) for t in (self.b13, self.b2))
+        scales = None
+        if self.scales is not None:
+            scales = BlockScales(self.scales.w13.to(device), self.scales.w2.to(device), self.scales.block)
+        stack = ExpertStack(self.config, self.pairs, self.w13.to(device), self.w2.to(device), b13, b2, scales)
         stack.group_table = stack.group_table.to(device)
         return stack
 
@@ -190,7 +256,26 @@ class ExpertStack:
             b13=self.b13,
             b2=self.b2,
             activation=self.activation,
+            scales=self.scales,
         )
+
+
+def _fp8_block(reader: CheckpointReader) -> tuple[int, int]:
+    """The checkpoint's FP8 block, when its experts can be kept in FP8 as stacked here."""
+    config = reader.config
+    block = reader.fp8_block
+    if block is None:
+        raise ValueError(
+            f"{reader.directory}: keeping experts in FP8 needs an FP8 checkpoint (quantization_config)"
+        )
+    if family_spec(config.family).fused_experts:
+        raise ValueError(f"{config.family}: fused experts cannot be kept in FP8")
+    if config.expert_intermediate_size % block[0]:
+        raise ValueError(
+            f"keeping experts in FP8 needs expert_intermediate_size={config.expert_intermediate_size} to be "
+            f"a multiple of the FP8 block rows ({block[0]}) so gate and up scales stack; load dequantised"
+        )
+    return block
 
 
 class LocalExperts:

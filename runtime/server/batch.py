@@ -30,7 +30,7 @@ def compute_batch(jobs: list[Job], stack: ExpertStack, backend: str) -> list[tor
     """The weighted expert sum of every job: a list of y [T, H] in each job's dtype (new tensors)."""
     if not jobs:
         return []
-    compute_dtype = stack.w13.dtype
+    compute_dtype = stack.compute_dtype
     if len(jobs) == 1:
         job = jobs[0]
         y = stack.forward(job.x.to(compute_dtype), job.groups, job.weights, backend)

@@ -59,9 +59,10 @@ from eaas.operator import naming
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
+    type=click.Choice(["float32", "bfloat16", "float16", "fp8"]),
     default=None,
-    help="weight dtype (default: the checkpoint's)",
+    help="weight dtype (default: the checkpoint's; FP8 checkpoints are dequantised to bfloat16 unless "
+    "fp8 keeps them block-scaled for the triton and torch backends)",
 )
 @click.option(
     "--device",

@@ -79,8 +79,11 @@ class ExpertServer:
     def __init__(self, config: ServerConfig) -> None:
         if not config.hosted:
             raise ValueError(f"server {config.ordinal}: hosts no (layer, expert) pair; nothing to serve")
-        if config.dtype is not None and config.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+        if config.dtype is not None and config.dtype not in (*DTYPES, "fp8"):
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, fp8, got {config.dtype!r}")
+        keep_fp8 = config.dtype == "fp8"
+        if keep_fp8 and config.kernel_backend == "grouped_mm":
+            raise ValueError("dtype fp8: the grouped_mm backend has no FP8 path; use --kernel-backend triton")
         if config.max_tokens < 1 or config.max_clients < 1:
             raise ValueError("max_tokens and max_clients must be >= 1")
         get_backend(config.kernel_backend)  # unknown names fail here, not on the first request
@@ -91,9 +94,8 @@ class ExpertServer:
         self.instance = uuid.uuid4().hex[:12]
         reader = CheckpointReader(config.checkpoint)
         self.model = reader.config
-        stack = ExpertStack.load(
-            reader, config.hosted, dtype=DTYPES[config.dtype] if config.dtype else None, progress=True
-        )
+        dtype = DTYPES[config.dtype] if config.dtype and not keep_fp8 else None
+        stack = ExpertStack.load(reader, config.hosted, dtype=dtype, progress=True, keep_fp8=keep_fp8)
         stack = stack.to(self.device)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
         limits = ServerLimits(

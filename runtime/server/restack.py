@@ -22,11 +22,14 @@ def restack(
     """
     wanted = sorted(set(pairs))
     kept = {pair: group for group, pair in enumerate(old.pairs)}
-    loaded = ExpertStack.load(reader, [p for p in wanted if p not in kept], dtype=old.w13.dtype)
+    fp8 = old.scales is not None
+    dtype = old.compute_dtype if fp8 else old.w13.dtype
+    loaded = ExpertStack.load(reader, [p for p in wanted if p not in kept], dtype=dtype, keep_fp8=fp8)
     fresh = {pair: group for group, pair in enumerate(loaded.pairs)}
     device = old.w13.device
     if not wanted:
-        return ExpertStack.empty(old.config, 0, old.w13.dtype, []).to(device), 0
+        block = old.scales.block if old.scales is not None else None
+        return ExpertStack.empty(old.config, 0, dtype, [], block).to(device), 0
     sources = [(old, kept[p]) if p in kept else (loaded, fresh[p]) for p in wanted]
     return ExpertStack.gather(old.config, wanted, sources, device), len(fresh)
 

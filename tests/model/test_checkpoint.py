@@ -146,7 +146,10 @@ def test_fp8_checkpoints_load_dequantised(tmp_path: Path) -> None:
     loaded = reader.load([kv_b], dtype=torch.float32)[kv_b]
     scale = reader.load([kv_b + SCALE_SUFFIX])[kv_b + SCALE_SUFFIX]
     torch.testing.assert_close(loaded, dequantize_fp8_blocks(raw[kv_b], scale, (16, 16), torch.float32))
-    assert reader.load([kv_b])[kv_b].dtype == torch.bfloat16  # the default for FP8 weights
+    assert reader.load([kv_b])[kv_b].dtype == torch.float32  # the dtype config.json declares
+    hf = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**hf, "torch_dtype": "bfloat16"}))
+    assert CheckpointReader(directory).load([kv_b])[kv_b].dtype == torch.bfloat16
     dense = write_random_checkpoint(config, tmp_path / "dense", seed=5)
     ours = load_reference(directory, dtype=torch.float32)
     reference = load_reference(dense)
@@ -222,6 +225,6 @@ def test_mxfp4_expert_checkpoints_load_dequantised(tmp_path: Path, tiny_checkpoi
     torch.testing.assert_close(stack.w13[1, config.expert_intermediate_size :], gate_up[:, 1::2].T)
     down = dequantised[f"model.layers.{layer}.mlp.experts.down_proj"][1]  # [I, H]
     torch.testing.assert_close(stack.w2[0], down.T)
-    assert ExpertStack.load(reader, [(layer, 1)]).w13.dtype == torch.bfloat16  # the default for MXFP4
+    assert ExpertStack.load(reader, [(layer, 1)]).w13.dtype == torch.float32  # what config.json declares
     generated, _ = load_reference(directory, dtype=torch.float32).generate([[1, 2, 3]], 3)
     assert len(generated[0]) == 3

@@ -195,9 +195,10 @@ def test_restack_reads_only_new_experts(model: tuple[Path, list[int], int]) -> N
             refs: list[tuple[str, int | None]],
             dtype: torch.dtype | None = None,
             progress: str | None = None,
+            dequantize: bool = True,
         ) -> Iterator[tuple[tuple[str, int | None], torch.Tensor]]:
             read.extend(name for name, _ in refs)
-            return super().iter_load_slices(refs, dtype, progress)
+            return super().iter_load_slices(refs, dtype, progress, dequantize)
 
     reader = CountingReader(checkpoint)
     old = ExpertStack.load(reader, [(layers[0], 0), (layers[0], 1), (layers[1], 5)])
