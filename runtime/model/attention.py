@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.model.kv_cache import KVCache
+from eaas.runtime.model.kv_cache import Cache
 from eaas.runtime.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_frequencies, yarn_mscale
 
 
@@ -68,7 +68,7 @@ def gqa(
     layer: int,
     x: torch.Tensor,  # [B, S, H]
     positions: torch.Tensor,  # [B, S]
-    cache: KVCache,
+    cache: Cache,
     rope: Rope,
 ) -> torch.Tensor:  # [B, S, H]
     c = config
@@ -85,10 +85,10 @@ def gqa(
     cache.write(layer, positions, k, v)
     total = int(positions.max()) + 1
     group = c.num_heads // c.num_kv_heads
-    cached_values = cache.values[layer]
+    cached_keys, cached_values = cache.read(layer, total)
     assert cached_values is not None
-    keys = cache.keys[layer][:, :, :total].repeat_interleave(group, dim=1)  # [B, N, L, D]
-    values = cached_values[:, :, :total].repeat_interleave(group, dim=1)
+    keys = cached_keys.repeat_interleave(group, dim=1)  # [B, N, L, D]
+    values = cached_values.repeat_interleave(group, dim=1)
     scores = q.transpose(1, 2) @ keys.transpose(-1, -2) * softmax_scale(c)  # [B, N, S, L]
     window = c.sliding_window if layer in c.sliding_window_layers else 0
     probs = _causal_softmax(scores, positions, q.dtype, window, t.get(f"{p}.sinks"))
@@ -102,7 +102,7 @@ def mla(
     layer: int,
     x: torch.Tensor,  # [B, S, H]
     positions: torch.Tensor,  # [B, S]
-    cache: KVCache,
+    cache: Cache,
     rope: Rope,
 ) -> torch.Tensor:  # [B, S, H]
     """MLA in its absorbed form: queries are mapped into the latent space (q_nope · W_UK), so
@@ -129,7 +129,7 @@ def mla(
     k_rot = apply_rope(k_rot, cos, sin, interleaved=rope.interleaved)
     cache.write(layer, positions, torch.cat((latent[:, :, None], k_rot), dim=-1))
     total = int(positions.max()) + 1
-    rows = cache.keys[layer][:, 0, :total]  # [B, L, r + R]
+    rows = cache.read(layer, total)[0][:, 0]  # [B, L, r + R]
     kv_b = t[f"{p}.kv_b_proj.weight"].view(c.num_heads, nope + vdim, r)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [N, nope, r], [N, v, r]
     q_full = torch.cat((torch.einsum("bsnd,ndr->bsnr", q_nope, w_uk), q_rot), dim=-1)  # [B, S, N, r + R]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from eaas.runtime.model.attention import VARIANTS, Rope
 from eaas.runtime.model.checkpoint import CheckpointReader
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.model.kv_cache import KVCache
+from eaas.runtime.model.kv_cache import Cache
 from eaas.runtime.model.layers import rms_norm, swiglu
 from eaas.runtime.model.naming import (
     EMBED,
@@ -47,7 +47,7 @@ class AttentionSide:
             raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size})")
         return F.embedding(tokens, self.t[EMBED])
 
-    def attention(self, layer: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def attention(self, layer: int, h: torch.Tensor, cache: Cache) -> torch.Tensor:
         """h [B, S, H] -> h + attention(norm(h)) [B, S, H]; writes this step's keys/values to ``cache``.
 
         New tokens of sequence b sit at positions ``cache.lengths[b] + s``; causal masking by

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from eaas.runtime.model.attention_side import AttentionSide
-from eaas.runtime.model.kv_cache import KVCache
+from eaas.runtime.model.kv_cache import Cache, KVCache
 
 
 class MoEExecutor(Protocol):
@@ -40,7 +40,7 @@ class Decoder:
         self,
         tokens: torch.Tensor,  # [B, S] int64, right-padded
         num_new: torch.Tensor,  # [B] valid tokens per row (>= 1)
-        cache: KVCache,
+        cache: Cache,
         all_logits: bool = False,
     ) -> torch.Tensor:  # [B, V] logits of each row's last valid token, or [B, S, V]
         batch, steps = tokens.shape

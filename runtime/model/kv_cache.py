@@ -8,13 +8,36 @@ full K/V); its values are the latent part of the same rows, so ``values`` is Non
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from eaas.runtime.model.config import MoEConfig
 
 
+class Cache(Protocol):
+    """What attention and the decoder need from a KV cache: the contiguous ``KVCache`` here, or a
+    paged view (``runtime/serving/paged_cache.py``)."""
+
+    lengths: torch.Tensor  # [B] positions cached so far
+
+    def check_room(self, num_positions: int) -> None: ...
+    def write(
+        self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None
+    ) -> None: ...
+    def read(self, layer: int, total: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def advance(self, num_new: torch.Tensor) -> None: ...
+
+
 class KVCacheFull(RuntimeError):
     """A sequence would grow past the cache's ``max_len``."""
+
+
+def cache_rows(config: MoEConfig) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """(heads, dim) of the keys and of the values (None for MLA) one token adds per layer."""
+    if config.attention == "mla":
+        return (1, config.kv_lora_rank + config.qk_rope_head_dim), None
+    return (config.num_kv_heads, config.head_dim), (config.num_kv_heads, config.head_dim)
 
 
 class KVCache:
@@ -30,15 +53,14 @@ class KVCache:
     ) -> None:
         self.max_len = max_len
         layers = range(config.num_layers)
-        self.values: list[torch.Tensor | None]
-        if config.attention == "mla":
-            row = config.kv_lora_rank + config.qk_rope_head_dim
-            self.keys = [torch.zeros(batch_size, 1, max_len, row, dtype=dtype, device=device) for _ in layers]
-            self.values = [None for _ in layers]
-        else:
-            shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
-            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
-            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        (kh, kd), value_row = cache_rows(config)
+        self.keys = [torch.zeros(batch_size, kh, max_len, kd, dtype=dtype, device=device) for _ in layers]
+        self.values: list[torch.Tensor | None] = [
+            None
+            if value_row is None
+            else torch.zeros(batch_size, value_row[0], max_len, value_row[1], dtype=dtype, device=device)
+            for _ in layers
+        ]
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
     def check_room(self, num_positions: int) -> None:
@@ -60,6 +82,11 @@ class KVCache:
             if values is None:
                 raise ValueError("this cache holds values: write needs them")
             cached_values.scatter_(2, index, values.transpose(1, 2))
+
+    def read(self, layer: int, total: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys (and values; None for MLA) of positions [0, total): [B, heads, total, D]."""
+        values = self.values[layer]
+        return self.keys[layer][:, :, :total], None if values is None else values[:, :, :total]
 
     def advance(self, num_new: torch.Tensor) -> None:
         self.lengths += num_new

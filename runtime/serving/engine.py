@@ -1,0 +1,170 @@
+"""``Engine``: continuous batching over a paged KV cache, one decoder step at a time.
+
+    engine = Engine(decoder, EngineOptions(kv_cache_bytes=256 << 20))
+    seq = engine.add(prompt_ids, SamplingParams(max_tokens=32, temperature=0.8, seed=1))
+    while engine.has_work():
+        for event in engine.step():   # tokens sampled this step, and sequences that finished
+            ...
+
+Each step runs the scheduler's plan as one ``Decoder.forward`` over a right-padded batch (prefill
+chunks and decodes mixed), so every MoE layer sends one request per expert server for everything
+running. A sequence whose prompt is fully through the model gets a token sampled; it finishes on
+a stop token, at ``max_tokens``, or when aborted, and its blocks go back to the pool. Not
+thread-safe: one thread owns an engine (the service's worker).
+Legend: B = sequences in the step, S = longest chunk of the step, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from eaas.runtime.model.decoder import Decoder
+from eaas.runtime.serving.blocks import BlockAllocator
+from eaas.runtime.serving.paged_cache import KVPool, PagedView
+from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample
+from eaas.runtime.serving.scheduler import Scheduler, Sequence
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    kv_cache_bytes: int = 256 << 20  # the paged pool's size; blocks = bytes / bytes per block
+    block_size: int = 16  # positions per KV block
+    max_batch_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
+    max_seqs: int = 64  # sequences running at once
+
+
+class StepFailed(RuntimeError):
+    """A step's forward pass failed; its sequences were finished with reason ``error``."""
+
+    def __init__(self, seqs: list[Sequence], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.seqs = seqs
+        self.cause = cause
+
+
+@dataclass
+class Event:
+    seq: Sequence
+    sampled: Sampled | None  # the token this step produced (None: finished without one)
+    finished: bool
+
+
+class Engine:
+    def __init__(self, decoder: Decoder, options: EngineOptions | None = None) -> None:
+        self.decoder = decoder
+        self.options = o = options or EngineOptions()
+        config = decoder.config
+        per_block = KVPool.bytes_per_block(config, o.block_size, decoder.side.dtype)
+        num_blocks = o.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={o.kv_cache_bytes} holds no block of {per_block} bytes")
+        self.pool = KVPool(config, num_blocks, o.block_size, dtype=decoder.side.dtype)
+        self.allocator = BlockAllocator(num_blocks, o.block_size)
+        self.scheduler = Scheduler(self.allocator, o.max_batch_tokens, o.max_seqs)
+        self._ids = itertools.count()
+        self._generators: dict[int, torch.Generator] = {}
+        self._counts: dict[int, torch.Tensor] = {}
+        self.last_step_sequences = 0  # sequences in the most recent step
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt + new tokens) the pool can hold at all."""
+        return min(
+            self.allocator.num_blocks * self.allocator.block_size, self.decoder.config.max_position_embeddings
+        )
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.decoder.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_sequence_tokens:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"{self.max_sequence_tokens} positions this server's KV cache can give one sequence"
+            )
+        seq = Sequence(next(self._ids), list(prompt), params)
+        self._generators[seq.id] = new_generator(params)
+        self._counts[seq.id] = torch.zeros(vocab, dtype=torch.int64)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status != "finished":
+            self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.used_fraction
+
+    def step(self) -> list[Event]:
+        plan = self.scheduler.schedule()
+        self.last_step_sequences = len(plan)
+        if not plan:
+            return []
+        steps = max(want for _, want in plan)
+        tokens = torch.zeros(len(plan), steps, dtype=torch.int64)
+        for row, (seq, want) in enumerate(plan):
+            chunk = seq.tokens[seq.num_computed : seq.num_computed + want]
+            tokens[row, :want] = torch.tensor(chunk, dtype=torch.int64)
+        view = PagedView(
+            self.pool,
+            [self.allocator.tables[seq.id] for seq, _ in plan],
+            [seq.num_computed for seq, _ in plan],
+            steps,
+        )
+        num_new = torch.tensor([want for _, want in plan], dtype=torch.int64)
+        try:
+            logits = self.decoder.forward(tokens, num_new, view)  # [B, V]: each row's last new token
+        except Exception as exc:  # the sequences of this step cannot go on; the others can
+            for seq, _ in plan:
+                self._finish(seq, "error")
+            raise StepFailed([seq for seq, _ in plan], exc) from exc
+        ready = []
+        for row, (seq, want) in enumerate(plan):
+            seq.num_computed += want
+            if seq.pending == 0:  # caught up: the row's logits predict its next token
+                ready.append((row, seq))
+        if not ready:
+            return []
+        sampled = sample(
+            logits[[row for row, _ in ready]],
+            [seq.params for _, seq in ready],
+            [self._generators[seq.id] for _, seq in ready],
+            [self._counts[seq.id] for _, seq in ready],
+        )
+        events = []
+        for (_, seq), choice in zip(ready, sampled, strict=True):
+            seq.output.append(choice.token)
+            self._counts[seq.id][choice.token] += 1
+            reason = None
+            if choice.token in seq.params.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output) >= seq.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason)
+            events.append(Event(seq, choice, reason is not None))
+        return events
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = "finished"
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self._generators.pop(seq.id, None)
+        self._counts.pop(seq.id, None)

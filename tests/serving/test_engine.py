@@ -1,0 +1,101 @@
+"""Continuous batching equals one-by-one generation: staggered arrivals, chunked prefill mixed
+with decodes, a paged KV cache small enough to preempt, every attention variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaas.runtime.model import load_reference
+from eaas.runtime.model.decoder import Decoder
+from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.paged_cache import KVPool
+from eaas.runtime.serving.sampling import SamplingParams
+from eaas.runtime.serving.scheduler import Sequence
+
+PROMPTS = [[5, 17, 200, 3, 9, 11, 2], [42], [7, 7, 7, 7, 7, 7, 7, 9, 11, 13, 1, 4], [100, 3], [9, 8, 7, 6, 5]]
+ARRIVAL_STEP = [0, 0, 2, 3, 7]  # requests join while others run
+NEW_TOKENS = [6, 9, 5, 8, 4]
+
+
+def run_staggered(engine: Engine, params: list[SamplingParams]) -> list[Sequence]:
+    seqs: list[Sequence | None] = [None] * len(PROMPTS)
+    step = 0
+    while step < 200:
+        for i, arrival in enumerate(ARRIVAL_STEP):
+            if arrival == step:
+                seqs[i] = engine.add(PROMPTS[i], params[i])
+        if step > max(ARRIVAL_STEP) and not engine.has_work():
+            break
+        engine.step()
+        step += 1
+    assert all(s is not None and s.status == "finished" for s in seqs)
+    return [s for s in seqs if s is not None]
+
+
+def options_for(decoder: Decoder, blocks: int) -> EngineOptions:
+    per_block = KVPool.bytes_per_block(decoder.config, 4, decoder.side.dtype)
+    return EngineOptions(kv_cache_bytes=blocks * per_block, block_size=4, max_batch_tokens=6, max_seqs=4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("blocks", [64, 6], ids=["roomy", "preempting"])
+def test_greedy_outputs_equal_generating_each_prompt_alone(
+    family: str, blocks: int, tiny_checkpoints: dict[str, Path]
+) -> None:
+    decoder = load_reference(tiny_checkpoints[family])
+    engine = Engine(decoder, options_for(decoder, blocks))
+    seqs = run_staggered(engine, [SamplingParams(max_tokens=n) for n in NEW_TOKENS])
+    for seq, prompt, n in zip(seqs, PROMPTS, NEW_TOKENS, strict=True):
+        alone, _ = decoder.generate([prompt], n)
+        assert seq.output == alone[0], (family, prompt)
+        assert seq.finish_reason == "length"
+    assert engine.allocator.used_fraction == 0  # every block came back
+    if blocks == 6:
+        assert engine.scheduler.preemptions > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_checkpoints: dict[str, Path]) -> None:
+    decoder = load_reference(tiny_checkpoints["qwen3_moe"])
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    alone = Engine(decoder, options_for(decoder, 64))
+    seq = alone.add(PROMPTS[0], params)
+    while alone.has_work():
+        alone.step()
+    crowded = Engine(decoder, options_for(decoder, 6))  # preemption and other requests around it
+    mixed = [SamplingParams(max_tokens=n, temperature=1.0) for n in NEW_TOKENS]
+    mixed[0] = params
+    seqs = run_staggered(crowded, mixed)
+    assert seqs[0].output == seq.output
+    assert len(set(seq.output)) > 1
+
+
+def test_stop_tokens_abort_and_logprobs(tiny_checkpoints: dict[str, Path]) -> None:
+    decoder = load_reference(tiny_checkpoints["mixtral"])
+    alone, logits = decoder.generate([PROMPTS[0]], 6)
+    engine = Engine(decoder, options_for(decoder, 64))
+    stopped = engine.add(PROMPTS[0], SamplingParams(max_tokens=6, stop_token_ids=(alone[0][2],), logprobs=3))
+    aborted = engine.add(PROMPTS[1], SamplingParams(max_tokens=50))
+    logprobs = []
+    for _ in range(4):
+        logprobs += [e.sampled.logprob for e in engine.step() if e.seq is stopped and e.sampled]
+    engine.abort(aborted)
+    while engine.has_work():
+        engine.step()
+    assert stopped.output == alone[0][:3] and stopped.finish_reason == "stop"
+    assert aborted.finish_reason == "abort" and engine.allocator.used_fraction == 0
+    expected = torch.log_softmax(logits[:3, 0], -1).gather(1, torch.tensor(alone[0][:3])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_requests_that_can_never_fit_are_refused(tiny_checkpoints: dict[str, Path]) -> None:
+    decoder = load_reference(tiny_checkpoints["mixtral"])
+    engine = Engine(decoder, options_for(decoder, 4))  # 16 positions in all
+    with pytest.raises(
+        ValueError, match=r"max_tokens: prompt \(7 tokens\) \+ max_tokens \(10\) exceeds the 16"
+    ):
+        engine.add(PROMPTS[0], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=r"prompt: token ids must be in \[0, 320\)"):
+        engine.add([400], SamplingParams())

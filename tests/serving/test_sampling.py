@@ -1,0 +1,72 @@
+"""The sampler: greedy, penalties, truncation, seeds and log-probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eaas.runtime.serving.sampling import SamplingParams, new_generator, sample
+
+
+def one(logits: list[float], params: SamplingParams, counts: list[int] | None = None, seed: int = 0):  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(seed)
+    row = torch.tensor([logits])
+    seen = torch.tensor(counts or [0] * len(logits))
+    return sample(row, [params], [generator], [seen])[0]
+
+
+def test_greedy_takes_the_arg_max_and_reports_model_logprobs() -> None:
+    logits = [0.0, 2.0, 1.0, -1.0]
+    choice = one(logits, SamplingParams(logprobs=2))
+    expected = torch.log_softmax(torch.tensor(logits), 0)
+    assert choice.token == 1
+    assert math.isclose(choice.logprob, float(expected[1]), rel_tol=1e-6)
+    assert [t for t, _ in choice.top] == [1, 2]
+
+
+def test_penalties_follow_openai() -> None:
+    # logit - frequency * count - presence * (count > 0): token 1 (seen 3x) drops below token 2.
+    logits, counts = [0.0, 2.0, 1.5, 0.0], [0, 3, 0, 0]
+    assert one(logits, SamplingParams(), counts).token == 1
+    assert one(logits, SamplingParams(frequency_penalty=0.2), counts).token == 2  # 2 - 0.6 < 1.5
+    assert one(logits, SamplingParams(presence_penalty=0.6), counts).token == 2  # 2 - 0.6 < 1.5
+    assert one(logits, SamplingParams(presence_penalty=0.4), counts).token == 1
+
+
+def test_truncation_and_temperature() -> None:
+    logits = [0.0, 3.0, 2.9, -5.0]
+    draws = {one(logits, SamplingParams(temperature=1.0, top_k=2), seed=s).token for s in range(60)}
+    assert draws == {1, 2}
+    draws = {one(logits, SamplingParams(temperature=1.0, top_p=0.3), seed=s).token for s in range(30)}
+    assert draws == {1}  # token 1 alone holds more than 30% of the mass
+    draws = {one(logits, SamplingParams(temperature=2.0), seed=s).token for s in range(200)}
+    assert {0, 1, 2} <= draws
+
+
+def test_seeds_reproduce_and_differ() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=1.0, seed=11)
+    generator_a, generator_b = new_generator(params), new_generator(params)
+    counts = torch.zeros(50, dtype=torch.int64)
+    row = torch.tensor([logits])
+    a = [sample(row, [params], [generator_a], [counts])[0].token for _ in range(20)]
+    b = [sample(row, [params], [generator_b], [counts])[0].token for _ in range(20)]
+    assert a == b and len(set(a)) > 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", 3.0, r"temperature: must be in \[0, 2\]"),
+        ("top_p", 0.0, r"top_p: must be in \(0, 1\]"),
+        ("top_k", -1, "top_k: must be >= 0"),
+        ("presence_penalty", 2.5, r"presence_penalty: must be in \[-2, 2\]"),
+        ("logprobs", 21, r"logprobs: must be in \[0, 20\]"),
+        ("max_tokens", 0, "max_tokens: must be >= 1"),
+    ],
+)
+def test_bad_parameters_name_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
