@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
@@ -57,6 +58,31 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def send_json(self, status: HTTPStatus, data: Any) -> None:
         self.send_bytes(status, json.dumps(data).encode() + b"\n", "application/json")
+
+    def send_event_stream(self, events: Iterator[Any]) -> None:
+        """200 with server-sent events: ``data: <json>`` per item, then ``data: [DONE]``; the
+        connection closes at the end. A client that goes away closes ``events`` (its ``finally``
+        can cancel the work)."""
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for item in events:
+                self.wfile.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            log.info("a streaming client went away: %s", exc)
+        except HttpError as exc:  # after the headers: the error goes into the stream
+            self.wfile.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
 
     def send_probe(self, ok: bool, ok_text: str, failed_text: str) -> None:
         """A plain-text health/readiness answer: 200 or 503."""

@@ -105,7 +105,25 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     type=click.IntRange(min=1),
     default=16,
     show_default=True,
-    help="serve: sequences generated together",
+    help="serve: sequences generated together (running at once, with continuous batching)",
+)
+@click.option(
+    "--batching",
+    type=click.Choice(["continuous", "static"]),
+    default="continuous",
+    show_default=True,
+    envvar="EAAS_BATCHING",
+    show_envvar=True,
+    help="serve: continuous (iteration-level, paged KV cache) or static (one batch at a time, greedy)",
+)
+@click.option(
+    "--kv-cache-mb",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    envvar="EAAS_KV_CACHE_MB",
+    show_envvar=True,
+    help="serve: size of the paged KV cache (continuous batching)",
 )
 @click.option(
     "--max-queue",
@@ -143,6 +161,8 @@ def attention_client(
     host: str,
     model_name: str | None,
     max_batch_size: int,
+    batching: str,
+    kv_cache_mb: int,
     max_queue: int,
     max_tokens: int,
     ready_file: Path | None,
@@ -153,8 +173,9 @@ def attention_client(
 ) -> None:
     """Greedy generation with the attention side here and the experts on expert servers.
 
-    With --port (or EAAS_PORT) it serves an OpenAI-compatible API (POST /v1/completions,
-    GET /v1/models, /healthz, /readyz, /metrics) until SIGTERM; otherwise it generates --prompt once.
+    With --port (or EAAS_PORT) it serves an OpenAI-compatible API (POST /v1/completions with
+    sampling and streaming, GET /v1/models, /healthz, /readyz, /metrics) until SIGTERM; otherwise it
+    generates --prompt once (greedy).
     """
     from eaas.runtime.client import ClientOptions
 
@@ -193,6 +214,8 @@ def attention_client(
         max_batch_size=max_batch_size,
         max_queue=max_queue,
         max_tokens=max_tokens,
+        batching=batching,
+        kv_cache_bytes=kv_cache_mb << 20,
         client=options,
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)

@@ -2,7 +2,7 @@
 
 | method | path | answer |
 |---|---|---|
-| POST | ``/v1/completions`` | greedy completion of one or more prompts (byte tokenizer) |
+| POST | ``/v1/completions`` | completions: sampling, ``n``, stops, logprobs, echo, streaming (SSE) |
 | GET | ``/v1/models`` | the one served model |
 | GET | ``/healthz`` | 200 while the process and its batch worker run (liveness) |
 | GET | ``/readyz`` | 200 when every expert of the current placement has a connected server, else 503 |
@@ -15,7 +15,7 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
+from eaas.runtime.serving.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 MAX_PROMPTS = 32
@@ -52,16 +53,50 @@ class Limits:
     max_tokens: int  # most new tokens a request may ask for
 
 
+MAX_N = 16
+MAX_STOP_TOKEN_IDS = 16
+
+
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompts: list[list[int]]  # token ids of every prompt (OpenAI: one choice per prompt)
-    max_tokens: int
+    prompts: list[list[int]]  # token ids of every prompt (OpenAI: n choices per prompt)
+    params: SamplingParams  # max_tokens, sampling, stop token ids, logprobs (choice i of n: seed + i)
     stop: list[str]
     model: str | None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    echo: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not _is_number(value) or not low <= value <= high:
+        raise bad(name, f"must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(name, f"must be true or false, got {value!r}")
+    return value
 
 
 def _prompt_ids(value: Any, param: str, limits: Limits, encode: Any) -> list[int]:
@@ -83,9 +118,11 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     """Validates an OpenAI ``/v1/completions`` body; ``ApiError`` (400) names the first bad field.
 
     ``encode`` turns a string prompt into token ids. Accepted: ``model``, ``prompt`` (string, token
-    ids, or a list of either), ``max_tokens`` (default 16), ``temperature`` (only 0: greedy),
-    ``top_p`` (only 1), ``n`` (only 1), ``stop`` (string or up to 4 strings), ``stream`` (only false),
-    ``user``. ``echo``, ``logprobs``, ``best_of``, ``suffix`` are refused unless at their defaults.
+    ids, or a list of either), ``max_tokens`` (default 16), ``temperature`` (default 1, as OpenAI;
+    0 is greedy), ``top_p``, ``top_k`` (vLLM's extension), ``seed``, ``presence_penalty``,
+    ``frequency_penalty``, ``n``, ``best_of`` (only equal to ``n``), ``stop`` (string or up to 4
+    strings), ``stop_token_ids``, ``logprobs`` (0-20), ``echo``, ``stream``, ``stream_options``,
+    ``user``. ``suffix`` is refused.
     """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object", "body")
@@ -113,19 +150,41 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
             f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
             f"of {limits.max_context} tokens",
         )
-    temperature = body.get("temperature", 0)
-    if temperature is not None and (not isinstance(temperature, int | float) or temperature != 0):
-        raise bad("temperature", f"only 0 (greedy decoding) is supported, got {temperature!r}")
-    for name, default in (("top_p", 1), ("n", 1), ("best_of", 1)):
-        value = body.get(name, default)
-        if value is not None and value != default:
-            raise bad(name, f"only {default} is supported, got {value!r}")
-    for name in ("stream", "echo"):
-        if body.get(name) not in (None, False):
-            raise bad(name, f"only false is supported, got {body[name]!r}")
-    for name in ("logprobs", "suffix"):
-        if body.get(name) is not None:
-            raise bad(name, "is not supported")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise bad("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
+    if len(prompts) * n > MAX_PROMPTS:
+        raise bad("n", f"prompts x n must be at most {MAX_PROMPTS}, got {len(prompts)} x {n}")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"only best_of == n is supported, got {best_of!r}")
+    if body.get("suffix") is not None:
+        raise bad("suffix", "is not supported")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise bad("seed", f"must be an integer in [0, 2**63), got {seed!r}")
+    top_k = body.get("top_k", 0)
+    if top_k is None or top_k == -1:  # -1: off, as vLLM spells it
+        top_k = 0
+    if not _is_int(top_k) or top_k < 0:
+        raise bad("top_k", f"must be a non-negative integer (0 or -1: off), got {top_k!r}")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    echo = _flag(body, "echo")
+    if echo and logprobs is not None:
+        raise bad("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options", "is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("stream_options", "must be an object with at most include_usage")
+        include_usage = bool(options.get("include_usage", False))
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -137,7 +196,28 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         raise bad("stop", f"must be a string or a list of at most {MAX_STOP} strings")
     if any(not s for s in stops):
         raise bad("stop", "stop strings must not be empty")
-    return CompletionRequest(prompts, int(max_tokens), stops, model)
+    stop_ids = body.get("stop_token_ids") or []
+    if (
+        not isinstance(stop_ids, list)
+        or len(stop_ids) > MAX_STOP_TOKEN_IDS
+        or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in stop_ids)
+    ):
+        raise bad(
+            "stop_token_ids",
+            f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {limits.vocab_size})",
+        )
+    params = SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+        top_k=int(top_k),
+        seed=seed,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        stop_token_ids=tuple(stop_ids),
+        logprobs=logprobs,
+    )
+    return CompletionRequest(prompts, params, stops, model, n, stream, include_usage, echo)
 
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -153,8 +233,9 @@ class ApiTarget(Protocol):
     def readiness(self) -> tuple[bool, dict[str, Any]]: ...
     def metrics_text(self) -> bytes: ...
     def models(self) -> dict[str, Any]: ...
-    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any]:
-        """Answers a completion; ``read_body`` returns the parsed JSON body or raises ``ApiError``."""
+    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Answers a completion: a JSON object, or the chunks of a stream (server-sent events).
+        ``read_body`` returns the parsed JSON body or raises ``ApiError``."""
         ...
 
 
@@ -178,7 +259,11 @@ def _handler(target: ApiTarget) -> type[JsonHandler]:
             elif method == "GET" and path == "/v1/models":
                 self.send_json(HTTPStatus.OK, target.models())
             elif method == "POST" and path == "/v1/completions":
-                self.send_json(HTTPStatus.OK, target.complete(self.read_json))
+                answer = target.complete(self.read_json)
+                if isinstance(answer, dict):
+                    self.send_json(HTTPStatus.OK, answer)
+                else:
+                    self.send_event_stream(answer)
             elif path in ("/healthz", "/readyz", "/metrics", "/v1/models", "/v1/completions"):
                 raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}")
             else:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 RESULTS = ("ok", "bad_request", "rejected", "unavailable", "timeout", "error")
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
 class AttentionMetrics:
@@ -38,20 +39,49 @@ class AttentionMetrics:
         )
         self.batch_sequences = Histogram(
             "eaas_attention_batch_sequences",
-            "Sequences generated together in one decoder batch",
+            "Sequences in one decoder step (continuous batching) or one generate() batch (static)",
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self.time_to_first_token = Histogram(
+            "eaas_attention_time_to_first_token_seconds",
+            "Time from receiving a request to its first generated token",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "eaas_attention_time_per_output_token_seconds",
+            "Mean time between the generated tokens of a sequence after the first",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "eaas_attention_queue_seconds",
+            "Time a sequence waited before its first step",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
         self.queued = Gauge("eaas_attention_queued_sequences", "Sequences waiting for a batch", registry=r)
+        self.running = Gauge("eaas_attention_running_sequences", "Sequences in the running batch", registry=r)
+        self.kv_cache_usage = Gauge(
+            "eaas_attention_kv_cache_usage", "Fraction of the paged KV cache's blocks in use", registry=r
+        )
         self.ready = Gauge("eaas_attention_ready", "1 when every expert has a connected server", registry=r)
         self.live_servers = Gauge(
             "eaas_attention_live_expert_servers", "Expert servers of the placement connected", registry=r
         )
 
     def bind(
-        self, queued: Callable[[], float], ready: Callable[[], float], live_servers: Callable[[], float]
+        self,
+        queued: Callable[[], float],
+        ready: Callable[[], float],
+        live_servers: Callable[[], float],
+        running: Callable[[], float] = lambda: 0.0,
+        kv_cache_usage: Callable[[], float] = lambda: 0.0,
     ) -> None:
         """Gauges read at scrape time."""
+        self.running.set_function(running)
+        self.kv_cache_usage.set_function(kv_cache_usage)
         self.queued.set_function(queued)
         self.ready.set_function(ready)
         self.live_servers.set_function(live_servers)

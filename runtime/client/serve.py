@@ -5,8 +5,11 @@
     service.stop()
 
 Pieces: the attention side of the checkpoint (loaded once), a ``RemoteExperts`` for the current
-placement, a ``BatchScheduler`` whose one worker thread owns the ``Decoder`` (so concurrent requests
-are generated together), and the HTTP API.
+placement, one worker thread that owns the ``Decoder``, and the HTTP API. With
+``batching="continuous"`` (the default) the worker runs the serving ``Engine``: requests join and
+leave the running batch between decoder steps, over a paged KV cache (``runtime/serving``), and
+their tokens stream back as they are sampled (``completions.py``). ``batching="static"`` keeps the
+earlier ``BatchScheduler`` (greedy only), the baseline ``benchmarks/serving.py`` compares with.
 
 Placement: the placement file is read at start and re-read every ``placement_poll_s``. The file
 may be missing at first (the operator commits the first placement once every expert server is
@@ -25,7 +28,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from pathlib import Path
@@ -33,13 +36,24 @@ from typing import Any
 
 import torch
 
+from eaas.runtime.client.completions import Completions, result_of
+from eaas.runtime.client.engine_worker import EngineWorker
 from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
-from eaas.runtime.client.http_api import ApiError, ApiServer, Limits, apply_stop, bad, parse_completion
+from eaas.runtime.client.http_api import (
+    ApiError,
+    ApiServer,
+    CompletionRequest,
+    Limits,
+    apply_stop,
+    bad,
+    parse_completion,
+)
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
 from eaas.runtime.model import AttentionSide, ByteTokenizer, CheckpointReader, Decoder
 from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.transport import RemoteError
 
 log = logging.getLogger("eaas.client.serve")
@@ -78,6 +92,9 @@ class ServeOptions:
     max_batch_tokens: int = 8192  # prompt + new tokens of one batch (at least one sequence always runs)
     max_queue: int = 64  # sequences waiting; more are refused with 503
     max_tokens: int = 1024  # most new tokens one request may ask for
+    batching: str = "continuous"  # or "static": one generate() call per batch (the baseline)
+    kv_cache_bytes: int = 256 << 20  # continuous: the paged KV cache
+    block_size: int = 16  # continuous: positions per KV block
     request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
     placement_poll_s: float = 1.0
     client: ClientOptions = field(default_factory=lambda: ClientOptions(transport="tcp"))
@@ -114,18 +131,42 @@ class AttentionService:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.metrics = AttentionMetrics()
-        self.scheduler = BatchScheduler(
-            self._generate,
-            max_batch_size=o.max_batch_size,
-            max_batch_tokens=o.max_batch_tokens,
-            max_queue=o.max_queue,
-            on_idle=self._housekeeping,
-            on_batch=self.metrics.batch_sequences.observe,
-        )
+        if o.batching not in ("continuous", "static"):
+            raise ValueError(f"batching: must be 'continuous' or 'static', got {o.batching!r}")
+        self.worker: EngineWorker | None = None
+        self.scheduler: BatchScheduler | None = None
+        self.completions: Completions | None = None
+        if o.batching == "continuous":
+            self.worker = EngineWorker(
+                self._engine_for,
+                o.max_queue,
+                on_idle=self._housekeeping,
+                on_error=_api_error,
+                on_step=self.metrics.batch_sequences.observe,
+            )
+            self.completions = Completions(
+                self.worker,
+                self.tokenizer.decode,
+                o.model_name,
+                o.request_timeout_s,
+                self.metrics,
+                _api_error,
+            )
+        else:
+            self.scheduler = BatchScheduler(
+                self._generate,
+                max_batch_size=o.max_batch_size,
+                max_batch_tokens=o.max_batch_tokens,
+                max_queue=o.max_queue,
+                on_idle=self._housekeeping,
+                on_batch=self.metrics.batch_sequences.observe,
+            )
         self.metrics.bind(
-            lambda: self.scheduler.queued,
+            self._queued,
             lambda: float(self.readiness()[0]),
             lambda: len(self.experts.live_servers) if self.experts is not None else 0,
+            running=lambda: self.worker.running if self.worker else 0,
+            kv_cache_usage=lambda: self.worker.kv_usage if self.worker else 0.0,
         )
         self.api = ApiServer(self, o.host, o.port)
         self.port = self.api.port
@@ -140,7 +181,7 @@ class AttentionService:
     def start(self) -> AttentionService:
         self._poll_placement()
         self._housekeeping()  # install the first placement before serving
-        self.scheduler.start()
+        self._runner.start()
         self._watcher.start()
         self.api.start()
         log.info("attention client serving %s on %s", self.options.model_name, self.url)
@@ -149,7 +190,7 @@ class AttentionService:
     def stop(self) -> None:
         self._stop.set()
         self.api.stop()
-        self.scheduler.stop()
+        self._runner.stop()
         if self._watcher.is_alive():
             self._watcher.join(timeout=5)
         with self._lock:
@@ -222,8 +263,17 @@ class AttentionService:
             self.experts.refresh()
 
     # --- the ApiTarget ---------------------------------------------------------------------------
+    @property
+    def _runner(self) -> EngineWorker | BatchScheduler:
+        runner = self.worker or self.scheduler
+        assert runner is not None
+        return runner
+
+    def _queued(self) -> float:
+        return self._runner.queued
+
     def is_healthy(self) -> bool:
-        return self.scheduler.is_running and not self._stop.is_set()
+        return self._runner.is_running and not self._stop.is_set()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         experts, placement = self.experts, self.placement
@@ -258,30 +308,36 @@ class AttentionService:
             "data": [{"id": self.options.model_name, "object": "model", "created": 0, "owned_by": "eaas"}],
         }
 
-    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any]:
+    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
         start = time.monotonic()
         try:
-            response = self._complete(read_body, start)
+            call = parse_completion(read_body(), self.limits, self.tokenizer.encode)
+            name = self.options.model_name
+            if call.model is not None and call.model != name:
+                raise bad("model", f"unknown model {call.model!r}; this server serves {name!r}")
+            if self.experts is None:
+                raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
+            if self.completions is None:
+                return self._complete_static(call, start)
+            requests = self.completions.submit(call)
         except ApiError as exc:
-            self.metrics.requests.labels(result=_result_of(exc)).inc()
+            self.metrics.requests.labels(result=result_of(exc)).inc()
+            self.metrics.request_seconds.observe(time.monotonic() - start)
             raise
         except Exception:
             self.metrics.requests.labels(result="error").inc()
             raise
-        finally:
-            self.metrics.request_seconds.observe(time.monotonic() - start)
-        self.metrics.requests.labels(result="ok").inc()
-        self.metrics.generated_tokens.inc(response["usage"]["completion_tokens"])
-        self.metrics.prompt_tokens.inc(response["usage"]["prompt_tokens"])
-        return response
+        if call.stream:
+            return self.completions.chunks(call, requests, start)
+        return self.completions.collect(call, requests, start)
 
-    def _complete(self, read_body: Callable[[], Any], start: float) -> dict[str, Any]:
-        request = parse_completion(read_body(), self.limits, self.tokenizer.encode)
+    def _complete_static(self, request: CompletionRequest, start: float) -> dict[str, Any]:
+        """The static-batching baseline: greedy, whole answers, one choice per prompt."""
+        assert self.scheduler is not None
+        p = request.params
+        if not p.greedy or request.stream or request.n != 1 or p.logprobs is not None or request.echo:
+            raise bad("batching", "static batching serves greedy (temperature 0), non-streaming, n=1 only")
         name = self.options.model_name
-        if request.model is not None and request.model != name:
-            raise bad("model", f"unknown model {request.model!r}; this server serves {name!r}")
-        if self.experts is None:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
         jobs = [Job(prompt, request.max_tokens) for prompt in request.prompts]
         try:
             self.scheduler.submit(jobs)
@@ -313,6 +369,10 @@ class AttentionService:
                 }
             )
         prompt_tokens = sum(len(p) for p in request.prompts)
+        self.metrics.requests.labels(result="ok").inc()
+        self.metrics.request_seconds.observe(time.monotonic() - start)
+        self.metrics.generated_tokens.inc(completion_tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -335,6 +395,21 @@ class AttentionService:
                     return tokens[:end], text, True
         return tokens, self.tokenizer.decode(tokens), False
 
+    def _engine_for(self) -> Engine | None:
+        """The engine over the decoder, once the first placement made one (worker thread)."""
+        if self.decoder is None:
+            return None
+        o = self.options
+        return Engine(
+            self.decoder,
+            EngineOptions(
+                kv_cache_bytes=o.kv_cache_bytes,
+                block_size=o.block_size,
+                max_batch_tokens=o.max_batch_tokens,
+                max_seqs=o.max_batch_size,
+            ),
+        )
+
     def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         if self.decoder is None:
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
@@ -350,13 +425,3 @@ def _api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, RemoteError):
         return ApiError(HTTPStatus.BAD_GATEWAY, f"an expert server refused the request: {exc}")
     return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {exc}")
-
-
-def _result_of(exc: ApiError) -> str:
-    if exc.kind == "overloaded":
-        return "rejected"
-    if exc.status == HTTPStatus.SERVICE_UNAVAILABLE:
-        return "unavailable"
-    if exc.status == HTTPStatus.GATEWAY_TIMEOUT:
-        return "timeout"
-    return "bad_request" if exc.status < 500 else "error"

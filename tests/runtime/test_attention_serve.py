@@ -17,10 +17,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from eaas.runtime.client import ClientOptions
 from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull, take_batch
@@ -110,11 +112,11 @@ def test_concurrent_completions_equal_the_reference_and_share_batches(
     tokenizer = ByteTokenizer(service.config.vocab_size)
     requests: list[dict[str, Any]] = [
         {"model": MODEL, "prompt": "Experts as a service", "max_tokens": 6, "temperature": 0},
-        {"model": MODEL, "prompt": [7, 8, 300], "max_tokens": 3},
-        {"prompt": ["Hello", [42], "MoE on Kubernetes"], "max_tokens": 5},  # one batch of three
+        {"model": MODEL, "prompt": [7, 8, 300], "max_tokens": 3, "temperature": 0},
+        {"prompt": ["Hello", [42], "MoE on Kubernetes"], "max_tokens": 5, "temperature": 0},  # 3 choices
         {"prompt": "a", "max_tokens": 8, "temperature": 0.0, "stop": None},
-        {"prompt": [100, 200, 300, 250], "max_tokens": 4},
-        {"prompt": "batched", "max_tokens": 2},
+        {"prompt": [100, 200, 300, 250], "max_tokens": 4, "temperature": 0},
+        {"prompt": "batched", "max_tokens": 2, "temperature": 0},
     ]
     results: list[Any] = [None] * len(requests)
 
@@ -151,9 +153,9 @@ def test_concurrent_completions_equal_the_reference_and_share_batches(
     assert [c["text"] for c in answers] == [tokenizer.decode(w) for w in want]
     assert all(c["finish_reason"] == "length" for c in answers)
     text = http("GET", f"{service.url}/metrics")[1]
-    batches = metric(text, "eaas_attention_batch_sequences_count")
-    sequences = metric(text, "eaas_attention_batch_sequences_sum")
-    assert sequences == len(prompts) and batches < sequences  # sequences were generated together
+    steps = metric(text, "eaas_attention_batch_sequences_count")
+    single = metric(text, 'eaas_attention_batch_sequences_bucket{le="1.0"}')
+    assert single < steps  # some steps ran several sequences together
 
 
 def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder) -> None:
@@ -163,7 +165,9 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
     assert len(text) >= 5, "the fixed random checkpoint must produce enough text for a stop string"
     stop = text[3:5]
     status, body = http(
-        "POST", f"{service.url}/v1/completions", {"prompt": "Hello", "max_tokens": 12, "stop": [stop]}
+        "POST",
+        f"{service.url}/v1/completions",
+        {"prompt": "Hello", "max_tokens": 12, "stop": [stop], "temperature": 0},
     )
     assert status == 200, body
     [choice] = body["choices"]
@@ -177,8 +181,17 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"prompt": "hi", "temperature": 0.7}, "temperature"),
+        ({"prompt": "hi", "temperature": 2.5}, "temperature"),
         ({"prompt": "hi", "temperature": "0"}, "temperature"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": "x"}, "frequency_penalty"),
+        ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "best_of": 3}, "best_of"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 2, 100000]}, "prompt"),
@@ -188,10 +201,10 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
         ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 65}, "max_tokens"),
         ({"prompt": "hi", "model": "gpt-4"}, "model"),
-        ({"prompt": "hi", "stream": True}, "stream"),
-        ({"prompt": "hi", "n": 2}, "n"),
-        ({"prompt": "hi", "top_p": 0.5}, "top_p"),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": ["a"] * 9, "n": 4}, "n"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ([1, 2], "body"),
     ],
@@ -232,6 +245,138 @@ def test_models_health_and_metrics(service: AttentionService) -> None:
     assert metric(text, "eaas_attention_live_expert_servers") == 2.0
 
 
+def stream(url: str, body: dict[str, Any], max_chunks: int | None = None) -> list[Any]:
+    """POSTs a streaming completion; returns the parsed ``data:`` items ("[DONE]" kept as a string).
+    With ``max_chunks``, hangs up after that many (a client that goes away)."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=30)
+    connection.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    items: list[Any] = []
+    for line in response:
+        if line.startswith(b"data: "):
+            payload = line[6:].strip().decode()
+            items.append(payload if payload == "[DONE]" else json.loads(payload))
+            if max_chunks is not None and len(items) >= max_chunks:
+                break
+    connection.close()
+    return items
+
+
+def test_streaming_equals_the_whole_answer(service: AttentionService, reference: Decoder) -> None:
+    body = {
+        "prompt": ["Hello", [42, 7]],
+        "max_tokens": 7,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    items = stream(service.url, body)
+    assert (
+        items[-1] == "[DONE]" and items[-2]["choices"] == [] and items[-2]["usage"]["completion_tokens"] == 14
+    )
+    texts = {0: "", 1: ""}
+    finish = {}
+    for item in items[:-2]:
+        [choice] = item["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    status, whole = http(
+        "POST", f"{service.url}/v1/completions", {k: v for k, v in body.items() if k != "stream_options"}
+    )
+    assert status == 200
+    assert [texts[0], texts[1]] == [c["text"] for c in whole["choices"]]
+    assert finish == {0: "length", 1: "length"}
+    tokenizer = ByteTokenizer(service.config.vocab_size)
+    assert [c["token_ids"] for c in whole["choices"]] == expected(
+        reference, [tokenizer.encode("Hello"), [42, 7]], [7, 7]
+    )
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(service: AttentionService) -> None:
+    body = {"prompt": "Experts", "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": 7, "n": 3}
+    first = http("POST", f"{service.url}/v1/completions", body)[1]
+    again = http("POST", f"{service.url}/v1/completions", body)[1]
+    ids = [c["token_ids"] for c in first["choices"]]
+    assert ids == [c["token_ids"] for c in again["choices"]]
+    assert len({tuple(t) for t in ids}) == 3  # choice j uses seed + j
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2] and first["usage"]["completion_tokens"] == 30
+    greedy = http("POST", f"{service.url}/v1/completions", {**body, "temperature": 0, "n": 1})[1]
+    assert greedy["choices"][0]["token_ids"] != ids[0] or len(set(ids[0])) == 1
+
+
+def test_logprobs_are_the_models(service: AttentionService, reference: Decoder) -> None:
+    prompt = [5, 9, 13]
+    status, body = http(
+        "POST",
+        f"{service.url}/v1/completions",
+        {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2},
+    )
+    assert status == 200, body
+    [choice] = body["choices"]
+    tokens, logits = reference.generate([prompt], 4)
+    want = torch.log_softmax(logits[:, 0], -1).gather(1, torch.tensor(tokens[0])[:, None])[:, 0].tolist()
+    got = choice["logprobs"]["token_logprobs"]
+    assert len(got) == 4 and all(abs(a - b) < 1e-3 for a, b in zip(got, want, strict=True))
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"])
+    status, body = http(
+        "POST",
+        f"{service.url}/v1/completions",
+        {"prompt": "ab", "max_tokens": 2, "echo": True, "temperature": 0},
+    )
+    assert status == 200 and body["choices"][0]["text"].startswith("ab")
+
+
+def test_a_client_that_hangs_up_frees_its_kv_cache(service: AttentionService) -> None:
+    assert service.worker is not None
+    items = stream(service.url, {"prompt": "a long one", "max_tokens": 60, "temperature": 0}, max_chunks=2)
+    assert len(items) == 2
+    wait_for(
+        lambda: service.worker is not None and service.worker.running == 0,
+        20,
+        "the cancelled sequence to stop",
+    )
+    assert service.worker.kv_usage == 0.0
+    text = http("GET", f"{service.url}/metrics")[1]
+    assert metric(text, "eaas_attention_running_sequences") == 0.0
+    assert metric(text, "eaas_attention_time_to_first_token_seconds_count") >= 1
+    assert metric(text, "eaas_attention_time_per_output_token_seconds_count") >= 1
+
+
+def test_stop_strings_end_a_stream(service: AttentionService, reference: Decoder) -> None:
+    tokenizer = ByteTokenizer(service.config.vocab_size)
+    [full], _ = reference.generate([tokenizer.encode("Hello")], 12)
+    text = tokenizer.decode(full)
+    stop = text[3:5]
+    items = stream(service.url, {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "stop": stop})
+    streamed = "".join(i["choices"][0]["text"] for i in items[:-1])
+    assert streamed == text[: text.find(stop)] and items[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_static_batching_stays_selectable(
+    checkpoint: Path, cluster: LocalCluster, reference: Decoder
+) -> None:
+    """The baseline of benchmarks/serving.py: whole greedy answers, one generate() per batch."""
+    options = ServeOptions(
+        host="127.0.0.1",
+        port=0,
+        batching="static",
+        placement_poll_s=0.2,
+        client=ClientOptions(transport="tcp", request_timeout_s=10.0),
+    )
+    with AttentionService(
+        checkpoint, cluster.placement_path, static_discovery(cluster.urls), options
+    ) as static:
+        body = {"prompt": [5, 6], "max_tokens": 3, "temperature": 0}
+        status, answer = http("POST", f"{static.url}/v1/completions", body)
+        assert status == 200 and answer["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
+        status, answer = http("POST", f"{static.url}/v1/completions", {**body, "temperature": 0.5})
+        assert status == 400 and answer["error"]["param"] == "batching"
+
+
 def test_readyz_follows_the_expert_servers(
     service: AttentionService, cluster: LocalCluster, reference: Decoder
 ) -> None:
@@ -243,7 +388,9 @@ def test_readyz_follows_the_expert_servers(
     assert status == 503 and ready["down_servers"] == [1] and "no connected expert server" in ready["reason"]
     cluster.restart(1)
     wait_for(lambda: http("GET", f"{service.url}/readyz")[0] == 200, 20, "the restarted server to rejoin")
-    status, body = http("POST", f"{service.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
+    status, body = http(
+        "POST", f"{service.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0}
+    )
     assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
     text = http("GET", f"{service.url}/metrics")[1]
     assert metric(text, 'eaas_attention_requests_total{result="unavailable"}') >= 1
@@ -284,7 +431,9 @@ def test_pod_command_serves_from_environment_and_waits_for_the_placement(
             placement_file.write_text(placement.to_json())
             wait_for(lambda: http("GET", f"{url}/readyz")[0] == 200, 20, "the placement to be read")
             status, body = http(
-                "POST", f"{url}/v1/completions", {"model": "tiny", "prompt": [9, 10], "max_tokens": 3}
+                "POST",
+                f"{url}/v1/completions",
+                {"model": "tiny", "prompt": [9, 10], "max_tokens": 3, "temperature": 0},
             )
             assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[9, 10]], [3])[0]
             process.send_signal(signal.SIGTERM)

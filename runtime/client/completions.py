@@ -1,0 +1,212 @@
+"""OpenAI completions on the continuous-batching engine: one engine request per (prompt, choice),
+answered as stream chunks (server-sent events) or joined into one JSON answer.
+
+Both forms come from the same chunks: each sampled token is turned into final text by a
+``TextStream`` (held back while a character or a stop string is incomplete). A stop string ends
+its choice at once and cancels the rest of its generation; a stop token ends it without being
+shown. Closing the chunk iterator early (a streaming client that went away) cancels every
+choice still running, which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from http import HTTPStatus
+from typing import Any
+
+from eaas.runtime.client.engine_worker import EngineWorker, Events, Request
+from eaas.runtime.client.http_api import ApiError, CompletionRequest
+from eaas.runtime.client.metrics import AttentionMetrics
+from eaas.runtime.client.scheduler import QueueFull
+from eaas.runtime.client.text_stream import TextStream
+from eaas.runtime.serving.sampling import Sampled
+
+Chunk = dict[str, Any]
+
+
+class Completions:
+    def __init__(
+        self,
+        worker: EngineWorker,
+        decode: Callable[[list[int]], str],
+        model_name: str,
+        timeout_s: float,
+        metrics: AttentionMetrics,
+        to_api_error: Callable[[BaseException], ApiError],
+    ) -> None:
+        self.worker = worker
+        self.decode = decode
+        self.model_name = model_name
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self.to_api_error = to_api_error
+
+    def submit(self, call: CompletionRequest) -> list[Request]:
+        """Queues one request per (prompt, choice); choice j of a seeded call uses seed + j."""
+        events: Events = queue.SimpleQueue()
+        requests = []
+        for i, prompt in enumerate(call.prompts):
+            for j in range(call.n):
+                params = call.params
+                if j and params.seed is not None:
+                    params = replace(params, seed=params.seed + j)
+                requests.append(Request(prompt, params, index=i * call.n + j, events=events))
+        try:
+            self.worker.submit(requests)
+        except QueueFull as exc:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="overloaded") from exc
+        return requests
+
+    def chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
+        """The answer as stream chunks: per token per choice, then the usage if asked."""
+        texts = {r: TextStream(self.decode, call.stop) for r in requests}
+        unfinished = set(requests)
+        deadline = start + self.timeout_s
+        header = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
+        def chunk(request: Request, text: str, logprobs: Any, finish: str | None) -> Chunk:
+            choice = {"index": request.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {**header, "choices": [choice]}
+
+        try:
+            if call.echo:
+                for request in requests:
+                    yield chunk(request, self.decode(request.prompt), None, None)
+            while unfinished:
+                request, item = self._next(requests[0].events, deadline)
+                if request not in unfinished:
+                    continue  # the end of a choice already closed by a stop string
+                if isinstance(item, BaseException):
+                    raise self.to_api_error(item)
+                text = texts[request]
+                if item is None:
+                    unfinished.discard(request)
+                    self._observe(request)
+                    yield chunk(request, text.flush(), None, _finish_reason(request.finish_reason))
+                    continue
+                offset = len(text.emitted)
+                delta = "" if item.token in call.params.stop_token_ids else text.push(item.token)
+                logprobs = self._logprobs(item, offset) if call.params.logprobs is not None else None
+                if text.stopped:
+                    unfinished.discard(request)
+                    self.worker.cancel(request)
+                    self._observe(request)
+                yield chunk(request, delta, logprobs, "stop" if text.stopped else None)
+            usage = usage_of(requests)
+            self._count_ok(start, usage)
+            if call.include_usage:
+                yield {**header, "choices": [], "usage": usage}
+        except ApiError as exc:
+            self._count_failed(start, exc)
+            raise
+        finally:
+            for request in unfinished:
+                self.worker.cancel(request)
+
+    def collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
+        """The non-streaming answer: the chunks joined per choice."""
+        choices: dict[int, dict[str, Any]] = {
+            r.index: {"index": r.index, "text": "", "logprobs": None, "finish_reason": None} for r in requests
+        }
+        pieces: dict[int, list[dict[str, Any]]] = {r.index: [] for r in requests}
+        completion_id = ""
+        for item in self.chunks(call, requests, start):
+            completion_id = item["id"]
+            for piece in item["choices"]:
+                choice = choices[piece["index"]]
+                choice["text"] += piece["text"]
+                choice["finish_reason"] = piece["finish_reason"] or choice["finish_reason"]
+                if piece["logprobs"] is not None:
+                    pieces[piece["index"]].append(piece["logprobs"])
+        for request in requests:
+            choices[request.index]["token_ids"] = list(request.tokens)  # extension: the generated ids
+            if call.params.logprobs is not None:
+                choices[request.index]["logprobs"] = _merge(pieces[request.index])
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choices[i] for i in sorted(choices)],
+            "usage": usage_of(requests),
+        }
+
+    def _next(self, events: Events, deadline: float) -> tuple[Request, Sampled | BaseException | None]:
+        try:
+            return events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise ApiError(
+                HTTPStatus.GATEWAY_TIMEOUT, f"no answer within {self.timeout_s:.0f} s", kind="timeout"
+            ) from None
+
+    def _logprobs(self, sampled: Sampled, offset: int) -> dict[str, Any]:
+        """OpenAI's completions ``logprobs`` object for one token."""
+        return {
+            "tokens": [self.decode([sampled.token])],
+            "token_logprobs": [sampled.logprob],
+            "top_logprobs": [{self.decode([t]): lp for t, lp in sampled.top}],
+            "text_offset": [offset],
+        }
+
+    def _observe(self, request: Request) -> None:
+        m = self.metrics
+        if request.started_at is not None:
+            m.queue_seconds.observe(request.started_at - request.enqueued_at)
+        if request.first_token_at is not None:
+            m.time_to_first_token.observe(request.first_token_at - request.enqueued_at)
+            if len(request.tokens) > 1:
+                m.time_per_output_token.observe(
+                    (time.monotonic() - request.first_token_at) / (len(request.tokens) - 1)
+                )
+
+    def _count_ok(self, start: float, usage: dict[str, int]) -> None:
+        self.metrics.requests.labels(result="ok").inc()
+        self.metrics.request_seconds.observe(time.monotonic() - start)
+        self.metrics.generated_tokens.inc(usage["completion_tokens"])
+        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
+
+    def _count_failed(self, start: float, exc: ApiError) -> None:
+        self.metrics.requests.labels(result=result_of(exc)).inc()
+        self.metrics.request_seconds.observe(time.monotonic() - start)
+
+
+def usage_of(requests: list[Request]) -> dict[str, int]:
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    completion_tokens = sum(len(r.tokens) for r in requests)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def result_of(exc: ApiError) -> str:
+    """The ``result`` label of a failed request."""
+    if exc.kind == "overloaded":
+        return "rejected"
+    if exc.status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return "unavailable"
+    if exc.status == HTTPStatus.GATEWAY_TIMEOUT:
+        return "timeout"
+    return "bad_request" if exc.status < 500 else "error"
+
+
+def _finish_reason(reason: str | None) -> str:
+    return "stop" if reason == "stop" else "length"
+
+
+def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for piece in pieces:
+        for key in merged:
+            merged[key] += piece[key]
+    return merged
