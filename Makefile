@@ -1,4 +1,4 @@
-# The README's two commands: `make demo` and `make test`. Both create .venv when missing.
+# The README's two commands: `make serve` and `make test` (`make demo` shows failover). Both create .venv when missing.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,8 +7,9 @@ DEPS_STAMP := $(VENV)/.eaas-deps
 # Installed as a strict editable link tree so mypy can follow it (see CONVENTIONS.md).
 EDITABLE := --config-settings editable_mode=strict
 
-.PHONY: help install demo test lint typecheck unit e2e crds clean
+.PHONY: help install serve demo test lint typecheck unit e2e crds clean
 help:
+	@echo "make serve  - serve a tiny random model (OpenAI API on :8000) from a local EaaS cluster"
 	@echo "make demo   - run EaaS locally (expert servers + attention client) on a tiny random model"
 	@echo "make test   - ruff, mypy and the whole pytest suite (builds the Kubernetes test binaries once)"
 
@@ -23,6 +24,9 @@ $(DEPS_STAMP): pyproject.toml setup.py
 install: $(DEPS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(EDITABLE) > $(VENV)/.eaas-install.log 2>&1 \
 		|| { cat $(VENV)/.eaas-install.log; exit 1; }
+
+serve: install
+	$(VENV)/bin/eaas serve --preset mixtral/tiny --servers 2 --port 8000
 
 demo: install
 	$(VENV)/bin/eaas local --preset tiny --servers 4 --replication 2 --prompts 8 --max-new-tokens 24 --kill-server-after 8

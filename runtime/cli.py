@@ -21,6 +21,12 @@ COMMANDS: dict[str, Entry] = {
     "model": Entry(
         "eaas.runtime.model.cli", "model", "Tools", "Make random checkpoints, list presets, generate."
     ),
+    "serve": Entry(
+        "eaas.runtime.local.serve",
+        "serve",
+        "Run locally",
+        "Serve a model (OpenAI API) from a local EaaS cluster of processes.",
+    ),
     "local": Entry(
         "eaas.runtime.local.cli", "local", "Run locally", "A local EaaS cluster of processes; shows failover."
     ),

@@ -140,6 +140,59 @@ class Completions:
             "usage": usage_of(requests),
         }
 
+    def chat_chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
+        """The chat form of ``chunks``: ``chat.completion.chunk`` objects whose choices carry a
+        ``delta`` (the role first, then content pieces)."""
+        announced: set[int] = set()
+        for item in self.chunks(call, requests, start):
+            choices = []
+            for piece in item["choices"]:
+                delta: dict[str, Any] = {}
+                if piece["index"] not in announced:
+                    announced.add(piece["index"])
+                    delta["role"] = "assistant"
+                if piece["text"]:
+                    delta["content"] = piece["text"]
+                logprobs = (
+                    None if piece["logprobs"] is None else {"content": _chat_logprobs(piece["logprobs"])}
+                )
+                choices.append(
+                    {
+                        "index": piece["index"],
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": piece["finish_reason"],
+                    }
+                )
+            yield {
+                **item,
+                "object": "chat.completion.chunk",
+                "id": item["id"].replace("cmpl-", "chatcmpl-"),
+                "choices": choices,
+            }
+
+    def chat_collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
+        """The non-streaming chat answer."""
+        answer = self.collect(call, requests, start)
+        choices = []
+        for choice in answer["choices"]:
+            logprobs = choice["logprobs"]
+            choices.append(
+                {
+                    "index": choice["index"],
+                    "message": {"role": "assistant", "content": choice["text"]},
+                    "logprobs": None if logprobs is None else {"content": _chat_logprobs(logprobs)},
+                    "finish_reason": choice["finish_reason"],
+                    "token_ids": choice["token_ids"],
+                }
+            )
+        return {
+            **answer,
+            "id": answer["id"].replace("cmpl-", "chatcmpl-"),
+            "object": "chat.completion",
+            "choices": choices,
+        }
+
     def _next(self, events: Events, deadline: float) -> tuple[Request, Sampled | BaseException | None]:
         try:
             return events.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -202,6 +255,21 @@ def result_of(exc: ApiError) -> str:
 
 def _finish_reason(reason: str | None) -> str:
     return "stop" if reason == "stop" else "length"
+
+
+def _chat_logprobs(completion: dict[str, Any]) -> list[dict[str, Any]]:
+    """Completions-style logprobs -> chat's ``logprobs.content`` entries."""
+    return [
+        {
+            "token": token,
+            "logprob": logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top.items()],
+        }
+        for token, logprob, top in zip(
+            completion["tokens"], completion["token_logprobs"], completion["top_logprobs"], strict=True
+        )
+    ]
 
 
 def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:

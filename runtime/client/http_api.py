@@ -3,6 +3,7 @@
 | method | path | answer |
 |---|---|---|
 | POST | ``/v1/completions`` | completions: sampling, ``n``, stops, logprobs, echo, streaming (SSE) |
+| POST | ``/v1/chat/completions`` | the same for a conversation, through the checkpoint's chat template |
 | GET | ``/v1/models`` | the one served model |
 | GET | ``/healthz`` | 200 while the process and its batch worker run (liveness) |
 | GET | ``/readyz`` | 200 when every expert of the current placement has a connected server, else 503 |
@@ -238,6 +239,10 @@ class ApiTarget(Protocol):
         ``read_body`` returns the parsed JSON body or raises ``ApiError``."""
         ...
 
+    def chat(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Answers a chat completion (as ``complete``)."""
+        ...
+
 
 def _handler(target: ApiTarget) -> type[JsonHandler]:
     class Handler(JsonHandler):
@@ -258,13 +263,20 @@ def _handler(target: ApiTarget) -> type[JsonHandler]:
                 self.send_bytes(HTTPStatus.OK, target.metrics_text(), CONTENT_TYPE_LATEST)
             elif method == "GET" and path == "/v1/models":
                 self.send_json(HTTPStatus.OK, target.models())
-            elif method == "POST" and path == "/v1/completions":
-                answer = target.complete(self.read_json)
+            elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+                answer = (target.complete if path == "/v1/completions" else target.chat)(self.read_json)
                 if isinstance(answer, dict):
                     self.send_json(HTTPStatus.OK, answer)
                 else:
                     self.send_event_stream(answer)
-            elif path in ("/healthz", "/readyz", "/metrics", "/v1/models", "/v1/completions"):
+            elif path in (
+                "/healthz",
+                "/readyz",
+                "/metrics",
+                "/v1/models",
+                "/v1/completions",
+                "/v1/chat/completions",
+            ):
                 raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}")
             else:
                 raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")

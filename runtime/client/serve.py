@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from eaas.runtime.client.chat import ChatTemplate, parse_chat
 from eaas.runtime.client.completions import Completions, result_of
 from eaas.runtime.client.engine_worker import EngineWorker
 from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
@@ -51,7 +52,8 @@ from eaas.runtime.client.http_api import (
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
-from eaas.runtime.model import AttentionSide, ByteTokenizer, CheckpointReader, Decoder
+from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
+from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.transport import RemoteError
@@ -114,7 +116,8 @@ class AttentionService:
         self.discovery = discovery
         reader = CheckpointReader(checkpoint)
         self.config = reader.config
-        self.tokenizer = ByteTokenizer(self.config.vocab_size)
+        self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size)
+        self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
         self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)
         o = self.options
         self.limits = Limits(
@@ -309,15 +312,30 @@ class AttentionService:
         }
 
     def complete(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        return self._answer(read_body, chat=False)
+
+    def chat(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        return self._answer(read_body, chat=True)
+
+    def _answer(self, read_body: Callable[[], Any], chat: bool) -> dict[str, Any] | Iterator[dict[str, Any]]:
         start = time.monotonic()
         try:
-            call = parse_completion(read_body(), self.limits, self.tokenizer.encode)
+            body, encode = read_body(), self.tokenizer.encode
+            if chat:
+                call = parse_chat(body, self.limits, self.chat_template, encode)[0]
+            else:
+                call = parse_completion(body, self.limits, encode)
+            if self.tokenizer.eos_token_ids and not (isinstance(body, dict) and body.get("ignore_eos")):
+                stop_ids = tuple(sorted({*call.params.stop_token_ids, *self.tokenizer.eos_token_ids}))
+                call = replace(call, params=replace(call.params, stop_token_ids=stop_ids))
             name = self.options.model_name
             if call.model is not None and call.model != name:
                 raise bad("model", f"unknown model {call.model!r}; this server serves {name!r}")
             if self.experts is None:
                 raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
             if self.completions is None:
+                if chat:
+                    raise bad("batching", "static batching serves /v1/completions only")
                 return self._complete_static(call, start)
             requests = self.completions.submit(call)
         except ApiError as exc:
@@ -327,6 +345,10 @@ class AttentionService:
         except Exception:
             self.metrics.requests.labels(result="error").inc()
             raise
+        if chat:
+            if call.stream:
+                return self.completions.chat_chunks(call, requests, start)
+            return self.completions.chat_collect(call, requests, start)
         if call.stream:
             return self.completions.chunks(call, requests, start)
         return self.completions.collect(call, requests, start)

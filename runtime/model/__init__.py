@@ -8,7 +8,7 @@ from eaas.runtime.model.expert_side import ExpertStack, LocalExperts
 from eaas.runtime.model.kv_cache import KVCache, KVCacheFull
 from eaas.runtime.model.presets import preset, preset_names
 from eaas.runtime.model.reference import load_reference
-from eaas.runtime.model.tokenizer import ByteTokenizer
+from eaas.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "FAMILIES",
@@ -18,12 +18,14 @@ __all__ = [
     "CheckpointReader",
     "Decoder",
     "ExpertStack",
+    "HFTokenizer",
     "KVCache",
     "KVCacheFull",
     "LocalExperts",
     "MoEConfig",
     "MoEExecutor",
     "load_reference",
+    "load_tokenizer",
     "preset",
     "preset_names",
     "write_random_checkpoint",

@@ -1,6 +1,25 @@
-"""A byte-level tokenizer: token id = byte value (ids >= 256 decode to nothing)."""
+"""Tokenizers: the checkpoint's own (``tokenizer.json``, through the ``tokenizers`` library) or,
+for random checkpoints that have none, a byte-level one (token id = byte value; ids >= 256
+decode to nothing). ``load_tokenizer`` picks.
+
+Both decode whole id lists; streaming callers (``client/text_stream.py``) decode the growing
+list and hold back a trailing U+FFFD, so a character split over several tokens is released
+only once complete.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # generation stops on these (the checkpoint's end-of-sequence ids)
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -8,9 +27,84 @@ class ByteTokenizer:
         if vocab_size < 256:
             raise ValueError(f"vocab_size: the byte tokenizer needs >= 256 ids, got {vocab_size}")
         self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """``tokenizer.json`` of a checkpoint; special tokens are kept out of decoded text."""
+
+    def __init__(self, directory: Path, vocab_size: int) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.backend = Backend.from_file(str(directory / "tokenizer.json"))
+        self.vocab_size = vocab_size
+        config = _read_json(directory / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        eos_ids = [self.backend.token_to_id(self.eos_token)] if self.eos_token else []
+        generation = _read_json(directory / "generation_config.json").get("eos_token_id")
+        eos_ids += (
+            generation if isinstance(generation, list) else [generation] if generation is not None else []
+        )
+        self.eos_token_ids = tuple(sorted({i for i in eos_ids if isinstance(i, int)}))
+        self.add_bos = bool(config.get("add_bos_token", False))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token:
+            bos = self.backend.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return [i for i in ids if i < self.vocab_size]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.backend.decode(ids, skip_special_tokens=True))
+
+
+def load_tokenizer(directory: str | Path, vocab_size: int) -> Tokenizer:
+    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer."""
+    directory = Path(directory)
+    if (directory / "tokenizer.json").is_file():
+        return HFTokenizer(directory, vocab_size)
+    return ByteTokenizer(vocab_size)
+
+
+def chat_template(directory: str | Path) -> str | None:
+    """The checkpoint's chat template: ``chat_template.jinja``, or ``chat_template`` in
+    ``tokenizer_config.json`` (a string, or a list of named templates: the ``default`` one)."""
+    directory = Path(directory)
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    template = _read_json(directory / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def special_tokens(directory: str | Path) -> dict[str, str]:
+    """bos/eos token texts from ``tokenizer_config.json`` (templates refer to them)."""
+    config = _read_json(Path(directory) / "tokenizer_config.json")
+    return {k: t for k in ("bos_token", "eos_token") if (t := _token_text(config.get(k)))}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} as some configs write it
+        token = token.get("content")
+    return token if isinstance(token, str) else None

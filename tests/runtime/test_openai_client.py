@@ -1,0 +1,259 @@
+"""The official ``openai`` client against ``eaas attention-client``'s API: a checkpoint with its own
+tokenizer (``tokenizer.json``) and chat template, over real expert-server processes.
+
+Covers completions and chat, streamed and not, seeded sampling, stop strings, a client that
+hangs up, the template sandbox, and a fuzz test: no JSON body gets a 500 or a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eaas.runtime.client import ClientOptions
+from eaas.runtime.client.chat import ChatTemplate
+from eaas.runtime.client.http_api import ApiError
+from eaas.runtime.client.serve import AttentionService, ServeOptions, static_discovery
+from eaas.runtime.local.cluster import LocalCluster
+from eaas.runtime.model import CheckpointReader, Decoder, load_reference, load_tokenizer
+from eaas.runtime.placement import round_robin
+
+openai = pytest.importorskip("openai")
+tokenizers = pytest.importorskip("tokenizers")
+
+MODEL = "tiny-chat"
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CORPUS = ["experts as a service on kubernetes", "mixture of experts serve tokens", "hello world"] * 40
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny mixtral checkpoint plus a byte-level BPE tokenizer of 300 ids and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = tmp_path_factory.mktemp("chat") / "ckpt"
+    shutil.copytree(tiny_checkpoints["mixtral"], directory)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def service(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttentionService]:
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=1)
+    with LocalCluster(
+        checkpoint, placement, tmp_path_factory.mktemp("cluster"), transports=("tcp",)
+    ) as cluster:
+        options = ServeOptions(
+            host="127.0.0.1",
+            port=0,
+            model_name=MODEL,
+            max_tokens=64,
+            client=ClientOptions(transport="tcp", request_timeout_s=10.0),
+        )
+        with AttentionService(
+            checkpoint, cluster.placement_path, static_discovery(cluster.urls), options
+        ) as svc:
+            yield svc
+
+
+@pytest.fixture(scope="module")
+def client(service: AttentionService) -> Any:
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Decoder:
+    return load_reference(checkpoint)
+
+
+def test_the_checkpoint_tokenizer_is_used(checkpoint: Path) -> None:
+    tokenizer = load_tokenizer(checkpoint, 320)
+    ids = tokenizer.encode("experts as a service — ünïcode")
+    assert max(ids) < 300 and len(ids) < len("experts as a service — ünïcode".encode())  # merges apply
+    assert tokenizer.decode(ids) == "experts as a service — ünïcode"
+    assert tokenizer.eos_token_ids == (2,)
+
+
+def test_completions_equal_the_reference(client: Any, checkpoint: Path, reference: Decoder) -> None:
+    tokenizer = load_tokenizer(checkpoint, 320)
+    answer = client.completions.create(model=MODEL, prompt="experts as", max_tokens=8, temperature=0)
+    want, _ = reference.generate([tokenizer.encode("experts as")], 8)
+    eos = want[0].index(2) if 2 in want[0] else len(want[0])
+    assert answer.choices[0].text == tokenizer.decode(want[0][:eos])
+    streamed = client.completions.create(
+        model=MODEL, prompt="experts as", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == answer.choices[0].text
+
+
+def test_chat_streamed_and_whole_agree(client: Any, checkpoint: Path, reference: Decoder) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    [choice] = whole.choices
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    tokenizer = load_tokenizer(checkpoint, 320)
+    prompt = tokenizer.encode(ChatTemplate(TEMPLATE, {"bos_token": "<s>"}).render(messages))
+    want, _ = reference.generate([prompt], 10)
+    eos = want[0].index(2) if 2 in want[0] else len(want[0])
+    assert choice.message.content == tokenizer.decode(want[0][:eos])
+    pieces = []
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        else:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert "".join(pieces) == choice.message.content
+
+
+def test_seeded_chat_sampling_reproduces(client: Any) -> None:
+    messages = [{"role": "user", "content": "tokens"}]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2}
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    lp = client.chat.completions.create(**{**kwargs, "n": 1, "logprobs": True, "top_logprobs": 2})
+    entries = lp.choices[0].logprobs.content
+    assert entries and all(e.logprob <= 0 and len(e.top_logprobs) <= 2 for e in entries)
+
+
+def test_a_stream_closed_early_frees_its_kv_cache(client: Any, service: AttentionService) -> None:
+    stream = client.completions.create(model=MODEL, prompt="hello", max_tokens=60, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert service.worker is not None
+    deadline = time.monotonic() + 20
+    while service.worker.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.worker.running == 0 and service.worker.kv_usage == 0.0
+
+
+def test_errors_reach_the_client_as_openai_errors(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
+    assert "messages[0].role must be one of" in str(info.value)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", temperature=9)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_templates_run_sandboxed() -> None:
+    hostile = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ApiError, match="messages: the chat template refused them"):
+        hostile.render([{"role": "user", "content": "x"}])
+    strict = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    )
+    with pytest.raises(ApiError, match="user first"):
+        strict.render([{"role": "system", "content": "x"}])
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_FIELDS = st.sampled_from(
+    ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop", "seed",
+     "logprobs", "top_logprobs", "echo", "presence_penalty", "stream_options", "stop_token_ids", "model",
+     "max_completion_tokens"]
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(_FIELDS, _JSON, max_size=6), chat=st.booleans())
+def test_no_body_gets_a_500_or_a_hang(service: AttentionService, body: dict[str, Any], chat: bool) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if "stream" in body:
+        body["stream"] = False  # the fuzz reads whole answers; streams are covered above
+    body["max_tokens"] = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else 4
+    request = urllib.request.Request(
+        f"{service.url}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=30) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    assert status in (200, 400), (status, body)
+
+
+def test_eaas_serve_serves_a_preset_until_interrupted(tmp_path: Path) -> None:
+    """The README's first command, as a process: expert servers + API, then Ctrl-C stops all."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready.json"
+    command = [
+        sys.executable, "-m", "eaas.runtime.cli", "serve", "--preset", "qwen3_moe/tiny", "--port", "0",
+        "--servers", "2", "--replication", "2", "--transport", "tcp", "--ready-file", str(ready),
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ)
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+            assert time.monotonic() < deadline, "eaas serve did not start"
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{json.loads(ready.read_text())['port']}/v1"
+        api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+        [model] = api.models.list().data
+        assert model.id == "qwen3_moe/tiny"
+        answer = api.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+        )
+        assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        output = process.stdout.read().decode() if process.stdout else ""
+        assert "serving qwen3_moe/tiny" in output and "expert server 1" in output and "stopped" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
