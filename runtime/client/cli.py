@@ -108,6 +108,15 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="serve: sequences generated together (running at once, with continuous batching)",
 )
 @click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    envvar="EAAS_API_KEYS",
+    show_envvar=True,
+    help="serve: require this bearer key on /v1/ (repeat, or whitespace-separated in the env, to accept "
+    "several during a rotation)",
+)
+@click.option(
     "--batching",
     type=click.Choice(["continuous", "static"]),
     default="continuous",
@@ -161,6 +170,7 @@ def attention_client(
     host: str,
     model_name: str | None,
     max_batch_size: int,
+    api_keys: tuple[str, ...],
     batching: str,
     kv_cache_mb: int,
     max_queue: int,
@@ -216,6 +226,7 @@ def attention_client(
         max_tokens=max_tokens,
         batching=batching,
         kv_cache_bytes=kv_cache_mb << 20,
+        api_keys=tuple(k for key in api_keys for k in key.split()),
         client=options,
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)

@@ -9,6 +9,9 @@
 | GET | ``/readyz`` | 200 when every expert of the current placement has a connected server, else 503 |
 | GET | ``/metrics`` | Prometheus text |
 
+With API keys configured, every ``/v1/`` route needs ``Authorization: Bearer <key>`` (401
+otherwise); the probes and ``/metrics`` stay open for the kubelet and Prometheus.
+
 Errors are JSON in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with
 ``param`` naming the offending field: 400 for a bad request, 503 when the queue is full or the
 experts are unavailable, 504 when a request outlives ``request_timeout_s``.
@@ -16,6 +19,7 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -244,7 +248,16 @@ class ApiTarget(Protocol):
         ...
 
 
-def _handler(target: ApiTarget) -> type[JsonHandler]:
+def _authorized(header: str | None, api_keys: tuple[str, ...]) -> bool:
+    """``Authorization: Bearer <key>`` against every accepted key, each compared in constant time."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    presented = header[len("Bearer ") :].strip().encode()
+    matches = [hmac.compare_digest(presented, key.encode()) for key in api_keys]  # no early exit
+    return any(matches)
+
+
+def _handler(target: ApiTarget, api_keys: tuple[str, ...] = ()) -> type[JsonHandler]:
     class Handler(JsonHandler):
         server_version = "eaas-attention-client"
         max_body_bytes = MAX_BODY_BYTES
@@ -254,6 +267,17 @@ def _handler(target: ApiTarget) -> type[JsonHandler]:
             return ApiError(HTTPStatus.BAD_REQUEST, message, "body")
 
         def dispatch(self, method: str, path: str) -> None:
+            if (
+                api_keys
+                and path.startswith("/v1/")
+                and not _authorized(self.headers.get("Authorization"), api_keys)
+            ):
+                self.close_connection = True  # the body (if any) was not read
+                raise ApiError(
+                    HTTPStatus.UNAUTHORIZED,
+                    "a valid API key is required (Authorization: Bearer <key>)",
+                    kind="invalid_api_key",
+                )
             if method == "GET" and path == "/healthz":
                 self.send_probe(target.is_healthy(), "ok", "unhealthy")
             elif method == "GET" and path == "/readyz":
@@ -287,5 +311,5 @@ def _handler(target: ApiTarget) -> type[JsonHandler]:
 class ApiServer(BackgroundServer):
     """The HTTP API in a daemon thread (one thread per connection; generation runs in the scheduler)."""
 
-    def __init__(self, target: ApiTarget, host: str, port: int) -> None:
-        super().__init__(_handler(target), host, port, name="eaas-api")
+    def __init__(self, target: ApiTarget, host: str, port: int, api_keys: tuple[str, ...] = ()) -> None:
+        super().__init__(_handler(target, api_keys), host, port, name="eaas-api")

@@ -90,6 +90,7 @@ class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
     model_name: str = "eaas"
+    api_keys: tuple[str, ...] = ()  # accepted bearer keys of /v1/ (empty: no authentication)
     max_batch_size: int = 16  # sequences generated together
     max_batch_tokens: int = 8192  # prompt + new tokens of one batch (at least one sequence always runs)
     max_queue: int = 64  # sequences waiting; more are refused with 503
@@ -171,7 +172,9 @@ class AttentionService:
             running=lambda: self.worker.running if self.worker else 0,
             kv_cache_usage=lambda: self.worker.kv_usage if self.worker else 0.0,
         )
-        self.api = ApiServer(self, o.host, o.port)
+        if any(not key.strip() for key in o.api_keys):
+            raise ValueError("api_keys: keys must not be empty")
+        self.api = ApiServer(self, o.host, o.port, o.api_keys)
         self.port = self.api.port
         self._watcher = threading.Thread(target=self._watch_placement, name="eaas-placement", daemon=True)
 

@@ -49,6 +49,13 @@ from eaas.runtime.model.config import FAMILIES
 @click.option("--max-tokens", default=1024, show_default=True, help="most new tokens per request")
 @click.option("--kernel-backend", default="torch", show_default=True)
 @click.option(
+    "--api-key",
+    default=None,
+    envvar="EAAS_API_KEY",
+    show_envvar=True,
+    help="require this bearer key on /v1/ (401 otherwise)",
+)
+@click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=Path),
     help="write {port} here once serving (for scripts)",
@@ -68,6 +75,7 @@ def serve(
     kv_cache_mb: int,
     max_tokens: int,
     kernel_backend: str,
+    api_key: str | None,
     ready_file: Path | None,
     log_level: str,
 ) -> None:
@@ -124,6 +132,7 @@ def serve(
                 max_tokens=max_tokens,
                 batching=batching,
                 kv_cache_bytes=kv_cache_mb << 20,
+                api_keys=(api_key,) if api_key else (),
                 client=ClientOptions(transport=transport),
             )
             stop = threading.Event()

@@ -62,23 +62,24 @@ def checkpoint(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="module")
-def service(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttentionService]:
+def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     config = CheckpointReader(checkpoint).config
     placement = round_robin(config.moe_layers, config.num_experts, 2, replication=1)
-    with LocalCluster(
-        checkpoint, placement, tmp_path_factory.mktemp("cluster"), transports=("tcp",)
-    ) as cluster:
-        options = ServeOptions(
-            host="127.0.0.1",
-            port=0,
-            model_name=MODEL,
-            max_tokens=64,
-            client=ClientOptions(transport="tcp", request_timeout_s=10.0),
-        )
-        with AttentionService(
-            checkpoint, cluster.placement_path, static_discovery(cluster.urls), options
-        ) as svc:
-            yield svc
+    workdir = tmp_path_factory.mktemp("cluster")
+    with LocalCluster(checkpoint, placement, workdir, transports=("tcp",)) as running:
+        yield running
+
+
+def serve_options(**overrides: Any) -> ServeOptions:
+    client = ClientOptions(transport="tcp", request_timeout_s=10.0)
+    return ServeOptions(host="127.0.0.1", port=0, model_name=MODEL, max_tokens=64, client=client, **overrides)
+
+
+@pytest.fixture(scope="module")
+def service(checkpoint: Path, cluster: LocalCluster) -> Iterator[AttentionService]:
+    discovery = static_discovery(cluster.urls)
+    with AttentionService(checkpoint, cluster.placement_path, discovery, serve_options()) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,26 @@ def test_errors_reach_the_client_as_openai_errors(client: Any) -> None:
         client.completions.create(model=MODEL, prompt="x", temperature=9)
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
+
+
+def test_api_keys_are_required_when_configured(checkpoint: Path, cluster: LocalCluster) -> None:
+    """Two keys accepted (a rotation); a missing or wrong key is 401; probes and metrics stay open."""
+    options = serve_options(api_keys=("old-key", "new-key"))
+    with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
+        for key in ("old-key", "new-key"):
+            api = openai.OpenAI(base_url=f"{svc.url}/v1", api_key=key, max_retries=0, timeout=30)
+            assert api.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        for key in ("wrong", "old-key-and-more", ""):
+            api = openai.OpenAI(base_url=f"{svc.url}/v1", api_key=key or "x", max_retries=0, timeout=30)
+            with pytest.raises(openai.AuthenticationError, match="a valid API key is required"):
+                api.models.list()
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        assert opener.open(f"{svc.url}/healthz", timeout=10).status == 200
+        assert opener.open(f"{svc.url}/metrics", timeout=10).status == 200
+    with pytest.raises(ValueError, match="api_keys: keys must not be empty"):
+        AttentionService(
+            checkpoint, cluster.placement_path, static_discovery(cluster.urls), serve_options(api_keys=(" ",))
+        )
 
 
 def test_templates_run_sandboxed() -> None:
