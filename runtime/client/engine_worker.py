@@ -147,23 +147,24 @@ class EngineWorker:
             self._fail(request, RuntimeError("the attention client is shutting down"))
 
     def _take_new_work(self) -> None:
-        with self._lock:
-            new, self._inbox = (self._inbox, []) if self.engine is not None else ([], self._inbox)
-            cancelled, self._cancelled = self._cancelled, []
         engine = self.engine
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, []
+            for request in cancelled:  # not started yet: never reaches the engine
+                if request in self._inbox:
+                    self._inbox.remove(request)
+                    self._finish(request, "abort")
+            new, self._inbox = (self._inbox, []) if engine is not None else ([], self._inbox)
         for request in cancelled:
             if request.seq is not None and engine is not None and request.seq.id in self._live:
                 engine.abort(request.seq)
-                self._finish(request, "abort")
-            elif request in new:
-                new.remove(request)
                 self._finish(request, "abort")
         for request in new:
             assert engine is not None
             try:
                 request.seq = engine.add(request.prompt, request.params)
-            except ValueError as exc:
-                self._fail(request, exc)
+            except ValueError as exc:  # the request cannot fit this server's KV cache, or bad ids
+                self._fail(request, self._on_error(exc))
                 continue
             self._live[request.seq.id] = request
 

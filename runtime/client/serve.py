@@ -449,4 +449,9 @@ def _api_error(exc: BaseException) -> ApiError:
         return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="unavailable")
     if isinstance(exc, RemoteError):
         return ApiError(HTTPStatus.BAD_GATEWAY, f"an expert server refused the request: {exc}")
+    if isinstance(
+        exc, ValueError
+    ):  # the engine refused the request itself ("max_tokens: ...", "prompt: ...")
+        param = str(exc).split(":", 1)[0]
+        return ApiError(HTTPStatus.BAD_REQUEST, str(exc), param if param.isidentifier() else None)
     return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {exc}")

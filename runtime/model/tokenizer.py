@@ -61,7 +61,7 @@ class HFTokenizer:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos, *ids]
-        return [i for i in ids if i < self.vocab_size]
+        return list(ids)  # ids past the model's vocabulary are refused by the engine, naming the prompt
 
     def decode(self, ids: list[int]) -> str:
         return str(self.backend.decode(ids, skip_special_tokens=True))

@@ -190,6 +190,15 @@ def test_api_keys_are_required_when_configured(checkpoint: Path, cluster: LocalC
         )
 
 
+def test_a_request_larger_than_the_kv_cache_is_a_400(checkpoint: Path, cluster: LocalCluster) -> None:
+    options = serve_options(kv_cache_bytes=2 * 16 * 768, block_size=16)  # 2 blocks: 32 positions
+    with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
+        api = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.BadRequestError, match="exceeds the 32 positions this server's KV cache"):
+            api.completions.create(model=MODEL, prompt="experts as a service", max_tokens=40)
+        assert api.completions.create(model=MODEL, prompt="hi", max_tokens=8).usage.completion_tokens == 8
+
+
 def test_templates_run_sandboxed() -> None:
     hostile = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ApiError, match="messages: the chat template refused them"):
