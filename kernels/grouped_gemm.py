@@ -42,6 +42,35 @@ INTERPRETER_PROGRAMS = 4  # grid size under TRITON_INTERPRET=1 (programs run one
 
 
 @triton.jit
+def _dequantize_tile(
+    w,  # [BK, BN] fp8: columns are weight rows ``rows`` [BN], rows are input dims ``ks`` [BK]
+    scale_ptr,  # this group's scales [rows / SCALE_ROWS, in / SCALE_COLS]
+    rows,
+    ks,
+    k_start,
+    row_mask,
+    k_mask,
+    stride_s_row,
+    stride_s_col,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """w * scale[row block, col block] in fp32."""
+    if SCALE_COLS % BLOCK_K == 0:  # the K step lies in one scale block: one scale per column
+        k_block = (k_start // SCALE_COLS) * stride_s_col
+        scale = tl.load(scale_ptr + (rows // SCALE_ROWS) * stride_s_row + k_block, mask=row_mask)[None, :]
+    else:  # blocks narrower than the K step: a scale per element
+        scale = tl.load(
+            scale_ptr
+            + (rows // SCALE_ROWS)[None, :] * stride_s_row
+            + (ks // SCALE_COLS)[:, None] * stride_s_col,
+            mask=k_mask[:, None] & row_mask[None, :],
+        )
+    return w.to(tl.float32) * scale
+
+
+@triton.jit
 def _gate_up_silu_tile(
     x_ptr,
     w13_ptr,
@@ -103,27 +132,16 @@ def _gate_up_silu_tile(
         b_offsets = ks[:, None] * stride_w_hidden + cols[None, :].to(tl.int64) * stride_w_row
         b_gate = tl.load(w_group_ptr + b_offsets, mask=b_mask, other=0.0)  # [BK, BN]
         b_up = tl.load(w_group_ptr + inter * stride_w_row + b_offsets, mask=b_mask, other=0.0)  # [BK, BN]
-        if FP8:  # dequantise the weight tile with its block scales: w = fp8 * scale[row block, col block]
+        if FP8:
             s_group_ptr = s13_ptr + group.to(tl.int64) * stride_s_group
-            if SCALE_COLS % BLOCK_K == 0:  # the K step lies in one scale block: one scale per column
-                k_block = (k_start // SCALE_COLS) * stride_s_col
-                s_gate = tl.load(s_group_ptr + (cols // SCALE_ROWS) * stride_s_row + k_block, mask=col_mask)
-                s_up = tl.load(
-                    s_group_ptr + ((inter + cols) // SCALE_ROWS) * stride_s_row + k_block, mask=col_mask
-                )
-                b_gate = (b_gate.to(tl.float32) * s_gate[None, :]).to(a.dtype)
-                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
-            else:  # blocks narrower than the K step: a scale per element
-                k_blocks = (ks // SCALE_COLS)[:, None] * stride_s_col
-                s_gate = tl.load(
-                    s_group_ptr + (cols // SCALE_ROWS)[None, :] * stride_s_row + k_blocks, mask=b_mask
-                )
-                s_up = tl.load(
-                    s_group_ptr + ((inter + cols) // SCALE_ROWS)[None, :] * stride_s_row + k_blocks,
-                    mask=b_mask,
-                )
-                b_gate = (b_gate.to(tl.float32) * s_gate).to(a.dtype)
-                b_up = (b_up.to(tl.float32) * s_up).to(a.dtype)
+            b_gate = _dequantize_tile(
+                b_gate, s_group_ptr, cols, ks, k_start, col_mask, k_mask, stride_s_row, stride_s_col,
+                SCALE_ROWS, SCALE_COLS, BLOCK_K,
+            ).to(a.dtype)  # fmt: skip
+            b_up = _dequantize_tile(
+                b_up, s_group_ptr, inter + cols, ks, k_start, col_mask, k_mask, stride_s_row, stride_s_col,
+                SCALE_ROWS, SCALE_COLS, BLOCK_K,
+            ).to(a.dtype)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
             b_gate = b_gate.to(tl.float32)
@@ -305,20 +323,11 @@ def _down_combine_tile(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )  # [BK, BN]
-        if FP8:  # w2[g] is [H, I]: the tile's rows are I (ks), its columns H (cols)
-            s_group_ptr = s2_ptr + group.to(tl.int64) * stride_s_group
-            if SCALE_COLS % BLOCK_K == 0:  # the K step lies in one scale block: one scale per column
-                k_block = (k_start // SCALE_COLS) * stride_s_col
-                scale = tl.load(s_group_ptr + (cols // SCALE_ROWS) * stride_s_row + k_block, mask=col_mask)
-                b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
-            else:  # blocks narrower than the K step: a scale per element
-                scale = tl.load(
-                    s_group_ptr
-                    + (cols // SCALE_ROWS)[None, :] * stride_s_row
-                    + (ks // SCALE_COLS)[:, None] * stride_s_col,
-                    mask=k_mask[:, None] & col_mask[None, :],
-                )
-                b = (b.to(tl.float32) * scale).to(a.dtype)
+        if FP8:  # w2[g] is [H, I]: the tile's columns are its rows H (cols), its rows I (ks)
+            b = _dequantize_tile(
+                b, s2_ptr + group.to(tl.int64) * stride_s_group, cols, ks, k_start, col_mask, k_mask,
+                stride_s_row, stride_s_col, SCALE_ROWS, SCALE_COLS, BLOCK_K,
+            ).to(a.dtype)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
