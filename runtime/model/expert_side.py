@@ -202,13 +202,13 @@ class ExpertStack:
         w13, w2, b13, b2 = (stack(attr) for attr in ("w13", "w2", "b13", "b2"))
         assert w13 is not None and w2 is not None
         scales = None
-        first = sources[0][0].scales if sources else None
-        if first is not None:
-            parts = [s.scales for s, _ in sources]
-            assert all(p is not None for p in parts), "FP8 and dequantised stacks cannot be mixed"
+        parts = [source.scales for source, _ in sources]
+        if parts and parts[0] is not None:
+            if any(p is None for p in parts):
+                raise ValueError("FP8 and dequantised stacks cannot be mixed")
             s13 = torch.stack([p.w13[g].to(device) for p, (_, g) in zip(parts, sources, strict=True) if p])
             s2 = torch.stack([p.w2[g].to(device) for p, (_, g) in zip(parts, sources, strict=True) if p])
-            scales = BlockScales(s13, s2, first.block)
+            scales = BlockScales(s13, s2, parts[0].block)
         return cls(config, pairs, w13, w2, b13, b2, scales).to(device)
 
     @property

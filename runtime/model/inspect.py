@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from eaas.runtime.model.checkpoint import CheckpointReader
 from eaas.runtime.model.fp8 import SCALE_SUFFIX
-from eaas.runtime.model.kv_cache import KVCache
+from eaas.runtime.model.kv_cache import cache_numbers_per_token
 from eaas.runtime.model.naming import attention_side_tensor_shapes, expert_numel, expert_parts
 
 ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
@@ -88,8 +88,7 @@ def summarize(reader: CheckpointReader, servers: int, replication: int) -> Check
         return sum(math.prod(shape) * served.get(name, 4) for name, shape in shapes.items())
 
     part = expert_parts(config, config.moe_layers[0], 0)[0].name
-    kv_dtype_bytes = served.get("model.embed_tokens.weight", 4)
-    kv = KVCache(config.model_copy(update={"num_layers": 1}), 1, 1)
+    kv_dtype_bytes = served.get("model.embed_tokens.weight", 4)  # the cache takes the activations' dtype
     return CheckpointSummary(
         family=config.family,
         attention=config.attention,
@@ -101,7 +100,7 @@ def summarize(reader: CheckpointReader, servers: int, replication: int) -> Check
         fp8_block=reader.fp8_block,
         expert_bytes=expert_numel(config) * (2 if reader.is_mxfp4(part) else served.get(part, 4)),
         attention_side_bytes=served_bytes(attention_side_tensor_shapes(config)),
-        kv_bytes_per_token=kv.bytes_per_token() // 4 * kv_dtype_bytes * config.num_layers,
+        kv_bytes_per_token=cache_numbers_per_token(config) * kv_dtype_bytes * config.num_layers,
         servers=servers,
         replication=replication,
     )

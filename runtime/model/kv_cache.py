@@ -40,6 +40,12 @@ def cache_rows(config: MoEConfig) -> tuple[tuple[int, int], tuple[int, int] | No
     return (config.num_kv_heads, config.head_dim), (config.num_kv_heads, config.head_dim)
 
 
+def cache_numbers_per_token(config: MoEConfig) -> int:
+    """Numbers one token adds to the cache in one layer (K and V, or MLA's latent row)."""
+    (kh, kd), value_row = cache_rows(config)
+    return kh * kd + (value_row[0] * value_row[1] if value_row else 0)
+
+
 class KVCache:
     """``keys[layer]`` and ``values[layer]`` (None for MLA), ``lengths`` [B] tokens cached so far."""
 
@@ -52,6 +58,7 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.max_len = max_len
+        self.numbers_per_token = cache_numbers_per_token(config)
         layers = range(config.num_layers)
         (kh, kd), value_row = cache_rows(config)
         self.keys = [torch.zeros(batch_size, kh, max_len, kd, dtype=dtype, device=device) for _ in layers]
@@ -93,9 +100,4 @@ class KVCache:
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over all layers."""
-        total = 0
-        for keys, values in zip(self.keys, self.values, strict=True):
-            for part in (keys, values):
-                if part is not None:
-                    total += part.shape[1] * part.shape[3] * part.element_size()
-        return total
+        return self.numbers_per_token * len(self.keys) * self.keys[0].element_size()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.model.kv_cache import KVCacheFull, cache_rows
+from eaas.runtime.model.kv_cache import KVCacheFull, cache_numbers_per_token, cache_rows
 
 
 class KVPool:
@@ -44,8 +44,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_block(config: MoEConfig, block_size: int, dtype: torch.dtype) -> int:
-        (kh, kd), value_row = cache_rows(config)
-        per_token = kh * kd + (value_row[0] * value_row[1] if value_row else 0)
+        per_token = cache_numbers_per_token(config)
         return per_token * block_size * config.num_layers * torch.empty((), dtype=dtype).element_size()
 
 
