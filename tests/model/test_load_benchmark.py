@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_runs import run_quick
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_load_checkpoint_quick(tmp_path: Path) -> None:
-    json_out = tmp_path / "load.json"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "load_checkpoint.py"), "--quick", "--repeats", "1",
-         "--json-out", str(json_out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    last = json.loads(result.stdout.strip().splitlines()[-1])
-    assert last == json.loads(json_out.read_text())
+    last = run_quick("load_checkpoint.py", tmp_path, "--repeats", "1")
     rows = {row["mode"]: row for row in last["results"]}
     assert set(rows) == {"plain", "eaas"}
     assert rows["plain"]["share_bytes"] == rows["eaas"]["share_bytes"] > 0

@@ -8,29 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_runs import run_quick
 
 pytestmark = pytest.mark.slow
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def run(script: str, tmp_path: Path, *extra: str) -> dict:
-    json_out = tmp_path / f"{script}.json"
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--json-out", str(json_out), *extra],
-        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    last = json.loads(result.stdout.strip().splitlines()[-1])
-    assert last == json.loads(json_out.read_text())
-    assert set(last) == {"benchmark", "device", "commit", "results", "targets"}
-    for entry in last["targets"].values():
-        assert set(entry) == {"value", "target", "met"} and isinstance(entry["met"], bool)
-    return last
-
-
 def test_transport_rtt_quick(tmp_path: Path) -> None:
-    last = run("transport_rtt.py", tmp_path)
+    last = run_quick("transport_rtt.py", tmp_path)
     sizes = {(r["tokens"], r["hidden"]) for r in last["results"]}
     assert sizes == {(t, h) for t in (1, 16, 128, 512) for h in (2048, 7168)}
     for row in last["results"]:
@@ -38,7 +24,7 @@ def test_transport_rtt_quick(tmp_path: Path) -> None:
 
 
 def test_e2e_decode_quick(tmp_path: Path) -> None:
-    last = run("e2e_decode.py", tmp_path, "--steps", "2")
+    last = run_quick("e2e_decode.py", tmp_path, "--steps", "2")
     runs = {row["run"]: row for row in last["results"]}
     assert set(runs) == {"monolithic", "eaas", "eaas_server_killed"}
     assert runs["eaas_server_killed"]["failed_requests"] == 0  # correctness holds even on a busy machine
