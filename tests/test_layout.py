@@ -61,3 +61,30 @@ def test_cli_help_lists_commands_by_role() -> None:
     for name in COMMANDS:
         sub = CliRunner().invoke(main, [name, "--help"])
         assert sub.exit_code == 0, (name, sub.output)
+
+
+def imported_modules(directory: Path) -> dict[str, set[str]]:
+    """Every module each file under `directory` imports (absolute imports, from the syntax tree)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in directory.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def test_layers_point_one_way() -> None:
+    """kernels <- runtime <- operator: the runtime never imports the operator (the names both share
+    live in eaas.runtime.contract), the kernels import neither."""
+    for layer, forbidden in (("runtime", ("eaas.operator",)), ("kernels", ("eaas.operator", "eaas.runtime"))):
+        offenders = {
+            path: sorted(name for name in names if name.startswith(forbidden))
+            for path, names in imported_modules(ROOT / layer).items()
+        }
+        assert not {p: n for p, n in offenders.items() if n}, f"{layer} imports a higher layer"

@@ -8,8 +8,8 @@ from typing import Any
 from eaas.operator.api.base import CRDModel
 from eaas.operator.api.moeservice import MoEServiceSpec, MoEServiceStatus
 from eaas.operator.api.pools import AttentionPoolSpec, AttentionPoolStatus, ExpertPoolSpec, ExpertPoolStatus
+from eaas.runtime.contract import GROUP
 
-GROUP = "eaas.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "eaas"

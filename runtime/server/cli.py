@@ -12,7 +12,7 @@ from types import FrameType
 import click
 
 from eaas.kernels import available_backends
-from eaas.operator import naming
+from eaas.runtime import contract
 
 
 @click.command("expert-server")
@@ -33,7 +33,7 @@ from eaas.operator import naming
     "--placement-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help=f"the mounted placement ConfigMap: serve {naming.PENDING_KEY} (with {naming.PLACEMENT_KEY}) "
+    help=f"the mounted placement ConfigMap: serve {contract.PENDING_KEY} (with {contract.PLACEMENT_KEY}) "
     "and follow their changes while running",
 )
 @click.option(
@@ -85,28 +85,32 @@ from eaas.operator import naming
 )
 @click.option(
     "--pod-name",
-    envvar=naming.ENV_POD_NAME,
+    envvar=contract.ENV_POD_NAME,
     show_envvar=True,
     default=None,
     help="keep a heartbeat Lease of this name (with --namespace; both set in Kubernetes pods)",
 )
 @click.option(
-    "--namespace", envvar=naming.ENV_NAMESPACE, show_envvar=True, default=None, help="namespace of the Lease"
+    "--namespace",
+    envvar=contract.ENV_NAMESPACE,
+    show_envvar=True,
+    default=None,
+    help="namespace of the Lease",
 )
 @click.option(
     "--pool",
-    envvar=naming.ENV_POOL,
+    envvar=contract.ENV_POOL,
     show_envvar=True,
     default=None,
     help="the ExpertPool, labelled on the Lease (default: the pod name without -<ordinal>)",
 )
 @click.option(
-    "--pod-uid", envvar=naming.ENV_POD_UID, show_envvar=True, default=None, help="owner of the Lease"
+    "--pod-uid", envvar=contract.ENV_POD_UID, show_envvar=True, default=None, help="owner of the Lease"
 )
 @click.option(
     "--heartbeat-interval-seconds",
     type=float,
-    envvar=naming.ENV_HEARTBEAT_INTERVAL,
+    envvar=contract.ENV_HEARTBEAT_INTERVAL,
     show_envvar=True,
     default=5.0,
     show_default=True,
@@ -115,7 +119,7 @@ from eaas.operator import naming
 @click.option(
     "--heartbeat-timeout-seconds",
     type=float,
-    envvar=naming.ENV_HEARTBEAT_TIMEOUT,
+    envvar=contract.ENV_HEARTBEAT_TIMEOUT,
     show_envvar=True,
     default=15.0,
     show_default=True,

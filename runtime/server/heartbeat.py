@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from eaas.operator import naming
+from eaas.runtime import contract
 from eaas.runtime.server.daemon import DaemonLoop
 
 log = logging.getLogger("eaas.server.heartbeat")
@@ -77,12 +77,12 @@ def lease_body(
     metadata["name"] = settings.pod_name
     metadata["namespace"] = settings.namespace
     metadata["labels"] = (metadata.get("labels") or {}) | {
-        naming.POOL_LABEL: settings.pool,
-        naming.COMPONENT_LABEL: naming.EXPERT_COMPONENT,
+        contract.POOL_LABEL: settings.pool,
+        contract.COMPONENT_LABEL: contract.EXPERT_COMPONENT,
     }
     metadata["annotations"] = (metadata.get("annotations") or {}) | {
-        naming.LOADED_VERSION_ANNOTATION: str(loaded_version),
-        naming.UTILIZATION_ANNOTATION: str(utilization_milli),
+        contract.LOADED_VERSION_ANNOTATION: str(loaded_version),
+        contract.UTILIZATION_ANNOTATION: str(utilization_milli),
     }
     if settings.pod_uid and not metadata.get("ownerReferences"):
         metadata["ownerReferences"] = [

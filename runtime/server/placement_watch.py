@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eaas.operator.naming import PENDING_KEY, PLACEMENT_KEY
+from eaas.runtime.contract import PENDING_KEY, PLACEMENT_KEY
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.placement.placement import LayerExpert
 from eaas.runtime.server.daemon import DaemonLoop

@@ -1,0 +1,65 @@
+"""The names the operator and the runtime must agree on: labels, Lease annotations, placement
+ConfigMap keys and mounts, the pods' environment variables and commands.
+
+The operator writes them into the objects and pod specs it creates; the runtime inside the pods
+reads them. They live here, in the runtime, because layers point one way (``kernels`` ←
+``runtime`` ← ``operator``): the operator imports this module (through
+:mod:`eaas.operator.naming`), the runtime never imports the operator — the way Kubernetes keeps
+well-known labels in ``k8s.io/api`` rather than in a controller.
+"""
+
+from __future__ import annotations
+
+GROUP = "eaas.io"  # the API group of the custom resources, also the prefix of our labels
+
+# Labels ------------------------------------------------------------------------------------------
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+PART_OF_LABEL = "app.kubernetes.io/part-of"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+SERVICE_LABEL = f"{GROUP}/moeservice"
+POOL_LABEL = f"{GROUP}/pool"
+ORDINAL_LABEL = f"{GROUP}/ordinal"
+
+APP = "eaas"
+MANAGED_BY = "eaas-operator"
+EXPERT_COMPONENT = "expert-server"
+ATTENTION_COMPONENT = "attention-client"
+
+# Annotations -------------------------------------------------------------------------------------
+TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"
+PLACEMENT_VERSION_ANNOTATION = f"{GROUP}/placement-version"
+LOADED_VERSION_ANNOTATION = f"{GROUP}/loaded-placement-version"
+UTILIZATION_ANNOTATION = f"{GROUP}/utilization-milli"
+
+# Placement ConfigMap keys and mount ------------------------------------------------------------
+PLACEMENT_KEY = "placement.json"  # the committed placement: what clients route by
+PENDING_KEY = "pending.json"  # the next placement, being loaded by its servers (absent when none)
+PLACEMENT_MOUNT = "/etc/eaas/placement"
+CHECKPOINT_MOUNT = "/models"
+
+# Environment of the pods (the runtime reads its settings from these) ---------------------------
+ENV_POD_NAME = "EAAS_POD_NAME"
+ENV_NAMESPACE = "EAAS_NAMESPACE"
+ENV_POD_UID = "EAAS_POD_UID"  # owner of the pod's Lease, so it is deleted with the pod
+ENV_SERVICE = "EAAS_MOESERVICE"
+ENV_POOL = "EAAS_POOL"
+ENV_ORDINAL = "EAAS_SERVER_ORDINAL"
+ENV_TRANSPORT = "EAAS_TRANSPORT"
+ENV_CHECKPOINT = "EAAS_CHECKPOINT"
+ENV_PLACEMENT_FILE = "EAAS_PLACEMENT_FILE"
+ENV_PENDING_FILE = "EAAS_PENDING_PLACEMENT_FILE"
+ENV_PLACEMENT_CONFIGMAP = "EAAS_PLACEMENT_CONFIGMAP"
+ENV_PORT = "EAAS_PORT"
+ENV_DATA_PORT = "EAAS_DATA_PORT"
+ENV_DEVICE = "EAAS_DEVICE"  # where an expert server computes: "cuda" on GPU pods, else "cpu"
+ENV_KERNEL_BACKEND = "EAAS_KERNEL_BACKEND"  # "triton" on GPU pods, else "torch"
+ENV_EXPERT_SERVICE = "EAAS_EXPERT_SERVICE"
+ENV_EXPERT_PORT = "EAAS_EXPERT_PORT"
+ENV_HEARTBEAT_INTERVAL = "EAAS_HEARTBEAT_INTERVAL_SECONDS"
+ENV_HEARTBEAT_TIMEOUT = "EAAS_HEARTBEAT_TIMEOUT_SECONDS"
+ENV_API_KEYS = "EAAS_API_KEYS"  # bearer keys the attention client accepts, whitespace-separated
+
+EXPERT_SERVER_COMMAND = ("eaas", "expert-server")
+ATTENTION_CLIENT_COMMAND = ("eaas", "attention-client")
