@@ -19,7 +19,7 @@ from http import HTTPStatus
 from typing import Any
 
 from eaas.runtime.client.engine_worker import EngineWorker, Events, Request
-from eaas.runtime.client.http_api import ApiError, CompletionRequest
+from eaas.runtime.client.http_api import ApiError, CompletionRequest, overloaded
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.scheduler import QueueFull
 from eaas.runtime.client.text_stream import TextStream
@@ -58,7 +58,7 @@ class Completions:
         try:
             self.worker.submit(requests)
         except QueueFull as exc:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="overloaded") from exc
+            raise overloaded(str(exc)) from exc
         return requests
 
     def chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
@@ -91,9 +91,11 @@ class Completions:
                 if item is None:
                     unfinished.discard(request)
                     self._observe(request)
-                    yield chunk(request, text.flush(), None, _finish_reason(request.finish_reason))
+                    tail = text.flush()  # may complete a stop string (one ending in U+FFFD)
+                    finish = "stop" if text.stopped else _finish_reason(request.finish_reason)
+                    yield chunk(request, tail, None, finish)
                     continue
-                offset = len(text.emitted)
+                offset = text.emitted
                 delta = "" if item.token in call.params.stop_token_ids else text.push(item.token)
                 logprobs = self._logprobs(item, offset) if call.params.logprobs is not None else None
                 if text.stopped:

@@ -4,6 +4,12 @@ Two things can still change the end of the decoded text: a multi-byte character 
 not all arrived (it decodes to U+FFFD for now), and the start of a stop string that later tokens
 may complete. Both are held back until they resolve; a completed stop string cuts the text
 before it. Streaming and non-streaming answers are built from the same deltas.
+
+Decoding is incremental, so a long answer costs O(length), not O(length²): each token decodes
+only a short window, ``tokens[prefix:]``, against the window's already-final part
+``tokens[prefix:read]``; the difference is the new text. The window starts one step back, so
+decoders that treat a sequence's first token specially (a SentencePiece leading space) decode
+the new tokens in context. A window whose text ends in U+FFFD waits for more tokens.
 """
 
 from __future__ import annotations
@@ -18,37 +24,60 @@ class TextStream:
         self.decode = decode
         self.stops = stops
         self.tokens: list[int] = []
-        self.emitted = ""  # text released so far
+        self.text = ""  # the decoded text of tokens[:read], every character complete
+        self.prefix = 0  # the decoding window starts here
+        self.read = 0  # tokens before this are in ``text``
+        self.emitted = 0  # characters of ``text`` released so far
         self.stopped = False
 
     def push(self, token: int) -> str:
         """Adds a token; returns the newly final text (sets ``stopped`` on a stop string)."""
         self.tokens.append(token)
-        text = self.decode(self.tokens)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            return self._release(text[:cut])
-        return self._release(text[: len(text) - self._held(text)])
+        self._advance(final=False)
+        return self._release()
 
     def flush(self) -> str:
-        """At the end: whatever was held back (nothing after a stop)."""
+        """At the end: whatever was held back, an incomplete character included (as U+FFFD)."""
         if self.stopped:
             return ""
-        return self._release(self.decode(self.tokens))
+        self._advance(final=True)
+        released = self._release()
+        if self.stopped:
+            return released
+        delta, self.emitted = self.text[self.emitted :], len(self.text)
+        return released + delta
 
-    def _held(self, text: str) -> int:
-        """Characters at the end of ``text`` that may still change."""
-        held = len(text) - len(text.rstrip(REPLACEMENT))
+    def _advance(self, *, final: bool) -> None:
+        """Moves complete characters of the window into ``text``."""
+        before = self.decode(self.tokens[self.prefix : self.read])
+        window = self.decode(self.tokens[self.prefix :])
+        if not window.startswith(before):  # a decoder that is not prefix-stable: decode it all
+            window, before = self.decode(self.tokens), ""
+            self.text = ""
+        if not final and (len(window) <= len(before) or window.endswith(REPLACEMENT)):
+            return  # nothing new yet, or a character still incomplete
+        self.text += window[len(before) :]
+        self.prefix, self.read = self.read, len(self.tokens)
+
+    def _release(self) -> str:
+        """Text up to a completed stop string (then ``stopped``), or up to what may still change."""
+        start = self.emitted  # released text holds no stop's beginning, so a match starts here or later
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        else:
+            end = len(self.text) - self._held()
+        delta = self.text[start:end]
+        self.emitted = max(start, end)
+        return delta
+
+    def _held(self) -> int:
+        """Characters at the end of ``text`` that a stop string may still claim."""
+        held = 0
         for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:length]):
-                    held = max(held, length)
+            for length in range(min(len(stop) - 1, len(self.text) - self.emitted), held, -1):
+                if self.text.endswith(stop[:length]):
+                    held = length
                     break
         return held
-
-    def _release(self, final: str) -> str:
-        if not final.startswith(self.emitted):  # cannot happen for prefix-stable decoders
-            return ""
-        delta, self.emitted = final[len(self.emitted) :], final
-        return delta
