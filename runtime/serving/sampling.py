@@ -2,7 +2,8 @@
 penalties (OpenAI's definitions), per-request seeds, log-probabilities.
 
 Reproducibility: each seeded request owns a ``torch.Generator`` and draws exactly one number per
-generated token, so its tokens do not depend on what else is in the batch. Greedy decoding
+generated token, so its tokens do not depend on what else is in the batch. Everything else is one
+set of tensor operations over the batch (no per-row pass over the vocabulary). Greedy decoding
 (``temperature == 0``) takes the arg-max of the penalised logits.
 Legend: B = sequences in the step, V = vocabulary, N = top alternatives reported.
 """
@@ -74,34 +75,57 @@ def sample(
     generators: list[torch.Generator],
     counts: list[torch.Tensor],  # per row [V] int64: how often each token was generated so far
 ) -> list[Sampled]:
-    """One token per row. Log-probabilities are those of the model (before penalties,
-    temperature and truncation), as OpenAI reports them."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [B, V]
-    out: list[Sampled] = []
-    for row, p in enumerate(params):
-        scores = logits[row].to(torch.float32)
-        if p.presence_penalty or p.frequency_penalty:
-            seen = counts[row].to(torch.float32)
-            scores = scores - p.frequency_penalty * seen - p.presence_penalty * (seen > 0).float()
-        token = int(torch.argmax(scores)) if p.greedy else _draw(scores / p.temperature, p, generators[row])
-        top: list[tuple[int, float]] = []
-        if p.logprobs:
-            values, ids = torch.topk(logprobs[row], p.logprobs)
-            top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
-        out.append(Sampled(token, float(logprobs[row, token]), top))
+    """One token per row, the whole batch at once. Log-probabilities are those of the model
+    (before penalties, temperature and truncation), as OpenAI reports them."""
+    logits = logits.to(torch.float32)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    scores = logits
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        seen = torch.stack(counts).to(torch.float32)  # [B, V]
+        frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+        scores = scores - frequency * seen - presence * (seen > 0).float()
+    tokens = torch.argmax(scores, dim=-1)  # [B]: the greedy rows' answer
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if drawn:
+        tokens[drawn] = _draw(scores[drawn], [params[r] for r in drawn], [generators[r] for r in drawn])
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    most = max((p.logprobs or 0) for p in params)
+    top_values, top_ids = torch.topk(logprobs, most) if most else (logprobs[:, :0], tokens[:, None][:, :0])
+    out = []
+    for row, (token, logprob, values, ids) in enumerate(
+        zip(tokens.tolist(), chosen.tolist(), top_values.tolist(), top_ids.tolist(), strict=True)
+    ):
+        n = params[row].logprobs or 0
+        out.append(Sampled(token, logprob, list(zip(ids[:n], values[:n], strict=True))))
     return out
 
 
-def _draw(scores: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """scores [V] -> a token drawn after top-k and top-p truncation."""
-    if p.top_k and p.top_k < scores.numel():
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+def _draw(
+    scores: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
+    """scores [b, V] -> one token per row, drawn after temperature, top-k and top-p.
+
+    Inverse-CDF sampling: each row draws one uniform number from its own generator, so a
+    seeded request's tokens do not depend on the rest of the batch."""
+    vocab = scores.shape[1]
+    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    scores = scores / temperature
+    truncated = any((p.top_k and p.top_k < vocab) or p.top_p < 1.0 for p in params)
+    if truncated:  # most likely first, so top-k and top-p are prefixes
+        scores, order = torch.sort(scores, dim=-1, descending=True)
+        top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params])[:, None]
+        scores = scores.masked_fill(torch.arange(vocab)[None, :] >= top_k, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+    if truncated:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        top_p = torch.tensor([p.top_p for p in params])[:, None]
+        probs = probs.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p, 0.0)
+    cdf = torch.cumsum(probs, dim=-1)  # [b, V]; a truncated row's mass is below 1
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators])  # [b]
+    position = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+    # The first token whose cdf passes the draw has probability > 0; rounding at the very top is
+    # caught by the last such token.
+    last = vocab - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1, keepdim=True)
+    position = torch.minimum(position, last)
+    return order.gather(1, position)[:, 0] if truncated else position[:, 0]

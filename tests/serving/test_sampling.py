@@ -56,6 +56,54 @@ def test_seeds_reproduce_and_differ() -> None:
     assert a == b and len(set(a)) > 3
 
 
+def test_a_seeded_row_draws_the_same_whatever_else_is_in_the_batch() -> None:
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    mine = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    others = [
+        SamplingParams(),
+        SamplingParams(temperature=1.5, top_k=3, seed=1),
+        SamplingParams(temperature=1.0, frequency_penalty=1.0),
+        SamplingParams(temperature=0.5, logprobs=4),
+    ]
+    counts = [torch.zeros(vocab, dtype=torch.int64) for _ in range(5)]
+
+    def run(batch: bool) -> list[int]:
+        generator = new_generator(mine)
+        tokens = []
+        for _ in range(30):
+            if batch:
+                rows = [*others, mine]
+                gens = [new_generator(p) for p in others] + [generator]
+                tokens.append(sample(logits, rows, gens, counts)[4].token)
+            else:
+                tokens.append(sample(logits[4:], [mine], [generator], counts[4:])[0].token)
+        return tokens
+
+    assert run(batch=True) == run(batch=False)
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]] * 4000)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    generators = [torch.Generator().manual_seed(s) for s in range(4000)]
+    counts = [torch.zeros(5, dtype=torch.int64)] * 4000
+    tokens = torch.tensor([c.token for c in sample(logits, params, generators, counts)])
+    frequency = torch.bincount(tokens, minlength=5).float() / 4000
+    expected = torch.softmax(logits[0], 0)
+    assert torch.allclose(frequency, expected, atol=0.03), (frequency, expected)
+
+
+def test_truncation_never_draws_a_cut_token() -> None:
+    logits = torch.randn(200, 32, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=2.0, top_k=1 + r % 5, top_p=0.2 + (r % 7) / 10) for r in range(200)]
+    generators = [torch.Generator().manual_seed(r) for r in range(200)]
+    counts = [torch.zeros(32, dtype=torch.int64)] * 200
+    for row, choice in enumerate(sample(logits, params, generators, counts)):
+        allowed = torch.topk(logits[row], params[row].top_k).indices.tolist()
+        assert choice.token in allowed
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
