@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from eaas.operator import naming
+from eaas.runtime import contract
 
 if TYPE_CHECKING:
     from eaas.runtime.client import ClientOptions
@@ -42,7 +42,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 @click.option(
     "--checkpoint",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    envvar=naming.ENV_CHECKPOINT,
+    envvar=contract.ENV_CHECKPOINT,
     show_envvar=True,
     required=True,
     help="checkpoint; only the attention side is loaded",
@@ -51,7 +51,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     "--placement",
     "placement_path",
     type=click.Path(dir_okay=False, path_type=Path),
-    envvar=naming.ENV_PLACEMENT_FILE,
+    envvar=contract.ENV_PLACEMENT_FILE,
     show_envvar=True,
     required=True,
     help="placement JSON the servers were started with; re-read while serving (it may appear later)",
@@ -64,7 +64,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 )
 @click.option(
     "--expert-service",
-    envvar=naming.ENV_EXPERT_SERVICE,
+    envvar=contract.ENV_EXPERT_SERVICE,
     show_envvar=True,
     help="headless Service of the expert pool, <pool>.<namespace>.svc: ordinal N is reached at "
     "<pool>-N.<pool>.<namespace>.svc (instead of --server)",
@@ -72,7 +72,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 @click.option(
     "--expert-port",
     type=click.IntRange(1, 65535),
-    envvar=naming.ENV_EXPERT_PORT,
+    envvar=contract.ENV_EXPERT_PORT,
     show_envvar=True,
     default=9100,
     show_default=True,
@@ -81,7 +81,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 @click.option(
     "--transport",
     type=click.Choice(["shm", "tcp"]),
-    envvar=naming.ENV_TRANSPORT,
+    envvar=contract.ENV_TRANSPORT,
     show_envvar=True,
     default="tcp",
     show_default=True,
@@ -89,14 +89,14 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 @click.option(
     "--port",
     type=click.IntRange(0, 65535),
-    envvar=naming.ENV_PORT,
+    envvar=contract.ENV_PORT,
     show_envvar=True,
     help="serve the HTTP API on this port (0: any free port) instead of generating once",
 )
 @click.option("--host", default="0.0.0.0", show_default=True, help="serve: address to bind")
 @click.option(
     "--model-name",
-    envvar=naming.ENV_SERVICE,
+    envvar=contract.ENV_SERVICE,
     show_envvar=True,
     help="serve: the model id of /v1/models (default: the checkpoint directory's name)",
 )
@@ -111,7 +111,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     "--api-key",
     "api_keys",
     multiple=True,
-    envvar="EAAS_API_KEYS",
+    envvar=contract.ENV_API_KEYS,
     show_envvar=True,
     help="serve: require this bearer key on /v1/ (repeat, or whitespace-separated in the env, to accept "
     "several during a rotation)",
