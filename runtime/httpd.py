@@ -22,10 +22,11 @@ log = logging.getLogger("eaas.http")
 class HttpError(Exception):
     """An answer other than success: a status and a message the caller can act on."""
 
-    def __init__(self, status: HTTPStatus, message: str) -> None:
+    def __init__(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or {}  # sent with the answer (``Retry-After`` on a 429)
 
     def body(self) -> dict[str, Any]:
         return {"error": self.message}
@@ -48,16 +49,20 @@ class JsonHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
-    def send_bytes(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+    def send_bytes(
+        self, status: HTTPStatus, body: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def send_json(self, status: HTTPStatus, data: Any) -> None:
-        self.send_bytes(status, json.dumps(data).encode() + b"\n", "application/json")
+    def send_json(self, status: HTTPStatus, data: Any, headers: dict[str, str] | None = None) -> None:
+        self.send_bytes(status, json.dumps(data).encode() + b"\n", "application/json", headers)
 
     def send_event_stream(self, events: Iterator[Any]) -> None:
         """200 with server-sent events: ``data: <json>`` per item, then ``data: [DONE]``; the
@@ -107,7 +112,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         try:
             self.dispatch(method, self.path.split("?", 1)[0].rstrip("/") or "/")
         except HttpError as exc:
-            self.send_json(exc.status, exc.body())
+            self.send_json(exc.status, exc.body(), exc.headers)
         except Exception as exc:  # a handler bug answers 500; the server keeps serving
             log.exception("request %s %s failed", method, self.path)
             self.send_json(

@@ -38,8 +38,15 @@ MAX_STOP = 4
 class ApiError(HttpError):
     """An answer other than 200: status, message and the request field at fault (if any)."""
 
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, kind: str = "") -> None:
-        super().__init__(status, message)
+    def __init__(
+        self,
+        status: HTTPStatus,
+        message: str,
+        param: str | None = None,
+        kind: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(status, message, headers)
         self.param = param
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
@@ -49,6 +56,12 @@ class ApiError(HttpError):
 
 def bad(param: str, message: str) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, f"{param}: {message}", param)
+
+
+def overloaded(message: str) -> ApiError:
+    """A full queue: 429 at once with ``Retry-After`` (the ``openai`` client backs off and retries)
+    rather than a wait without bound. 503 stays for a service that cannot serve at all."""
+    return ApiError(HTTPStatus.TOO_MANY_REQUESTS, message, kind="overloaded", headers={"Retry-After": "1"})
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from eaas.runtime.client.http_api import (
     Limits,
     apply_stop,
     bad,
+    overloaded,
     parse_completion,
 )
 from eaas.runtime.client.metrics import AttentionMetrics
@@ -367,7 +368,7 @@ class AttentionService:
         try:
             self.scheduler.submit(jobs)
         except QueueFull as exc:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="overloaded") from exc
+            raise overloaded(str(exc)) from exc
         deadline = start + self.options.request_timeout_s
         for job in jobs:
             if not job.done.wait(max(0.0, deadline - time.monotonic())):

@@ -224,9 +224,14 @@ def test_malformed_http_never_breaks_the_server(service: AttentionService) -> No
     assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
 
 
-def test_a_full_queue_answers_503(service: AttentionService) -> None:
-    status, body = http("POST", f"{service.url}/v1/completions", {"prompt": ["x"] * 9, "max_tokens": 1})
-    assert status == 503 and "queue full" in body["error"]["message"]
+def test_a_full_queue_answers_429_with_retry_after(service: AttentionService) -> None:
+    data = json.dumps({"prompt": ["x"] * 9, "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"{service.url}/v1/completions", data=data, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _OPENER.open(request, timeout=30)
+    body = json.loads(refused.value.read())
+    assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+    assert body["error"]["type"] == "overloaded" and "queue full" in body["error"]["message"]
 
 
 def test_models_health_and_metrics(service: AttentionService) -> None:
