@@ -25,11 +25,15 @@ GROUP, VERSION = "eaas.io", "v1alpha1"
 NAME, POOL, ATTENTION = "tiny", "tiny-experts", "tiny-attention"
 
 
+KEYS_SECRET = "tiny-api-keys"
+
+
 def tiny_gpu_manifest() -> dict[str, Any]:
     """manifests/moeservice-tiny-cpu.yaml with one GPU per expert server (the fake nodes have GPUs)."""
     manifest = yaml.safe_load((ROOT / "manifests" / "moeservice-tiny-cpu.yaml").read_text())
     manifest = copy.deepcopy(manifest)
     manifest["spec"]["expertPool"]["gpusPerPod"] = 1
+    manifest["spec"]["attentionPool"]["apiKeysSecret"] = {"name": KEYS_SECRET}
     return manifest
 
 
@@ -115,6 +119,9 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     gpu_nodes = set(cluster.gpu_nodes())
     if not gpu_nodes:
         pytest.skip("the cluster has no GPU node")
+    cluster.core.create_namespaced_secret(
+        namespace, {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": "sk-e2e-one sk-e2e-two"}}
+    )
     cluster.apply(yaml.safe_dump(tiny_gpu_manifest()), namespace)
 
     # -- created: pools, pods on GPU nodes, Services, placement; Ready -----------------------------
@@ -133,6 +140,8 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
     volumes = {v.name: v for v in deployment.spec.template.spec.volumes}
     assert volumes["placement"].config_map.name == f"{POOL}-placement"
+    (keys,) = [e for e in deployment.spec.template.spec.containers[0].env if e.name == "EAAS_API_KEYS"]
+    assert keys.value is None and keys.value_from.secret_key_ref.name == KEYS_SECRET
     pool = get(cluster, "expertpools", namespace, POOL)
     assert pool["status"]["selector"] == "app.kubernetes.io/component=expert-server,eaas.io/pool=tiny-experts"
     assert condition(get(cluster, "attentionpools", namespace, ATTENTION), "Ready") == "True"

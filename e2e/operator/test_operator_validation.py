@@ -49,6 +49,12 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.autoscaling.minReplicas: Invalid value",
         "minReplicas must be <= maxReplicas",
     ),
+    (
+        "apikeys",
+        {"attentionPool.apiKeysSecret": {"name": "Not_A_Secret"}},
+        "spec.attentionPool.apiKeysSecret.name: Invalid value",
+        "should match",
+    ),
     ("gpus", {"transport": "nvshmem"}, "spec.transport: Invalid value", "need expertPool.gpusPerPod = 1"),
     (
         "checkpoint",

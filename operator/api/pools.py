@@ -12,6 +12,7 @@ from pydantic import Field
 
 from eaas.operator.api.base import CRDModel, Rule
 from eaas.operator.api.common import (
+    DNS_SUBDOMAIN,
     Condition,
     HeartbeatSpec,
     ModelSpec,
@@ -23,6 +24,15 @@ from eaas.operator.api.common import (
 )
 
 
+class SecretKeySelector(CRDModel):
+    """One key of a Secret in the object's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    """Name of the Secret."""
+    key: str = Field(default="api-keys", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """Key in the Secret's data."""
+
+
 class AttentionPoolTemplate(PodSettings):
     """Attention clients: embeddings, attention with KV cache, router, LM head; the OpenAI-compatible API."""
 
@@ -32,6 +42,9 @@ class AttentionPoolTemplate(PodSettings):
     """GPUs of one attention-client pod; 0 runs on CPU."""
     port: Port = 8000
     """Port of the OpenAI-compatible HTTP API."""
+    api_keys_secret: SecretKeySelector | None = None
+    """Secret key holding the bearer API keys the OpenAI-compatible API requires on ``/v1/``
+    (whitespace-separated: put the old and the new key during a rotation); unset: no key."""
 
 
 class ExpertPoolTemplate(PodSettings):

@@ -39,6 +39,15 @@ def endpoint(pool: Body, spec: AttentionPoolSpec) -> str:
     return f"http://{pool['metadata']['name']}.{pool['metadata']['namespace']}.svc:{spec.port}/v1"
 
 
+def api_keys_env(spec: AttentionPoolSpec) -> list[dict[str, Any]]:
+    """The API keys from the user's Secret (not optional: a missing Secret or key keeps the pod
+    from starting, with the kubelet's event naming it, rather than serving without keys)."""
+    if spec.api_keys_secret is None:
+        return []
+    ref = {"name": spec.api_keys_secret.name, "key": spec.api_keys_secret.key, "optional": False}
+    return [{"name": naming.ENV_API_KEYS, "valueFrom": {"secretKeyRef": ref}}]
+
+
 def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
     """Attention clients: stateless towards Kubernetes (KV caches are per request), so a Deployment."""
     name = pool["metadata"]["name"]
@@ -56,7 +65,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(naming.ATTENTION_CLIENT_COMMAND),
-        "env": env(settings),
+        "env": env(settings) + api_keys_env(spec),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "readinessProbe": http_probe("/readyz", "http", spec.heartbeat.interval_seconds, 3),
         "livenessProbe": http_probe("/healthz", "http", max(spec.heartbeat.interval_seconds, 5), 6),

@@ -8,6 +8,7 @@ import pytest
 
 from eaas.operator import naming
 from eaas.operator.api import AttentionPoolSpec, ExpertPoolSpec, MoEServiceSpec
+from eaas.operator.api.pools import SecretKeySelector
 from eaas.operator.builders import attentionpool, expertpool, moeservice
 from eaas.operator.builders.common import merge_patch
 from eaas.operator.planning import PoolShape, initial
@@ -175,6 +176,26 @@ def test_attention_clients_get_the_expert_pool_port(
     spec = AttentionPoolSpec.from_k8s(pool["spec"])
     (container,) = attentionpool.deployment(pool, spec)["spec"]["template"]["spec"]["containers"]
     assert env_of(container)[naming.ENV_EXPERT_PORT] == "9300"
+
+
+def test_attention_clients_read_api_keys_from_the_users_secret(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    def container(attention: dict[str, Any]) -> dict[str, Any]:
+        custom = moes_spec.model_copy(
+            update={"attention_pool": moes_spec.attention_pool.model_copy(update=attention)}
+        )
+        pool = moeservice.attention_pool(moes_body, custom)
+        pool["metadata"]["uid"] = "attention-uid"
+        spec = AttentionPoolSpec.from_k8s(pool["spec"])
+        (found,) = attentionpool.deployment(pool, spec)["spec"]["template"]["spec"]["containers"]
+        return found
+
+    assert naming.ENV_API_KEYS not in {e["name"] for e in container({})["env"]}
+    secret = SecretKeySelector(name="tiny-keys")
+    (entry,) = [e for e in container({"api_keys_secret": secret})["env"] if e["name"] == naming.ENV_API_KEYS]
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": "tiny-keys", "key": "api-keys", "optional": False}
+    assert "value" not in entry  # the key itself never appears in the Deployment
 
 
 def test_merge_patch_turns_old_into_new() -> None:
