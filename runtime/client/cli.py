@@ -157,7 +157,10 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 @click.option("--prompt", "prompts", multiple=True, default=["Experts as a service"], show_default=True)
 @click.option("--max-new-tokens", default=16, show_default=True)
 @click.option(
-    "--request-timeout", default=30.0, show_default=True, help="seconds before a silent server is failed over"
+    "--request-timeout",
+    default=30.0,
+    show_default=True,
+    help="seconds before a server that answers probes but not a request is failed over (hung: ~1 s)",
 )
 def attention_client(
     checkpoint: Path,

@@ -132,6 +132,15 @@ class ServerConnection:
         handle, self.handle = self.handle, {}
         return handle
 
+    def probe(self, timeout_s: float) -> str | None:
+        """None if the server answers ``/healthz`` with 200 within ``timeout_s``, else why not.
+        Safe from any thread (it touches no channel)."""
+        try:
+            with _OPENER.open(f"{self.url}/healthz", timeout=timeout_s) as response:
+                return None if response.status == 200 else f"/healthz answered {response.status}"
+        except OSError as exc:  # refused, reset, timed out, or an HTTP error status
+            return f"/healthz: {exc}"
+
     def release_remote(self, handle: dict[str, Any]) -> None:
         """Best-effort DELETE of a slot on the server (it also reaps slots of vanished clients)."""
         if not handle:

@@ -4,11 +4,19 @@ For one MoE layer: pick a live replica for every (token, expert) entry (``Routin
 each server its tokens once with the expert ids it should apply, wait for all servers in
 parallel, and sum the partial results.
 
-Failover: a server that times out, closes its connection or dies is marked dead; the entries it
+Failover: a server that closes its connection, dies or hangs is marked dead; the entries it
 owed are re-routed to live replicas of the same experts and sent again, so the layer's answer is
 the same. With no live replica left, ``ExpertUnavailable`` names the layer and expert. A
 background thread re-attaches dead servers (exponential backoff); a server that answers the
 handshake again rejoins the routing table at the start of the next layer.
+
+A hang is told from slowness by asking: each server's round trips are smoothed as TCP smooths
+them (RFC 6298: ``srtt``, ``rttvar``). A request unanswered for ``max(suspect_floor_s, srtt + 4 ×
+rttvar)`` gets the server's ``/healthz`` probed (``probe_timeout_s``, off the waiting thread). A
+server that does not answer its probe is failed now, about ``suspect + probe timeout`` after the
+send (well under a second at the defaults for a server that answered in milliseconds before);
+one that answers is slow, not gone, and is asked again after twice as long, up to
+``request_timeout_s``, the bound for a server that answers probes but not requests.
 Legend: T = tokens, K = top-k, H = hidden, S = servers.
 """
 
@@ -21,6 +29,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +50,9 @@ WAIT_SLICE_S = 0.02  # longest block while waiting on servers (their liveness is
 @dataclass(frozen=True)
 class ClientOptions:
     transport: str = "shm"
-    request_timeout_s: float = 30.0  # a server silent this long is failed over (deaths are seen sooner)
+    request_timeout_s: float = 30.0  # a server that answers probes but not a request: failed after this
+    suspect_floor_s: float = 0.25  # unanswered past max(this, srtt + 4 rttvar): probe the server
+    probe_timeout_s: float = 0.5  # a probe unanswered this long: the server is hung, fail it over
     connect_timeout_s: float = 2.0
     rejoin_min_s: float = 0.2  # first re-handshake delay after a failure (doubles up to rejoin_max_s)
     rejoin_max_s: float = 5.0
@@ -60,12 +71,34 @@ class FailoverEvent:
 
 
 @dataclass
+class RoundTrip:
+    """One server's smoothed round-trip time (RFC 6298's estimator, in seconds)."""
+
+    srtt: float = 0.0
+    rttvar: float = 0.0
+    samples: int = 0
+
+    def observe(self, seconds: float) -> None:
+        if not self.samples:
+            self.srtt, self.rttvar = seconds, seconds / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
+            self.srtt = 0.875 * self.srtt + 0.125 * seconds
+        self.samples += 1
+
+    def suspect_after(self, floor_s: float) -> float:
+        """How long an answer may take before the server is probed (1 s before any sample)."""
+        return max(floor_s, self.srtt + 4 * self.rttvar) if self.samples else max(floor_s, 1.0)
+
+
+@dataclass
 class ClientCounters:
     requests: int = 0
     tokens_sent: int = 0
     failovers: int = 0
     resent_entries: int = 0
     rejoins: int = 0
+    probes: int = 0  # liveness probes of servers slower than their usual round trip
 
 
 class RemoteExperts:
@@ -103,6 +136,8 @@ class RemoteExperts:
             for ordinal in self.table.ordinals
         ]
         self.live = torch.zeros(len(self.connections), dtype=torch.bool)
+        self.round_trips = [RoundTrip() for _ in self.connections]
+        self._prober = ThreadPoolExecutor(max_workers=4, thread_name_prefix="eaas-probe")
         self.events: deque[FailoverEvent] = deque(maxlen=1000)  # the most recent ones
         self.counters = ClientCounters()
         self._retry_at = [0.0] * len(self.connections)
@@ -148,6 +183,7 @@ class RemoteExperts:
         for conn in self.connections:
             conn.close()
         self.live[:] = False
+        self._prober.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RemoteExperts:
         return self.connect()
@@ -222,18 +258,29 @@ class RemoteExperts:
                 except ChannelError as exc:
                     failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
                     self._mark_dead(server, f"send failed: {exc}", layer)
-            deadline = time.monotonic() + self.options.request_timeout_s
+            sent_at = time.monotonic()
+            deadline = sent_at + self.options.request_timeout_s
             waiting = {server: rows for server, rows, _ids in in_flight}
+            check_at = {
+                s: sent_at + self.round_trips[s].suspect_after(self.options.suspect_floor_s) for s in waiting
+            }
+            probes: dict[int, Future[str | None]] = {}
             while waiting:  # every server at once: each answer is taken as it comes
                 now = time.monotonic()
                 for server, rows in list(waiting.items()):
                     channel = self.connections[server].channel
                     assert channel is not None
                     if now < deadline and not channel.answered():
+                        hung = self._hung(server, sent_at, now, check_at, probes)
+                        if hung is not None:
+                            del waiting[server]
+                            failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
+                            self._mark_dead(server, hung, layer)
                         continue
                     del waiting[server]
                     try:  # an answer already there is taken even past the deadline
                         y = channel.receive(deadline)  # [T_s, H]
+                        self.round_trips[server].observe(time.monotonic() - sent_at)
                         out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
                     except ChannelError as exc:
                         failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
@@ -248,6 +295,33 @@ class RemoteExperts:
             if remote_error is not None:
                 raise remote_error  # a refused request is a bug or a stale placement: never guess
         return {server: torch.cat(rows) for server, rows in failed.items()}
+
+    def _hung(
+        self,
+        server: int,
+        sent_at: float,
+        now: float,
+        check_at: dict[int, float],
+        probes: dict[int, Future[str | None]],
+    ) -> str | None:
+        """Why ``server`` counts as hung (its probe failed), or None while it may still answer.
+
+        Past its check time the server is probed (off this thread); a probe that succeeds moves
+        the next check to twice the time waited so far."""
+        waited = now - sent_at
+        if server not in probes:
+            if now >= check_at[server]:
+                self.counters.probes += 1
+                connection = self.connections[server]
+                probes[server] = self._prober.submit(connection.probe, self.options.probe_timeout_s)
+            return None
+        if not probes[server].done():
+            return None
+        reason = probes.pop(server).result()
+        if reason is None:
+            check_at[server] = now + max(waited, self.options.suspect_floor_s)
+            return None
+        return f"no answer after {waited:.2f} s and no answer to its liveness probe ({reason})"
 
     @staticmethod
     def _wait_any(channels: list[Channel | None], deadline: float) -> None:

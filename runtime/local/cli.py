@@ -45,7 +45,10 @@ if TYPE_CHECKING:
 @click.option("--kill-ordinal", type=int, default=1, show_default=True, help="which server to kill")
 @click.option("--kernel-backend", default="torch", show_default=True)
 @click.option(
-    "--request-timeout", default=30.0, show_default=True, help="seconds before a silent server is failed over"
+    "--request-timeout",
+    default=30.0,
+    show_default=True,
+    help="seconds before a server that answers probes but not a request is failed over (hung: ~1 s)",
 )
 @click.option(
     "--verify/--no-verify",
