@@ -16,6 +16,16 @@ clients route by) and, during a change, the pending one (what servers load):
   placement, loaded and committed like any other change.
 * **repair**: a missing pod of a placed server is recreated under the same name; pods whose
   template changed are replaced one at a time while all others are Ready.
+* **re-place a lost server**: a placed server whose heartbeat stopped (its Lease expired, or its
+  pod has not been Ready for longer than the heartbeat timeout, after it once served) is drained
+  like a scale-down: pending = the placement without it, its experts re-homed on the survivors
+  (R restored), any change in flight abandoned. Once that is committed its pod is deleted as a
+  drained leftover, and the pool grows back to ``replicas`` one server at a time. Where the
+  survivors cannot hold R copies (too few servers, fixed slots), the lost pod is deleted at once
+  and recreated in place, the only way back to R. When more than half of the placed servers go
+  silent together the operator suspects its own view (an API-server outage stops every renewal)
+  and acts on none of them, as the node lifecycle controller stops evicting in a full disruption;
+  the clients fail over on the data path either way.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ class PodState:
     ready: bool
     terminating: bool = False
     template_hash: str = ""
+    uid: str = ""
+    unready_seconds: float = 0.0  # how long the pod has not been Ready (0 while Ready)
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ class ServerReport:
     expired: bool
     loaded_version: int | None = None
     utilization_milli: int | None = None
+    owner_uid: str | None = None  # the pod the Lease belongs to (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -64,12 +77,29 @@ class Observed:
     last_version: int = 0  # the placement version last reported in status (versions never go back)
     rebalance: Placement | None = None  # a load-based proposal from the committed placement
     rebalance_message: str = ""
+    heartbeat_timeout_s: float = 10.0
 
     def is_live(self, ordinal: int) -> bool:
         """Pod Ready and not terminating, and its heartbeat (if it keeps one) not expired."""
         pod = self.pods.get(ordinal)
         report = self.reports.get(ordinal)
         return pod is not None and pod.ready and not pod.terminating and not (report and report.expired)
+
+    def lost(self, ordinal: int) -> str:
+        """Why server `ordinal` counts as lost ("" when it does not): its pod exists, the server
+        once heartbeated from that pod, and the heartbeat stopped or the pod stayed unready past
+        the timeout. A server still loading (no Lease of its own yet) is never lost."""
+        pod = self.pods.get(ordinal)
+        report = self.reports.get(ordinal)
+        if pod is None or pod.terminating or report is None:
+            return ""
+        if report.owner_uid is not None and pod.uid and report.owner_uid != pod.uid:
+            return ""  # the Lease of an earlier pod of that name
+        if report.expired:
+            return f"its Lease was not renewed for {self.heartbeat_timeout_s:.0f} s"
+        if not pod.ready and pod.unready_seconds > self.heartbeat_timeout_s:
+            return f"its pod has not been Ready for {pod.unready_seconds:.0f} s"
+        return ""
 
     def is_ready_for(self, ordinal: int, version: int) -> bool:
         """Live, and has loaded the experts of placement `version` (servers without a Lease: when Ready)."""
@@ -140,6 +170,10 @@ def _decide(o: Observed) -> Step:
                 Event("RollingUpdate", f"replacing not-ready servers {stale} (template changed)")
             )
             return step.working("RollingUpdate", f"replacing not-ready servers {stale}")
+
+        lost = _lost_servers(o)
+        if lost:
+            return _replace_lost(o, step, lost)
 
         if o.pending is not None:
             return _finish_pending(o, step, existing)
@@ -223,6 +257,51 @@ def _decide(o: Observed) -> Step:
     return step
 
 
+def _lost_servers(o: Observed) -> dict[int, str]:
+    """Lost servers of the placement being served or loaded (ordinal -> why)."""
+    if o.committed is None:
+        return {}
+    target = o.pending if o.pending is not None else o.committed
+    return {n: why for n in target.ordinals if (why := o.lost(n))}
+
+
+def _replace_lost(o: Observed, step: Step, lost: dict[int, str]) -> Step:
+    """Re-place the experts of lost servers on the survivors (see the module docstring)."""
+    assert o.committed is not None
+    placed = o.committed.ordinals
+    names = ", ".join(f"{o.pool}-{n} ({why})" for n, why in lost.items())
+    if 2 * len(lost) > len(placed):
+        message = (
+            f"{len(lost)} of {len(placed)} servers silent at once: {names}; suspecting the control "
+            "plane rather than the servers, so nothing is re-placed (clients fail over on their own)"
+        )
+        step.events.append(Event("HeartbeatsLost", message, "Warning"))
+        return step.working("HeartbeatsLost", message)
+    target = o.committed
+    try:
+        for ordinal in lost:
+            if ordinal in target.ordinals:
+                target = planning.drain_server(target, o.shape, ordinal)
+    except PlacementError as error:  # the survivors cannot hold R copies: bring the lost pods back
+        step.delete_pods = sorted(lost)
+        message = f"lost expert server(s) {names}; R cannot be kept without them ({error}): recreating them"
+        step.events.append(Event("ServerLost", message, "Warning"))
+        return step.working("RecreatingLost", message)
+    newest = max(o.committed.version, o.pending.version if o.pending else 0)
+    target = target.with_version(newest + 1)
+    step.publish = (o.committed, target)
+    abandoned = f"; placement v{o.pending.version} abandoned" if o.pending is not None else ""
+    step.events.append(
+        Event(
+            "ServerLost",
+            f"lost expert server(s) {names}: placement v{target.version} pending re-homes their experts "
+            f"on servers {list(target.ordinals)} (R={o.shape.replication}){abandoned}",
+            "Warning",
+        )
+    )
+    return step.working("ReplacingLost", f"re-placing the experts of lost servers {sorted(lost)}")
+
+
 def _is_rebalance_of(proposal: Placement, committed: Placement) -> bool:
     """A load-based proposal applies only to the placement it was planned from (same servers, R)."""
     return (
@@ -276,6 +355,14 @@ def live_replicas(placement: Placement, live: set[int]) -> int:
     return int(np.min(counts))
 
 
+def short_of_r(placement: Placement, live: set[int]) -> list[tuple[int, int]]:
+    """(layer, expert) pairs with fewer than R live replicas, in order."""
+    columns = [i for i, ordinal in enumerate(placement.ordinals) if ordinal in live]
+    counts = placement.hosting_matrix()[columns].sum(axis=0)  # [L, E]
+    layers = list(placement.layers)
+    return [(layers[li], int(e)) for li, e in zip(*np.nonzero(counts < placement.replication), strict=True)]
+
+
 def _conditions(o: Observed, step: Step) -> list[Observation]:
     if o.placement_error:
         return [
@@ -310,12 +397,15 @@ def _conditions(o: Observed, step: Step) -> list[Observation]:
     if step.progressing == "PlacementFailed":
         degraded = Observation.of(DEGRADED, True, "PlacementFailed", step.progress_message)
     elif down:
+        short = short_of_r(o.committed, live)
+        examples = ", ".join(f"({layer}, {expert})" for layer, expert in short[:5])
         degraded = Observation.of(
             DEGRADED,
             True,
             "ServersUnavailable",
             f"servers {down} are not live; fewest live replicas of an expert: {fewest} "
-            f"(R={o.committed.replication})",
+            f"(R={o.committed.replication}); {len(short)} (layer, expert) pairs below R"
+            + (f", e.g. {examples}" if short else ""),
         )
     else:
         degraded = Observation.of(

@@ -159,5 +159,9 @@ class ExpertPoolStatus(PoolStatus):
     """ConfigMap holding the placement JSON."""
     servers: list[int] = Field(default_factory=list, max_length=4096)
     """Ordinals of the expert servers in the published placement."""
+    down_servers: list[int] = Field(default_factory=list, max_length=4096)
+    """Servers of the published placement that are not live (pod not Ready, or heartbeat expired)."""
+    fewest_live_replicas: int = Field(default=0, ge=0)
+    """The fewest live replicas any (layer, expert) has (0: some expert cannot be served)."""
     utilization_milli: int | None = Field(default=None, ge=0, le=1000)
     """Mean busy fraction of the servers (0-1000) from their heartbeats; absent when none report."""

@@ -47,7 +47,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
     for pod in pod_objects:
         ordinal = naming.ordinal_of(name, pod["metadata"]["name"])
         if ordinal is not None:
-            pods[ordinal] = pod_state(ordinal, pod)
+            pods[ordinal] = pod_state(ordinal, pod, time.time())
             uids[ordinal] = pod["metadata"]["uid"]
     config_map = ctx.kube.get("ConfigMap", namespace, naming.placement_config_map_name(name))
     committed, pending, placement_error = read_placements(config_map)
@@ -63,6 +63,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         reports=server_reports(name, leases, time.time()),
         placement_error=placement_error,
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
+        heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
     )
     step = expert_step.plan(observed)
     if rebalance and committed is not None and expert_step.idle(step):
@@ -91,6 +92,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ctx.post_event(body, event.type, event.reason, event.message)
 
     live = [n for n in pods if not pods[n].terminating]
+    live_servers = {n for n in (committed.ordinals if committed else ()) if observed.is_live(n)}
     utilization = [
         r.utilization_milli
         for r in observed.reports.values()
@@ -102,6 +104,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         "readyReplicas": sum(1 for n in live if pods[n].ready),
         "placementVersion": committed.version if committed else 0,
         "servers": list(committed.ordinals) if committed else [],
+        "downServers": sorted(set(committed.ordinals) - live_servers) if committed else [],
+        "fewestLiveReplicas": expert_step.live_replicas(committed, live_servers) if committed else 0,
         "utilizationMilli": round(sum(utilization) / len(utilization)) if utilization else None,
     }
     ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
@@ -130,15 +134,19 @@ def propose_rebalance(
     return decision
 
 
-def pod_state(ordinal: int, pod: Mapping[str, Any]) -> expert_step.PodState:
+def pod_state(ordinal: int, pod: Mapping[str, Any], now: float) -> expert_step.PodState:
     conditions = (pod.get("status") or {}).get("conditions") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    condition: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
+    ready = condition.get("status") == "True"
+    since = _timestamp(condition.get("lastTransitionTime")) if condition and not ready else None
     annotations = pod["metadata"].get("annotations") or {}
     return expert_step.PodState(
         ordinal=ordinal,
         ready=ready,
         terminating=bool(pod["metadata"].get("deletionTimestamp")),
         template_hash=annotations.get(naming.TEMPLATE_HASH_ANNOTATION, ""),
+        uid=str(pod["metadata"].get("uid") or ""),
+        unready_seconds=max(0.0, now - since) if since is not None else 0.0,
     )
 
 
@@ -170,10 +178,14 @@ def server_reports(
         duration = spec.get("leaseDurationSeconds") or 0
         expired = renewed is None or now > renewed + duration
         annotations = lease["metadata"].get("annotations") or {}
+        owners = [
+            r.get("uid") for r in lease["metadata"].get("ownerReferences") or [] if r.get("kind") == "Pod"
+        ]
         reports[ordinal] = expert_step.ServerReport(
             expired=expired,
             loaded_version=_int(annotations.get(naming.LOADED_VERSION_ANNOTATION)),
             utilization_milli=_int(annotations.get(naming.UTILIZATION_ANNOTATION)),
+            owner_uid=owners[0] if owners else None,
         )
     return reports
 

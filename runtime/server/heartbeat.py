@@ -84,7 +84,7 @@ def lease_body(
         contract.LOADED_VERSION_ANNOTATION: str(loaded_version),
         contract.UTILIZATION_ANNOTATION: str(utilization_milli),
     }
-    if settings.pod_uid and not metadata.get("ownerReferences"):
+    if settings.pod_uid:  # owned by this pod (a Lease left by an earlier pod of the name is taken over)
         metadata["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Pod", "name": settings.pod_name, "uid": settings.pod_uid}
         ]

@@ -224,3 +224,137 @@ def test_with_measured_load_the_cost_aware_operations_are_used() -> None:
     shrunk = planning.drain_server(grown, SHAPE, 3, load=load)
     check_invariants(shrunk, SHAPE)
     assert shrunk.ordinals == (0, 1, 2)
+
+
+# -- lost servers: re-placed on the survivors, then replaced ------------------------------------
+
+
+def leased(*ordinals: int, expired: tuple[int, ...] = (), loaded: int = 1) -> dict[int, ServerReport]:
+    return {n: ServerReport(n in expired, loaded_version=loaded, owner_uid=f"uid-{n}") for n in ordinals}
+
+
+def with_uids(states: dict[int, PodState]) -> dict[int, PodState]:
+    return {n: replace(state, uid=f"uid-{n}") for n, state in states.items()}
+
+
+def test_a_lost_server_is_drained_onto_the_survivors_before_its_pod_goes() -> None:
+    committed = placement(4)
+    world = observed(desired_replicas=4, pods=with_uids(pods(0, 1, 2, 3)), committed=committed)
+    step = plan(replace(world, reports=leased(0, 1, 2, 3, expired=(1,))))
+    assert step.delete_pods == [] and step.create_pods == []  # drain before delete, as for scale-down
+    assert step.publish is not None and step.publish[0] is committed
+    pending = step.publish[1]
+    assert pending is not None and pending.ordinals == (0, 2, 3) and pending.version == 2
+    check_invariants(pending, SHAPE)  # R restored on the survivors
+    assert [(e.reason, e.type) for e in step.events] == [("ServerLost", "Warning")]
+    assert "p-1 (its Lease was not renewed for 10 s)" in step.events[0].message
+    assert conditions(step)[DEGRADED][0] == "True" and "pairs below R" in step.conditions[2].message
+
+    # The survivors load it and it is committed; then the lost pod is deleted; then a new server.
+    loading = plan(replace(world, pending=pending, reports=leased(0, 1, 2, 3, expired=(1,), loaded=2)))
+    assert loading.publish == (pending, None)
+    drained = plan(replace(world, committed=pending, reports=leased(0, 2, 3, loaded=2)))
+    assert drained.delete_pods == [1]
+    grown = plan(replace(world, pods=with_uids(pods(0, 2, 3)), committed=pending))
+    assert grown.publish is not None and grown.publish[1] is not None
+    assert grown.publish[1].ordinals == (0, 2, 3, 4) and grown.create_pods == [4]
+
+
+def test_a_pod_unready_past_the_heartbeat_timeout_is_lost_once_it_has_served() -> None:
+    committed = placement(3)
+    sick = {1: PodState(1, ready=False, template_hash=HASH, uid="uid-1", unready_seconds=30.0)}
+    world = observed(pods=with_uids(pods(0, 2)) | sick, committed=committed, reports=leased(0, 1, 2))
+    assert plan(world).progressing == "ReplacingLost"
+    briefly = {1: replace(sick[1], unready_seconds=3.0)}  # shorter than the 10 s timeout
+    assert plan(replace(world, pods=world.pods | briefly)).publish is None
+    loading = plan(replace(world, reports=leased(0, 2)))  # no Lease yet: still loading its experts
+    assert loading.publish is None and loading.progressing != "ReplacingLost"
+
+
+def test_the_expired_lease_of_an_earlier_pod_of_that_name_is_not_a_loss() -> None:
+    committed = placement(3)
+    reports = leased(0, 1, 2, expired=(1,)) | {1: ServerReport(True, loaded_version=1, owner_uid="old-uid")}
+    step = plan(observed(pods=with_uids(pods(0, 1, 2)), committed=committed, reports=reports))
+    assert step.publish is None and step.progressing != "ReplacingLost"
+
+
+def test_most_servers_silent_at_once_is_blamed_on_the_control_plane() -> None:
+    committed = placement(3)
+    step = plan(
+        observed(pods=with_uids(pods(0, 1, 2)), committed=committed, reports=leased(0, 1, 2, expired=(0, 1)))
+    )
+    assert step.publish is None and step.delete_pods == [] and step.create_pods == []
+    assert step.progressing == "HeartbeatsLost" and step.events[0].type == "Warning"
+
+
+def test_when_the_survivors_cannot_keep_r_the_lost_pod_is_recreated_in_place() -> None:
+    committed = placement(2)
+    step = plan(
+        observed(
+            desired_replicas=2,
+            pods=with_uids(pods(0, 1)),
+            committed=committed,
+            reports=leased(0, 1, expired=(1,)),
+        )
+    )
+    assert step.publish is None and step.delete_pods == [1]
+    assert "R cannot be kept" in step.events[0].message
+    recreated = plan(observed(desired_replicas=2, pods=with_uids(pods(0)), committed=committed))
+    assert recreated.create_pods == [1]
+
+
+def test_a_loss_during_a_scale_up_abandons_it_for_a_newer_placement() -> None:
+    committed = placement(3)
+    growing = planning.add_server(committed, SHAPE, 3, "p-3", None)
+    step = plan(
+        observed(
+            desired_replicas=4,
+            pods=with_uids(pods(0, 1, 2, 3)),
+            committed=committed,
+            pending=growing,
+            reports=leased(0, 1, 2, 3, expired=(2,), loaded=1),
+        )
+    )
+    assert step.publish is not None and step.publish[1] is not None
+    replacement = step.publish[1]
+    assert replacement.ordinals == (0, 1) and replacement.version > growing.version
+    assert "abandoned" in step.events[0].message
+
+
+def simulate(world: Observed, max_steps: int = 20) -> list[str]:
+    """Applies planned steps to a model of the cluster (pods start Ready and load at once) until
+    nothing is left to do; asserts R live replicas are never lost once the server is re-placed."""
+    history = []
+    for _ in range(max_steps):
+        step = plan(world)
+        history.append(step.progressing or "Stable")
+        if not (step.publish or step.create_pods or step.delete_pods):
+            return history
+        pods_now = dict(world.pods)
+        reports = dict(world.reports)
+        committed, pending = world.committed, world.pending
+        if step.publish is not None:
+            committed, pending = step.publish
+        for n in step.delete_pods:
+            pods_now.pop(n)
+            reports.pop(n, None)
+        for n in step.create_pods:
+            pods_now[n] = PodState(n, ready=True, template_hash=HASH, uid=f"uid-{n}-new")
+        version = (pending or committed).version  # type: ignore[union-attr]
+        for n in pods_now:
+            if not reports.get(n, ServerReport(False)).expired:
+                reports[n] = ServerReport(False, loaded_version=version, owner_uid=pods_now[n].uid)
+        world = replace(world, pods=pods_now, reports=reports, committed=committed, pending=pending)
+    raise AssertionError(f"no steady state after {max_steps} steps: {history}")
+
+
+def test_a_lost_server_ends_replaced_with_the_pool_back_to_its_size() -> None:
+    world = observed(
+        desired_replicas=4,
+        pods=with_uids(pods(0, 1, 2, 3)),
+        committed=placement(4),
+        reports=leased(0, 1, 2, 3, expired=(2,)),
+    )
+    history = simulate(world)
+    assert history[0] == "ReplacingLost" and history[-1] == "Stable"
+    assert "ScalingUp" in history
