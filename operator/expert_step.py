@@ -9,6 +9,10 @@ clients route by) and, during a change, the pending one (what servers load):
 * **scale up** (one GPU at a time): pending = committed + server ``k``; create pod ``k``.
 * **scale down** (highest ordinal first): pending = committed without server ``h``, its experts
   re-homed on the others (R kept); pod ``h`` is deleted only after that placement is committed.
+* **retire** a server a person chose (pod annotation ``eaas.io/retire``): make before break —
+  while the servers not retiring are fewer than ``replicas``, a replacement is added first; then
+  the chosen server is drained like a scale-down and its pod deleted once that is committed.
+  Kubernetes never picks the victim; marking the same pod again changes nothing.
 * **commit**: once every server of the pending placement is ready for it (pod Ready, and its
   Lease, if it keeps one, reports that version loaded), pending becomes committed.
 * **rebalance**: when nothing else is to be done and every server is live, a load-based proposal
@@ -49,6 +53,7 @@ class PodState:
     template_hash: str = ""
     uid: str = ""
     unready_seconds: float = 0.0  # how long the pod has not been Ready (0 while Ready)
+    retiring: bool = False  # marked for retirement (``eaas.io/retire``)
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,8 @@ def _decide(o: Observed) -> Step:
             ]
             return step.working("Recreating", f"recreating servers {missing}")
 
-        if len(placed) < desired:
+        retiring = sorted(n for n in placed if o.pods[n].retiring)
+        if len(placed) - len(retiring) < desired:
             new = max(placed) + 1
             if new in o.pods and o.pods[new].terminating:
                 return step.working("ScalingUp", f"waiting for the old pod {o.pool}-{new} to terminate")
@@ -210,6 +216,18 @@ def _decide(o: Observed) -> Step:
                 )
             )
             return step.working("ScalingUp", f"adding server {new} ({len(placed)} -> {desired})")
+        if retiring:
+            leaving = retiring[0]
+            pending = planning.drain_server(o.committed, o.shape, leaving)
+            step.publish = (o.committed, pending)
+            step.events.append(
+                Event(
+                    "Retiring",
+                    f"retiring expert server {o.pool}-{leaving} as asked: its experts move to others in "
+                    f"placement v{pending.version} (R={o.shape.replication} kept)",
+                )
+            )
+            return step.working("Retiring", f"draining server {leaving} (marked for retirement)")
         if len(placed) > desired:
             leaving = max(placed)
             pending = planning.drain_server(o.committed, o.shape, leaving)

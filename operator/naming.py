@@ -23,6 +23,9 @@ from eaas.runtime.contract import *  # noqa: F403  (the operator reads the share
 
 FIELD_MANAGER = "eaas-operator"
 
+# Set by a person on an expert-server pod (any value but "false"): drain that server and retire it.
+RETIRE_ANNOTATION = f"{contract.GROUP}/retire"
+
 
 def attention_pool_name(service: str) -> str:
     return f"{service}-attention"

@@ -95,3 +95,40 @@ def test_a_lost_server_is_re_placed_then_replaced(
     assert f"{POOL}-1 (its Lease was not renewed for 10 s)" in lost_events[0].message
     assert {"PlacementCommitted", "ServerRemoved", "ScalingUp"} <= {e.reason for e in events}
     print(f"lost server re-placed in {re_placed_s:.1f} s; pool back to 3 servers in {back_s:.1f} s")
+
+
+def test_retiring_a_chosen_server_drains_exactly_that_one(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    if not cluster.gpu_nodes():
+        pytest.skip("the cluster has no GPU node")
+    cluster.core.create_namespaced_secret(
+        namespace, {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": "sk-e2e"}}
+    )
+    cluster.apply(yaml.safe_dump(tiny_gpu_manifest()), namespace)
+    first = wait_ready(cluster, namespace, servers=3)
+    uids = {name: pod.metadata.uid for name, pod in expert_pods(cluster, namespace).items()}
+
+    for _ in range(2):  # asking twice is asking once
+        cluster.kubectl("annotate", "--overwrite", "pod", f"{POOL}-1", "eaas.io/retire=true", "-n", namespace)
+
+    def retired() -> object:
+        placement = committed(cluster, namespace)
+        pods = expert_pods(cluster, namespace)
+        if placement is None or placement.ordinals != (0, 2, 3) or f"{POOL}-1" in pods or len(pods) != 3:
+            return None
+        return placement
+
+    final = wait_until(retired, 90, "server 1 retired and replaced by server 3", interval=0.3)
+    assert final.version > first.version and final.replica_counts().min() >= 2
+    pods = expert_pods(cluster, namespace)
+    assert {name: pods[name].metadata.uid for name in (f"{POOL}-0", f"{POOL}-2")} == {
+        name: uids[name] for name in (f"{POOL}-0", f"{POOL}-2")
+    }, "only the chosen server may leave"
+    reasons = [
+        e.reason
+        for e in cluster.core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.name={POOL}"
+        ).items
+    ]
+    assert reasons.count("Retiring") == 1 and "ScalingUp" in reasons

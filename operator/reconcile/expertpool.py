@@ -146,6 +146,7 @@ def pod_state(ordinal: int, pod: Mapping[str, Any], now: float) -> expert_step.P
         terminating=bool(pod["metadata"].get("deletionTimestamp")),
         template_hash=annotations.get(naming.TEMPLATE_HASH_ANNOTATION, ""),
         uid=str(pod["metadata"].get("uid") or ""),
+        retiring=annotations.get(naming.RETIRE_ANNOTATION, "false").lower() != "false",
         unready_seconds=max(0.0, now - since) if since is not None else 0.0,
     )
 

@@ -321,9 +321,10 @@ def test_a_loss_during_a_scale_up_abandons_it_for_a_newer_placement() -> None:
     assert "abandoned" in step.events[0].message
 
 
-def simulate(world: Observed, max_steps: int = 20) -> list[str]:
+def simulate(world: Observed, max_steps: int = 20, deleted: list[int] | None = None) -> list[str]:
     """Applies planned steps to a model of the cluster (pods start Ready and load at once) until
-    nothing is left to do; asserts R live replicas are never lost once the server is re-placed."""
+    nothing is left to do; returns the Progressing reasons (and fills ``deleted`` with the pods
+    deleted, in order). Every committed placement keeps R."""
     history = []
     for _ in range(max_steps):
         step = plan(world)
@@ -335,7 +336,11 @@ def simulate(world: Observed, max_steps: int = 20) -> list[str]:
         committed, pending = world.committed, world.pending
         if step.publish is not None:
             committed, pending = step.publish
+        if committed is not None:
+            check_invariants(committed, world.shape)
         for n in step.delete_pods:
+            if deleted is not None:
+                deleted.append(n)
             pods_now.pop(n)
             reports.pop(n, None)
         for n in step.create_pods:
@@ -355,6 +360,34 @@ def test_a_lost_server_ends_replaced_with_the_pool_back_to_its_size() -> None:
         committed=placement(4),
         reports=leased(0, 1, 2, 3, expired=(2,)),
     )
-    history = simulate(world)
-    assert history[0] == "ReplacingLost" and history[-1] == "Stable"
+    deleted: list[int] = []
+    history = simulate(world, deleted=deleted)
+    assert history[0] == "ReplacingLost" and history[-1] == "Stable" and deleted == [2]
     assert "ScalingUp" in history
+
+
+def test_a_retired_server_is_replaced_first_then_drained_and_only_it_leaves() -> None:
+    marked = with_uids(pods(0, 1, 2, 3)) | {1: PodState(1, ready=True, template_hash=HASH, retiring=True)}
+    world = observed(desired_replicas=4, pods=marked, committed=placement(4))
+    first = plan(world)
+    assert first.progressing == "ScalingUp" and first.create_pods == [4]  # make before break
+    assert first.publish is not None and first.publish[1] is not None
+    assert first.publish[1].ordinals == (0, 1, 2, 3, 4)
+    grown = first.publish[1]
+    drain = plan(replace(world, pods=marked | with_uids(pods(4)), committed=grown))
+    assert drain.progressing == "Retiring" and drain.delete_pods == []
+    assert drain.publish is not None and drain.publish[1] is not None
+    assert drain.publish[1].ordinals == (0, 2, 3, 4)
+    check_invariants(drain.publish[1], SHAPE)
+    assert "p-1 as asked" in drain.events[0].message
+    deleted: list[int] = []
+    history = simulate(world, deleted=deleted)
+    assert history[-1] == "Stable" and "Retiring" in history and deleted == [1]
+
+
+def test_retiring_while_scaling_down_retires_the_chosen_server_not_the_highest() -> None:
+    marked = with_uids(pods(0, 1, 2, 3)) | {1: PodState(1, ready=True, template_hash=HASH, retiring=True)}
+    step = plan(observed(desired_replicas=3, pods=marked, committed=placement(4)))
+    assert step.progressing == "Retiring"
+    assert step.publish is not None and step.publish[1] is not None
+    assert step.publish[1].ordinals == (0, 2, 3)
