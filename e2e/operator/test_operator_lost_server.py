@@ -30,6 +30,7 @@ from e2e.operator.test_operator_lifecycle import (
 )
 from e2e.waiting import wait_until
 from eaas.runtime import contract
+from eaas.runtime.placement.placement import Placement
 
 pytestmark = pytest.mark.e2e
 
@@ -73,7 +74,7 @@ def test_a_lost_server_is_re_placed_then_replaced(
     cluster.coordination.create_namespaced_lease(namespace, stale_lease(lost, seconds_ago=60))
 
     # The placement without server 1 is committed (R kept on 0 and 2) before its pod goes.
-    def re_placed() -> object:
+    def re_placed() -> Placement | None:
         placement = committed(cluster, namespace)
         return placement if placement is not None and 1 not in placement.ordinals else None
 
@@ -112,7 +113,7 @@ def test_retiring_a_chosen_server_drains_exactly_that_one(
     for _ in range(2):  # asking twice is asking once
         cluster.kubectl("annotate", "--overwrite", "pod", f"{POOL}-1", "eaas.io/retire=true", "-n", namespace)
 
-    def retired() -> object:
+    def retired() -> Placement | None:
         placement = committed(cluster, namespace)
         pods = expert_pods(cluster, namespace)
         if placement is None or placement.ordinals != (0, 2, 3) or f"{POOL}-1" in pods or len(pods) != 3:
