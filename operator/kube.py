@@ -39,6 +39,7 @@ RESOURCES: dict[str, Resource] = {
     "Pod": Resource("v1", "pods"),
     "Service": Resource("v1", "services"),
     "ConfigMap": Resource("v1", "configmaps"),
+    "Secret": Resource("v1", "secrets"),
     "Event": Resource("v1", "events"),
     "Deployment": Resource("apps/v1", "deployments"),
     "Lease": Resource("coordination.k8s.io/v1", "leases"),

@@ -51,6 +51,11 @@ def ordinal_of(pool: str, name: str) -> int | None:
     return int(tail)
 
 
+def data_token_secret_name(service: str) -> str:
+    """The Secret holding MoEService `service`'s data token (created by the operator, never read)."""
+    return f"{service}-data-token"
+
+
 def placement_config_map_name(pool: str) -> str:
     return f"{pool}-placement"
 

@@ -59,6 +59,10 @@ ENV_EXPERT_SERVICE = "EAAS_EXPERT_SERVICE"
 ENV_EXPERT_PORT = "EAAS_EXPERT_PORT"
 ENV_HEARTBEAT_INTERVAL = "EAAS_HEARTBEAT_INTERVAL_SECONDS"
 ENV_HEARTBEAT_TIMEOUT = "EAAS_HEARTBEAT_TIMEOUT_SECONDS"
+ENV_DATA_TOKENS = "EAAS_DATA_TOKENS"  # data tokens given directly (whitespace-separated)
+ENV_DATA_TOKEN_FILE = "EAAS_DATA_TOKEN_FILE"  # the file of a mounted Secret that holds them
+DATA_TOKEN_MOUNT = "/etc/eaas/data-token"
+DATA_TOKEN_KEY = "tokens"  # key of the MoEService's data-token Secret (and file name in the mount)
 ENV_API_KEYS = "EAAS_API_KEYS"  # bearer keys the attention client accepts, whitespace-separated
 
 EXPERT_SERVER_COMMAND = ("eaas", "expert-server")

@@ -140,6 +140,9 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
     volumes = {v.name: v for v in deployment.spec.template.spec.volumes}
     assert volumes["placement"].config_map.name == f"{POOL}-placement"
+    token = cluster.core.read_namespaced_secret(f"{NAME}-data-token", namespace)
+    assert token.metadata.owner_references[0].kind == "MoEService" and set(token.data) == {"tokens"}
+    assert volumes["data-token"].secret.secret_name == f"{NAME}-data-token"
     (keys,) = [e for e in deployment.spec.template.spec.containers[0].env if e.name == "EAAS_API_KEYS"]
     assert keys.value is None and keys.value_from.secret_key_ref.name == KEYS_SECRET
     pool = get(cluster, "expertpools", namespace, POOL)

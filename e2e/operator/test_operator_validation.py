@@ -120,7 +120,8 @@ def test_chart_rbac_is_least_privilege(cluster: Cluster, release: Release, names
     assert can("patch", "expertpools.eaas.io", "--subresource=scale")
     assert can("patch", "moeservices.eaas.io", "--subresource=status")
     assert can("create", "pods") and can("delete", "pods")
-    assert not can("list", "secrets")
+    assert not can("list", "secrets") and not can("get", "secrets") and not can("update", "secrets")
+    assert can("create", "secrets")  # the data-token Secret, once per MoEService
     assert not can("delete", "moeservices.eaas.io")
     assert not can("update", "pods")
     assert not can("delete", "deployments.apps") and not can("delete", "services")

@@ -10,6 +10,7 @@ from eaas.operator.builders.common import (
     Body,
     checkpoint_volume,
     common_env,
+    data_token_volume,
     env,
     http_probe,
     owned,
@@ -86,7 +87,11 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
                 "spec": {
                     "enableServiceLinks": False,
                     "containers": [container],
-                    "volumes": [checkpoint_volume(spec.model), placement_volume(spec.placement_config_map)],
+                    "volumes": [
+                        checkpoint_volume(spec.model),
+                        placement_volume(spec.placement_config_map),
+                        data_token_volume(service),
+                    ],
                     **scheduling(spec),
                     **co_location(service, spec.transport),
                 },

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,10 +68,33 @@ def placement_volume(config_map: str) -> dict[str, Any]:
     return {"name": "placement", "configMap": {"name": config_map}}
 
 
+def data_token_volume(service: str) -> dict[str, Any]:
+    """The MoEService's data-token Secret (the kubelet swaps the file when the Secret changes)."""
+    return {"name": "data-token", "secret": {"secretName": naming.data_token_secret_name(service)}}
+
+
+def data_token_secret(owner: Body) -> dict[str, Any]:
+    """A random data token for MoEService `owner`; created once, then left to the user (rotation)."""
+    service = owner["metadata"]["name"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": naming.data_token_secret_name(service),
+            "namespace": owner["metadata"]["namespace"],
+            "labels": naming.common_labels(service, "data-token"),
+        },
+        "stringData": {naming.DATA_TOKEN_KEY: secrets.token_urlsafe(32)},
+    }
+    return owned(body, owner)
+
+
 def volume_mounts() -> list[dict[str, Any]]:
     return [
         {"name": "checkpoint", "mountPath": naming.CHECKPOINT_MOUNT, "readOnly": True},
         {"name": "placement", "mountPath": naming.PLACEMENT_MOUNT, "readOnly": True},
+        {"name": "data-token", "mountPath": naming.DATA_TOKEN_MOUNT, "readOnly": True},
     ]
 
 
@@ -98,6 +122,7 @@ def common_env(
         naming.ENV_PENDING_FILE: f"{naming.PLACEMENT_MOUNT}/{naming.PENDING_KEY}",
         naming.ENV_HEARTBEAT_INTERVAL: heartbeat.interval_seconds,
         naming.ENV_HEARTBEAT_TIMEOUT: heartbeat.timeout_seconds,
+        naming.ENV_DATA_TOKEN_FILE: f"{naming.DATA_TOKEN_MOUNT}/{naming.DATA_TOKEN_KEY}",
     }
 
 

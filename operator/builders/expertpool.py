@@ -12,6 +12,7 @@ from eaas.operator.builders.common import (
     checkpoint_volume,
     common_env,
     content_hash,
+    data_token_volume,
     env,
     http_probe,
     owned,
@@ -121,7 +122,11 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         "subdomain": name,
         "enableServiceLinks": False,
         "containers": [container],
-        "volumes": [checkpoint_volume(spec.model), placement_volume(config_map)],
+        "volumes": [
+            checkpoint_volume(spec.model),
+            placement_volume(config_map),
+            data_token_volume(service),
+        ],
         "topologySpreadConstraints": [
             {
                 "maxSkew": 1,

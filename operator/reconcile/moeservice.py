@@ -13,7 +13,7 @@ from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
 from eaas.operator.api.moeservice import MoEServiceSpec
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.builders import moeservice as build
-from eaas.operator.builders.common import merge_patch
+from eaas.operator.builders.common import data_token_secret, merge_patch
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.status import aggregate, invalid_spec
 
@@ -35,6 +35,12 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(str(error)))
         return
     set_expert_replicas(ctx, body, spec, experts)
+    deleting = bool(body["metadata"].get("deletionTimestamp"))
+    # Every pass, so a deleted Secret comes back (with a new token); 409 AlreadyExists otherwise.
+    if not deleting and ctx.kube.create(data_token_secret(body)) is not None:
+        ctx.post_event(
+            body, "Normal", "Created", f"created the data-token Secret of {body['metadata']['name']}"
+        )
 
     expert_status = experts.get("status") or {}
     attention_status = attention.get("status") or {}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import click
 
 from eaas.runtime import contract
+from eaas.runtime.auth import data_token_options, data_tokens_from
 
 if TYPE_CHECKING:
     from eaas.runtime.client import ClientOptions
@@ -153,6 +154,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="serve: write {port} here once serving",
 )
+@data_token_options
 @click.option("--log-level", default="INFO", show_default=True, help="serve: logging level")
 @click.option("--prompt", "prompts", multiple=True, default=["Experts as a service"], show_default=True)
 @click.option("--max-new-tokens", default=16, show_default=True)
@@ -183,6 +185,8 @@ def attention_client(
     prompts: tuple[str, ...],
     max_new_tokens: int,
     request_timeout: float,
+    data_tokens: tuple[str, ...],
+    data_token_file: Path | None,
 ) -> None:
     """Greedy generation with the attention side here and the experts on expert servers.
 
@@ -196,7 +200,11 @@ def attention_client(
         raise click.UsageError("give either --server or --expert-service (EAAS_EXPERT_SERVICE), not both")
     if not server_specs and not expert_service:
         raise click.UsageError("expert servers: give --server ORDINAL=URL (repeat) or --expert-service")
-    options = ClientOptions(transport=transport, request_timeout_s=request_timeout)
+    options = ClientOptions(
+        transport=transport,
+        request_timeout_s=request_timeout,
+        data_tokens=data_tokens_from(data_tokens, data_token_file),
+    )
     if port is None:
         _one_shot(
             checkpoint,

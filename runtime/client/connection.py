@@ -11,6 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from eaas.runtime.auth import Tokens
 from eaas.runtime.client.errors import HandshakeError
 from eaas.runtime.transport import Channel, ChannelError, get_transport
 
@@ -20,10 +21,19 @@ log = logging.getLogger("eaas.client")
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def http_json(method: str, url: str, body: dict[str, Any] | None = None, timeout_s: float = 2.0) -> Any:
-    """A JSON request to a control port; ``HandshakeError`` on any failure."""
+def http_json(
+    method: str,
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 2.0,
+    token: str | None = None,
+) -> Any:
+    """A JSON request to a control port (with a bearer ``token`` if given); ``HandshakeError`` on
+    any failure."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _OPENER.open(request, timeout=timeout_s) as response:
@@ -81,8 +91,10 @@ class ServerConnection:
         request_timeout_s: float,
         connect_timeout_s: float,
         expected: Expected | None = None,
+        tokens: Tokens | None = None,
     ) -> None:
         get_transport(transport)
+        self.tokens = tokens or Tokens()
         self.ordinal = ordinal
         self.url = url.rstrip("/")
         self.host = urllib.parse.urlsplit(self.url).hostname or "127.0.0.1"
@@ -108,7 +120,9 @@ class ServerConnection:
             info = http_json("GET", f"{self.url}/v1/info", timeout_s=self.connect_timeout_s)
             self.expected.check(self.ordinal, info)
         body = {"client_id": self.client_id, "transport": self.transport}
-        handle = http_json("POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s)
+        handle = http_json(
+            "POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s, token=self._token()
+        )
         spec = get_transport(str(handle.get("transport")))
         try:
             channel = spec.channel.connect(handle, self.host, self.request_timeout_s)
@@ -146,9 +160,16 @@ class ServerConnection:
         if not handle:
             return
         try:
-            http_json("DELETE", f"{self.url}/v1/slots/{handle['transport']}/{handle['slot']}", timeout_s=0.5)
+            url = f"{self.url}/v1/slots/{handle['transport']}/{handle['slot']}"
+            http_json("DELETE", url, timeout_s=0.5, token=self._token())
         except HandshakeError as exc:
             log.debug("server %d: releasing slot %s failed: %s", self.ordinal, handle.get("slot"), exc)
 
     def close(self) -> None:
         self.release_remote(self.drop())
+
+    def _token(self) -> str | None:
+        try:
+            return self.tokens.presented()
+        except (OSError, ValueError) as exc:  # the token file went away or is empty
+            raise HandshakeError(f"server {self.ordinal}: no data token to present: {exc}") from exc

@@ -19,7 +19,6 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -27,6 +26,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from eaas.runtime.auth import Tokens
 from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
 from eaas.runtime.serving.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -261,16 +261,9 @@ class ApiTarget(Protocol):
         ...
 
 
-def _authorized(header: str | None, api_keys: tuple[str, ...]) -> bool:
-    """``Authorization: Bearer <key>`` against every accepted key, each compared in constant time."""
-    if not header or not header.startswith("Bearer "):
-        return False
-    presented = header[len("Bearer ") :].strip().encode()
-    matches = [hmac.compare_digest(presented, key.encode()) for key in api_keys]  # no early exit
-    return any(matches)
-
-
 def _handler(target: ApiTarget, api_keys: tuple[str, ...] = ()) -> type[JsonHandler]:
+    keys = Tokens(api_keys)
+
     class Handler(JsonHandler):
         server_version = "eaas-attention-client"
         max_body_bytes = MAX_BODY_BYTES
@@ -281,9 +274,9 @@ def _handler(target: ApiTarget, api_keys: tuple[str, ...] = ()) -> type[JsonHand
 
         def dispatch(self, method: str, path: str) -> None:
             if (
-                api_keys
+                keys.required
                 and path.startswith("/v1/")
-                and not _authorized(self.headers.get("Authorization"), api_keys)
+                and not keys.allows(self.headers.get("Authorization"))
             ):
                 self.close_connection = True  # the body (if any) was not read
                 raise ApiError(

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from eaas.runtime.auth import Tokens
 from eaas.runtime.client.connection import Expected, ServerConnection
 from eaas.runtime.client.errors import HandshakeError
 from eaas.runtime.client.routing import RoutingTable, Share
@@ -57,6 +58,7 @@ class ClientOptions:
     rejoin_min_s: float = 0.2  # first re-handshake delay after a failure (doubles up to rejoin_max_s)
     rejoin_max_s: float = 5.0
     spread_threshold: int = 32  # an expert with more tokens than this in a batch is split over replicas
+    data_tokens: Tokens = field(default_factory=Tokens)  # the first is presented at every slot handshake
     client_id: str = field(default_factory=lambda: f"client-{uuid.uuid4().hex[:8]}")
 
 
@@ -132,6 +134,7 @@ class RemoteExperts:
                 o.request_timeout_s,
                 o.connect_timeout_s,
                 Expected(*shape, frozenset(placement.experts_of(ordinal))),
+                o.data_tokens,
             )
             for ordinal in self.table.ordinals
         ]

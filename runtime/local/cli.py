@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
+from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES, Family
 
 if TYPE_CHECKING:
@@ -119,14 +121,20 @@ def local(
             f"replication {replication}, {len(placement.experts_of(0))} (layer, expert) pairs on server 0"
         )
         started = time.perf_counter()
-        with LocalCluster(checkpoint, placement, root / "cluster", kernel_backend=kernel_backend) as cluster:
+        data_token = secrets.token_urlsafe(24)  # only these clients may take the servers' slots
+        cluster_dir = root / "cluster"
+        with LocalCluster(
+            checkpoint, placement, cluster_dir, kernel_backend=kernel_backend, data_token=data_token
+        ) as cluster:
             pids = ", ".join(f"{o}:{s.pid}" for o, s in cluster.servers.items())
             click.echo(
                 f"started {num_servers} expert servers in {time.perf_counter() - started:.1f} s (pids {pids})"
             )
             batches = [prompts[i::num_clients] for i in range(num_clients)]
             kill = KillPlan(kill_server_after, kill_ordinal) if kill_server_after is not None else None
-            options = ClientOptions(transport=transport, request_timeout_s=request_timeout)
+            options = ClientOptions(
+                transport=transport, request_timeout_s=request_timeout, data_tokens=Tokens((data_token,))
+            )
             wall = time.perf_counter()
             runs = run_clients(checkpoint, placement, cluster, batches, max_new_tokens, options, kill)
             wall = time.perf_counter() - wall

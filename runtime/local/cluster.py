@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eaas.runtime import contract
 from eaas.runtime.placement import Placement
 from eaas.runtime.transport.backoff import Backoff
 from eaas.runtime.transport.shm_segment import remove_segments_of
@@ -63,6 +64,7 @@ class LocalCluster:
     startup_timeout_s: float = 120.0
     log_level: str = "WARNING"
     extra_args: tuple[str, ...] = ()
+    data_token: str | None = None  # the slot handshake requires it (through the env, never argv)
     servers: dict[int, ServerProcess] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,6 +120,10 @@ class LocalCluster:
             *self.extra_args,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads_per_server)}
+        env.pop(contract.ENV_DATA_TOKEN_FILE, None)
+        env.pop(contract.ENV_DATA_TOKENS, None)
+        if self.data_token is not None:
+            env[contract.ENV_DATA_TOKENS] = self.data_token
         with log_path.open("wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         return ServerProcess(ordinal, process, log_path, ready_path, restarts=restarts)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import signal
 import tempfile
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import click
 
+from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES
 
 
@@ -110,6 +112,7 @@ def serve(
             err=True,
         )
         click.echo(f"starting {num_servers} expert servers ({transport}, R={replication}) ...", err=True)
+        data_token = secrets.token_urlsafe(24)  # only this client may take the servers' slots
         try:
             cluster = LocalCluster(
                 checkpoint,
@@ -117,6 +120,7 @@ def serve(
                 workdir / "cluster",
                 transports=(transport,),
                 kernel_backend=kernel_backend,
+                data_token=data_token,
             ).start()
         except ClusterError as exc:
             raise click.ClickException(f"expert servers did not start: {exc}") from exc
@@ -133,7 +137,7 @@ def serve(
                 batching=batching,
                 kv_cache_bytes=kv_cache_mb << 20,
                 api_keys=(api_key,) if api_key else (),
-                client=ClientOptions(transport=transport),
+                client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )
             stop = threading.Event()
             for sig in (signal.SIGTERM, signal.SIGINT):

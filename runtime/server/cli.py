@@ -13,6 +13,7 @@ import click
 
 from eaas.kernels import available_backends
 from eaas.runtime import contract
+from eaas.runtime.auth import data_token_options, data_tokens_from
 
 
 @click.command("expert-server")
@@ -131,6 +132,7 @@ from eaas.runtime import contract
     default=None,
     help="API server credentials for the Lease (default: the pod's in-cluster ServiceAccount)",
 )
+@data_token_options
 @click.option("--log-level", default="INFO", show_default=True)
 def expert_server(
     checkpoint: Path,
@@ -158,6 +160,8 @@ def expert_server(
     heartbeat_interval_seconds: float,
     heartbeat_timeout_seconds: float,
     kubeconfig: Path | None,
+    data_tokens: tuple[str, ...],
+    data_token_file: Path | None,
     log_level: str,
 ) -> None:
     """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
@@ -219,6 +223,7 @@ def expert_server(
                 dtype=dtype,
                 device=device,
                 loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
+                data_tokens=data_tokens_from(data_tokens, data_token_file),
             )
         )
     except (PlacementError, ValueError, OSError) as exc:

@@ -10,6 +10,12 @@
 | GET | ``/v1/slots`` | attached slots and their states |
 | POST | ``/v1/slots`` | ``{"client_id", "transport"}`` → 201 with the slot's handle (503 when full) |
 | DELETE | ``/v1/slots/<transport>/<slot>`` | release a slot → 204 (404 if not attached) |
+
+With data tokens configured, the three ``/v1/slots`` routes need ``Authorization: Bearer <token>``:
+without it they answer 401 and allocate, release and reveal nothing. The handle a granted slot
+returns carries what its transport needs to use that slot only (the tcp hello's per-slot token),
+so a slot id alone is worth nothing. Probes, metrics, ``/v1/info`` and ``/v1/stats`` stay open
+(the operator and Prometheus read them; the NetworkPolicy decides who reaches the port).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from eaas.runtime.auth import Tokens
 from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
 
 
@@ -39,7 +46,7 @@ class ControlTarget(Protocol):
     def detach(self, transport: str, slot: int) -> bool: ...
 
 
-def _handler(target: ControlTarget) -> type[JsonHandler]:
+def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
     class Handler(JsonHandler):
         server_version = "eaas-expert-server"
         error_type = ControlError
@@ -51,6 +58,20 @@ def _handler(target: ControlTarget) -> type[JsonHandler]:
             return body
 
         def dispatch(self, method: str, path: str) -> None:
+            if path.startswith("/v1/slots") and tokens.required:
+                try:
+                    allowed = tokens.allows(self.headers.get("Authorization"))
+                except (OSError, ValueError) as exc:  # the token file went away or is empty
+                    raise ControlError(
+                        HTTPStatus.SERVICE_UNAVAILABLE, f"data tokens unreadable: {exc}"
+                    ) from exc
+                if not allowed:
+                    self.close_connection = True  # the body (if any) was not read
+                    raise ControlError(
+                        HTTPStatus.UNAUTHORIZED,
+                        "a valid data token is required (Authorization: Bearer <token>)",
+                        {"WWW-Authenticate": "Bearer"},
+                    )
             if method == "GET" and path == "/healthz":
                 self.send_probe(target.is_healthy(), "ok", "unhealthy")
             elif method == "GET" and path == "/readyz":
@@ -89,5 +110,5 @@ def _handler(target: ControlTarget) -> type[JsonHandler]:
 class ControlServer(BackgroundServer):
     """The HTTP control port in a daemon thread."""
 
-    def __init__(self, target: ControlTarget, host: str, port: int) -> None:
-        super().__init__(_handler(target), host, port, name="eaas-control")
+    def __init__(self, target: ControlTarget, host: str, port: int, tokens: Tokens | None = None) -> None:
+        super().__init__(_handler(target, tokens or Tokens()), host, port, name="eaas-control")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from eaas.kernels import get_backend
+from eaas.runtime.auth import Tokens
 from eaas.runtime.model import CheckpointReader, ExpertStack
 from eaas.runtime.model.checkpoint import DTYPES
 from eaas.runtime.placement import Placement
@@ -73,6 +74,7 @@ class ServerConfig:
     dtype: str | None = None  # weight dtype; None = the checkpoint's
     device: str = "cpu"  # where the experts live and compute: "cpu", "cuda" or "cuda:N"
     loop: LoopOptions = field(default_factory=LoopOptions)
+    data_tokens: Tokens = field(default_factory=Tokens)  # bearer tokens the slot routes require (none: open)
 
 
 class ExpertServer:
@@ -131,7 +133,7 @@ class ExpertServer:
             self.loop = ServerLoop(
                 stack, list(self.transports.values()), limits, self.metrics, self.load, loop_options
             )
-            self.control = ControlServer(self, config.host, config.control_port)
+            self.control = ControlServer(self, config.host, config.control_port, config.data_tokens)
         except BaseException:
             for transport in self.transports.values():
                 transport.close()

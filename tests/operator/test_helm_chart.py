@@ -34,6 +34,7 @@ EXPECTED_RULES = {
     ("", "pods"): {"list", "create", "delete"},
     ("", "services"): {"create", "patch"},  # server-side apply that creates needs create too
     ("", "configmaps"): {"get", "create", "patch"},
+    ("", "secrets"): {"create"},  # the data-token Secret: created once, never read
     ("apps", "deployments"): {"create", "patch"},
     ("coordination.k8s.io", "leases"): {"list"},
     ("", "events"): {"create"},

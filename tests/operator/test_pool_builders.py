@@ -10,7 +10,7 @@ from eaas.operator import naming
 from eaas.operator.api import AttentionPoolSpec, ExpertPoolSpec, MoEServiceSpec
 from eaas.operator.api.pools import SecretKeySelector
 from eaas.operator.builders import attentionpool, expertpool, moeservice
-from eaas.operator.builders.common import merge_patch
+from eaas.operator.builders.common import data_token_secret, merge_patch
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.placement.placement import Placement
 
@@ -209,3 +209,25 @@ def test_merge_patch_turns_old_into_new() -> None:
         "add": {"z": 3},
     }
     assert merge_patch(new, new) is None
+
+
+def test_both_pools_mount_the_data_token_secret_and_read_it_from_the_file(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    attention = moeservice.attention_pool(moes_body, moes_spec)
+    attention["metadata"]["uid"] = "attention-uid"
+    deployment = attentionpool.deployment(attention, AttentionPoolSpec.from_k8s(attention["spec"]))
+    pod_specs = [deployment["spec"]["template"]["spec"], expertpool.pod(pool_body, pool_spec, 0)["spec"]]
+    for spec in pod_specs:
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["data-token"]["secret"]["secretName"] == "tiny-data-token"
+        (container,) = spec["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert (
+            mounts["data-token"]["mountPath"] == naming.DATA_TOKEN_MOUNT and mounts["data-token"]["readOnly"]
+        )
+        assert env_of(container)[naming.ENV_DATA_TOKEN_FILE] == f"{naming.DATA_TOKEN_MOUNT}/tokens"
+    secret = data_token_secret(moes_body)
+    assert secret["metadata"]["name"] == "tiny-data-token" and secret["metadata"]["ownerReferences"]
+    token = secret["stringData"]["tokens"]
+    assert len(token) >= 40 and token != data_token_secret(moes_body)["stringData"]["tokens"]

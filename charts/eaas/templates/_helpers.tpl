@@ -83,6 +83,10 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
   verbs: ["list"]
+# The data-token Secret of each MoEService: created once, never read, listed or changed.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 # Events about scaling and placement changes.
 - apiGroups: [""]
   resources: ["events"]
