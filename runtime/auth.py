@@ -48,8 +48,8 @@ class Tokens:
             if stamp != self._stamp:
                 self._from_file = tuple(self.path.read_text().split())
                 self._stamp = stamp
-                if not self._from_file:
-                    raise ValueError(f"{self.path}: no token in the file")
+            if not self._from_file:  # every time, not only when the emptied file is first read
+                raise ValueError(f"{self.path}: no token in the file")
             return self._fixed + self._from_file
 
     def presented(self) -> str | None:
