@@ -10,13 +10,16 @@ from eaas.operator.builders.common import (
     Body,
     checkpoint_volume,
     common_env,
+    container_security_context,
     data_token_volume,
     env,
     http_probe,
     owned,
     placement_volume,
+    pod_security_context,
     resources,
     scheduling,
+    scratch_volume,
     service_of,
     volume_mounts,
 )
@@ -72,6 +75,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
         "livenessProbe": http_probe("/healthz", "http", max(spec.heartbeat.interval_seconds, 5), 6),
         "resources": resources(spec, spec.gpus_per_pod),
         "volumeMounts": volume_mounts(),
+        "securityContext": container_security_context(),
     }
     pod_labels = labels(pool)
     body = {
@@ -86,11 +90,13 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
                 "metadata": {"labels": pod_labels},
                 "spec": {
                     "enableServiceLinks": False,
+                    "securityContext": pod_security_context(),
                     "containers": [container],
                     "volumes": [
                         checkpoint_volume(spec.model),
                         placement_volume(spec.placement_config_map),
                         data_token_volume(service),
+                        scratch_volume(),
                     ],
                     **scheduling(spec),
                     **co_location(service, spec.transport),

@@ -90,11 +90,42 @@ def data_token_secret(owner: Body) -> dict[str, Any]:
     return owned(body, owner)
 
 
+RUNTIME_UID = 65532  # the image's non-root user (Dockerfile)
+SCRATCH = "/tmp"  # the only writable path of a runtime container (an emptyDir): caches, temp files
+
+
+def pod_security_context() -> dict[str, Any]:
+    """What the ``restricted`` Pod Security Standard asks of a pod; fsGroup lets the non-root user
+    read the mounted Secret and ConfigMap."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """No privilege escalation, no capabilities, a read-only root filesystem (scratch: ``/tmp``)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def scratch_volume() -> dict[str, Any]:
+    return {"name": "scratch", "emptyDir": {}}
+
+
 def volume_mounts() -> list[dict[str, Any]]:
     return [
         {"name": "checkpoint", "mountPath": naming.CHECKPOINT_MOUNT, "readOnly": True},
         {"name": "placement", "mountPath": naming.PLACEMENT_MOUNT, "readOnly": True},
         {"name": "data-token", "mountPath": naming.DATA_TOKEN_MOUNT, "readOnly": True},
+        {"name": "scratch", "mountPath": SCRATCH},
     ]
 
 
@@ -123,6 +154,7 @@ def common_env(
         naming.ENV_HEARTBEAT_INTERVAL: heartbeat.interval_seconds,
         naming.ENV_HEARTBEAT_TIMEOUT: heartbeat.timeout_seconds,
         naming.ENV_DATA_TOKEN_FILE: f"{naming.DATA_TOKEN_MOUNT}/{naming.DATA_TOKEN_KEY}",
+        "HOME": SCRATCH,  # caches that default to ~ (Triton's kernels, torch's) land on the scratch volume
     }
 
 

@@ -11,14 +11,17 @@ from eaas.operator.builders.common import (
     Body,
     checkpoint_volume,
     common_env,
+    container_security_context,
     content_hash,
     data_token_volume,
     env,
     http_probe,
     owned,
     placement_volume,
+    pod_security_context,
     resources,
     scheduling,
+    scratch_volume,
     service_of,
     volume_mounts,
 )
@@ -116,16 +119,19 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         "livenessProbe": http_probe("/healthz", "control", max(spec.heartbeat.interval_seconds, 5), 6),
         "resources": resources(spec, spec.gpus_per_pod),
         "volumeMounts": volume_mounts(),
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "hostname": pod_name,
         "subdomain": name,
         "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [
             checkpoint_volume(spec.model),
             placement_volume(config_map),
             data_token_volume(service),
+            scratch_volume(),
         ],
         "topologySpreadConstraints": [
             {
