@@ -39,6 +39,14 @@ import click
     help="Port of /healthz for liveness probes (0 = off).",
 )
 @click.option("--request-timeout", default=30.0, show_default=True, help="Seconds per API request.")
+@click.option(
+    "--runtime-cluster-role",
+    envvar="EAAS_RUNTIME_CLUSTER_ROLE",
+    show_envvar=True,
+    default=None,
+    help="ClusterRole the runtime pods need (the chart's <release>-runtime): each MoEService's "
+    "ServiceAccount is bound to it in its namespace. Unset: bind it yourself.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def operator(
     namespaces: tuple[str, ...],
@@ -47,6 +55,7 @@ def operator(
     metrics_port: int,
     health_port: int,
     request_timeout: float,
+    runtime_cluster_role: str | None,
     verbose: bool,
 ) -> None:
     """Run the EaaS operator: reconciles MoEServices, AttentionPools and ExpertPools."""
@@ -63,4 +72,5 @@ def operator(
         metrics_port=metrics_port,
         health_port=health_port,
         request_timeout=request_timeout,
+        runtime_cluster_role=runtime_cluster_role,
     )

@@ -40,6 +40,8 @@ RESOURCES: dict[str, Resource] = {
     "Service": Resource("v1", "services"),
     "ConfigMap": Resource("v1", "configmaps"),
     "Secret": Resource("v1", "secrets"),
+    "ServiceAccount": Resource("v1", "serviceaccounts"),
+    "RoleBinding": Resource("rbac.authorization.k8s.io/v1", "rolebindings"),
     "Event": Resource("v1", "events"),
     "Deployment": Resource("apps/v1", "deployments"),
     "Lease": Resource("coordination.k8s.io/v1", "leases"),

@@ -41,11 +41,12 @@ def run(
     metrics_port: int = 8080,
     health_port: int = 8081,
     request_timeout: float = 30.0,
+    runtime_cluster_role: str | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM. Watches `namespaces`, or the whole cluster when empty."""
     api_client = load_config(kubeconfig, context)
     kube = Kube(api_client, request_timeout=request_timeout)
-    ctx = handlers.make_context(kube)
+    ctx = handlers.make_context(kube, runtime_cluster_role)
     handlers.install(ctx)
 
     @kopf.on.login()

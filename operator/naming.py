@@ -51,6 +51,11 @@ def ordinal_of(pool: str, name: str) -> int | None:
     return int(tail)
 
 
+def runtime_account_name(service: str) -> str:
+    """The ServiceAccount of MoEService `service`'s pods (and its RoleBinding), made by the operator."""
+    return f"{service}-runtime"
+
+
 def data_token_secret_name(service: str) -> str:
     """The Secret holding MoEService `service`'s data token (created by the operator, never read)."""
     return f"{service}-data-token"

@@ -19,6 +19,7 @@ from e2e.processes import ManagedProcess, free_port, tail
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "eaas"
 RESYNC_SECONDS = 1
+RUNTIME_CLUSTER_ROLE = "eaas-runtime"  # the chart's <release>-runtime for release "eaas"
 
 
 def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
@@ -72,7 +73,11 @@ class OperatorProcess:
             "--request-timeout",
             "10",
         ]
-        env = {**os.environ, "EAAS_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS)}
+        env = {
+            **os.environ,
+            "EAAS_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS),
+            "EAAS_RUNTIME_CLUSTER_ROLE": RUNTIME_CLUSTER_ROLE,  # as the chart's Deployment passes it
+        }
         env.pop("KUBERNETES_SERVICE_HOST", None)
         self.process = ManagedProcess("eaas-operator", argv, self.log_path, env=env)
         self.process.start()

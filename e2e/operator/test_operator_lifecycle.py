@@ -140,6 +140,21 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
     volumes = {v.name: v for v in deployment.spec.template.spec.volumes}
     assert volumes["placement"].config_map.name == f"{POOL}-placement"
+    # -- the pods' own ServiceAccount, allowed exactly their Leases (kubectl auth can-i) -----------
+    account = f"system:serviceaccount:{namespace}:{NAME}-runtime"
+    assert {p.spec.service_account_name for p in pods.values()} == {f"{NAME}-runtime"}
+    assert deployment.spec.template.spec.service_account_name == f"{NAME}-runtime"
+
+    def runtime_can(*args: str, where: str = namespace) -> bool:
+        result = cluster.kubectl("auth", "can-i", *args, "-n", where, "--as", account, check=False)
+        return result.stdout.strip() == "yes"
+
+    for verb in ("get", "create", "update"):
+        assert runtime_can(verb, "leases.coordination.k8s.io"), verb
+    assert not runtime_can("delete", "leases.coordination.k8s.io")  # one step beyond
+    assert not runtime_can("list", "leases.coordination.k8s.io")
+    assert not runtime_can("get", "secrets") and not runtime_can("list", "pods")
+    assert not runtime_can("create", "leases.coordination.k8s.io", where="default")  # this namespace only
     token = cluster.core.read_namespaced_secret(f"{NAME}-data-token", namespace)
     assert token.metadata.owner_references[0].kind == "MoEService" and set(token.data) == {"tokens"}
     assert volumes["data-token"].secret.secret_name == f"{NAME}-data-token"

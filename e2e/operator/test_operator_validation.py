@@ -122,6 +122,9 @@ def test_chart_rbac_is_least_privilege(cluster: Cluster, release: Release, names
     assert can("create", "pods") and can("delete", "pods")
     assert not can("list", "secrets") and not can("get", "secrets") and not can("update", "secrets")
     assert can("create", "secrets")  # the data-token Secret, once per MoEService
+    assert can("bind", "clusterroles/eaas-runtime")  # the runtime's role, to each MoEService's account
+    assert not can("bind", "clusterroles/cluster-admin") and not can("escalate", "roles")
+    assert can("create", "rolebindings") and not can("delete", "rolebindings")
     assert not can("delete", "moeservices.eaas.io")
     assert not can("update", "pods")
     assert not can("delete", "deployments.apps") and not can("delete", "services")

@@ -195,7 +195,8 @@ class PodSettings(CRDModel):
     service_account_name: str = Field(
         default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"
     )
-    """ServiceAccount of the pods (it must be allowed to renew Leases for heartbeats); empty = default."""
+    """ServiceAccount of the pods (it must be allowed to renew Leases for heartbeats); empty = the one
+    the operator makes, ``<moeservice>-runtime``, bound to the chart's runtime ClusterRole."""
     node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
     """Node labels the pods require."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)

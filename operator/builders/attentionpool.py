@@ -98,7 +98,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
                         data_token_volume(service),
                         scratch_volume(),
                     ],
-                    **scheduling(spec),
+                    **scheduling(spec, service),
                     **co_location(service, spec.transport),
                 },
             },

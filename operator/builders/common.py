@@ -73,6 +73,40 @@ def data_token_volume(service: str) -> dict[str, Any]:
     return {"name": "data-token", "secret": {"secretName": naming.data_token_secret_name(service)}}
 
 
+def runtime_service_account(owner: Body) -> dict[str, Any]:
+    """The pods' ServiceAccount for MoEService `owner` (used unless the spec names another)."""
+    service = owner["metadata"]["name"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": naming.runtime_account_name(service),
+            "namespace": owner["metadata"]["namespace"],
+            "labels": naming.common_labels(service, "runtime"),
+        },
+    }
+    return owned(body, owner)
+
+
+def runtime_role_binding(owner: Body, cluster_role: str) -> dict[str, Any]:
+    """Binds `cluster_role` (the runtime's: Leases) to the pods' ServiceAccount, in this namespace only."""
+    service, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    body = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {
+            "name": naming.runtime_account_name(service),
+            "namespace": namespace,
+            "labels": naming.common_labels(service, "runtime"),
+        },
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": naming.runtime_account_name(service), "namespace": namespace}
+        ],
+    }
+    return owned(body, owner)
+
+
 def data_token_secret(owner: Body) -> dict[str, Any]:
     """A random data token for MoEService `owner`; created once, then left to the user (rotation)."""
     service = owner["metadata"]["name"]
@@ -175,11 +209,12 @@ def resources(settings: PodSettings, gpus: int) -> dict[str, Any]:
     return result
 
 
-def scheduling(settings: PodSettings) -> dict[str, Any]:
-    """serviceAccountName, nodeSelector and tolerations of a pod spec (only those set)."""
-    spec: dict[str, Any] = {}
-    if settings.service_account_name:
-        spec["serviceAccountName"] = settings.service_account_name
+def scheduling(settings: PodSettings, service: str) -> dict[str, Any]:
+    """serviceAccountName (the spec's, else the operator-made ``<service>-runtime``), nodeSelector
+    and tolerations of a pod spec."""
+    spec: dict[str, Any] = {
+        "serviceAccountName": settings.service_account_name or naming.runtime_account_name(service)
+    }
     if settings.node_selector:
         spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:

@@ -141,7 +141,7 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
                 "labelSelector": {"matchLabels": selector(name)},
             }
         ],
-        **scheduling(spec),
+        **scheduling(spec, service),
         **co_location(service, spec.transport),
     }
     body = {

@@ -39,6 +39,7 @@ class Context:
     autoscalers: dict[tuple[str, str], Autoscaler] = field(default_factory=dict)
     rebalancer: Rebalancer | None = None  # created from `metrics` when not given
     server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
+    runtime_cluster_role: str | None = None  # bound to each MoEService's runtime ServiceAccount
     _locks: dict[tuple[str, str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 

@@ -13,7 +13,12 @@ from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
 from eaas.operator.api.moeservice import MoEServiceSpec
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.builders import moeservice as build
-from eaas.operator.builders.common import data_token_secret, merge_patch
+from eaas.operator.builders.common import (
+    data_token_secret,
+    merge_patch,
+    runtime_role_binding,
+    runtime_service_account,
+)
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.status import aggregate, invalid_spec
 
@@ -28,6 +33,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     except ValidationError as error:
         ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(describe_validation_error(error)))
         return
+    if not body["metadata"].get("deletionTimestamp"):
+        ensure_pod_prerequisites(ctx, body)  # before the pools: their pods use these
     try:
         experts = ensure_child(ctx, body, build.expert_pool(body, spec), ignore=("replicas",))
         attention = ensure_child(ctx, body, build.attention_pool(body, spec), ignore=())
@@ -35,12 +42,6 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(str(error)))
         return
     set_expert_replicas(ctx, body, spec, experts)
-    deleting = bool(body["metadata"].get("deletionTimestamp"))
-    # Every pass, so a deleted Secret comes back (with a new token); 409 AlreadyExists otherwise.
-    if not deleting and ctx.kube.create(data_token_secret(body)) is not None:
-        ctx.post_event(
-            body, "Normal", "Created", f"created the data-token Secret of {body['metadata']['name']}"
-        )
 
     expert_status = experts.get("status") or {}
     attention_status = attention.get("status") or {}
@@ -52,6 +53,22 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     }
     observations = aggregate({EXPERTPOOL.kind: experts, ATTENTIONPOOL.kind: attention})
     ctx.write_status(MOESERVICE.kind, body, status, observations)
+
+
+def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
+    """What the pods need before they exist: their ServiceAccount, its RoleBinding to the runtime's
+    ClusterRole (when the operator knows it) and the data-token Secret. Create-only, every pass,
+    so a deleted one comes back (a Secret with a new token); 409 AlreadyExists otherwise."""
+    name = body["metadata"]["name"]
+    made = []
+    if ctx.kube.create(runtime_service_account(body)) is not None:
+        made.append(f"ServiceAccount {name}-runtime")
+    if ctx.runtime_cluster_role and ctx.kube.create(runtime_role_binding(body, ctx.runtime_cluster_role)):
+        made.append(f"RoleBinding {name}-runtime to ClusterRole {ctx.runtime_cluster_role}")
+    if ctx.kube.create(data_token_secret(body)) is not None:
+        made.append(f"Secret {name}-data-token")
+    if made:
+        ctx.post_event(body, "Normal", "Created", "created " + ", ".join(made))
 
 
 def ensure_child(

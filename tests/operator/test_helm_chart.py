@@ -39,6 +39,12 @@ EXPECTED_RULES = {
     ("coordination.k8s.io", "leases"): {"list"},
     ("", "events"): {"create"},
 }
+# With runtimeRbac.create (the default): the pods' ServiceAccount and its RoleBinding, per MoEService.
+RUNTIME_ACCESS_RULES = {
+    ("", "serviceaccounts"): {"create"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"create"},
+    ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +108,9 @@ def test_default_render(helm: str) -> None:
 def test_operator_rbac_is_exactly_what_it_uses(helm: str) -> None:
     documents = render(helm)
     roles = {doc["metadata"]["name"]: doc for doc in of_kind(documents, "ClusterRole")}
-    assert rules_table(roles["eaas-operator"]["rules"]) == EXPECTED_RULES
+    assert rules_table(roles["eaas-operator"]["rules"]) == EXPECTED_RULES | RUNTIME_ACCESS_RULES
+    (bind,) = [r for r in roles["eaas-operator"]["rules"] if "bind" in r["verbs"]]
+    assert bind["resourceNames"] == ["eaas-runtime"]  # it may bind the runtime's role and no other
     for role in roles.values():
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"]

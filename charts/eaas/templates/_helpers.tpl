@@ -87,6 +87,20 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+{{- if .Values.runtimeRbac.create }}
+# The runtime pods' access, per MoEService: a ServiceAccount and a RoleBinding to the runtime
+# ClusterRole, and no other (bind is limited to that one role by name; escalate is not granted).
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  verbs: ["bind"]
+  resourceNames: [{{ printf "%s-runtime" (include "eaas.fullname" .) | quote }}]
+{{- end }}
 # Events about scaling and placement changes.
 - apiGroups: [""]
   resources: ["events"]
