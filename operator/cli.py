@@ -47,6 +47,14 @@ import click
     help="ClusterRole the runtime pods need (the chart's <release>-runtime): each MoEService's "
     "ServiceAccount is bound to it in its namespace. Unset: bind it yourself.",
 )
+@click.option(
+    "--operator-namespace",
+    envvar="EAAS_OPERATOR_POD_NAMESPACE",
+    show_envvar=True,
+    default=None,
+    help="Namespace of the operator's own pod: NetworkPolicies let it reach the expert servers' "
+    "control ports (the chart sets it).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def operator(
     namespaces: tuple[str, ...],
@@ -56,6 +64,7 @@ def operator(
     health_port: int,
     request_timeout: float,
     runtime_cluster_role: str | None,
+    operator_namespace: str | None,
     verbose: bool,
 ) -> None:
     """Run the EaaS operator: reconciles MoEServices, AttentionPools and ExpertPools."""
@@ -73,4 +82,5 @@ def operator(
         health_port=health_port,
         request_timeout=request_timeout,
         runtime_cluster_role=runtime_cluster_role,
+        operator_namespace=operator_namespace,
     )

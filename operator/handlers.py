@@ -118,5 +118,12 @@ def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
     settings.execution.max_workers = 8
 
 
-def make_context(kube: Kube, runtime_cluster_role: str | None = None) -> Context:
-    return Context(kube=kube, metrics=default_metrics(), runtime_cluster_role=runtime_cluster_role)
+def make_context(
+    kube: Kube, runtime_cluster_role: str | None = None, operator_namespace: str | None = None
+) -> Context:
+    return Context(
+        kube=kube,
+        metrics=default_metrics(),
+        runtime_cluster_role=runtime_cluster_role,
+        operator_namespace=operator_namespace,
+    )

@@ -42,6 +42,7 @@ RESOURCES: dict[str, Resource] = {
     "Secret": Resource("v1", "secrets"),
     "ServiceAccount": Resource("v1", "serviceaccounts"),
     "RoleBinding": Resource("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "Event": Resource("v1", "events"),
     "Deployment": Resource("apps/v1", "deployments"),
     "Lease": Resource("coordination.k8s.io/v1", "leases"),

@@ -42,11 +42,12 @@ def run(
     health_port: int = 8081,
     request_timeout: float = 30.0,
     runtime_cluster_role: str | None = None,
+    operator_namespace: str | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM. Watches `namespaces`, or the whole cluster when empty."""
     api_client = load_config(kubeconfig, context)
     kube = Kube(api_client, request_timeout=request_timeout)
-    ctx = handlers.make_context(kube, runtime_cluster_role)
+    ctx = handlers.make_context(kube, runtime_cluster_role, operator_namespace)
     handlers.install(ctx)
 
     @kopf.on.login()

@@ -52,7 +52,9 @@ def operator(cluster: Cluster, release: Release, tmp_path: Path) -> Iterator[Ope
     kubeconfig = service_account_kubeconfig(
         cluster, release.namespace, release.service_account, tmp_path / "operator.kubeconfig"
     )
-    process = OperatorProcess(kubeconfig=kubeconfig, log_path=tmp_path / "operator.log")
+    process = OperatorProcess(
+        kubeconfig=kubeconfig, log_path=tmp_path / "operator.log", namespace=release.namespace
+    )
     process.start()
     process.wait_started()
     try:

@@ -53,6 +53,7 @@ class OperatorProcess:
 
     kubeconfig: Path
     log_path: Path
+    namespace: str = ""  # the release's: NetworkPolicies admit the operator from there
     process: ManagedProcess | None = None
     metrics_port: int = 0
     health_port: int = 0
@@ -77,6 +78,7 @@ class OperatorProcess:
             **os.environ,
             "EAAS_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS),
             "EAAS_RUNTIME_CLUSTER_ROLE": RUNTIME_CLUSTER_ROLE,  # as the chart's Deployment passes it
+            "EAAS_OPERATOR_POD_NAMESPACE": self.namespace,
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)
         self.process = ManagedProcess("eaas-operator", argv, self.log_path, env=env)

@@ -155,6 +155,25 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     assert not runtime_can("list", "leases.coordination.k8s.io")
     assert not runtime_can("get", "secrets") and not runtime_can("list", "pods")
     assert not runtime_can("create", "leases.coordination.k8s.io", where="default")  # this namespace only
+    # -- NetworkPolicies: stored and validated by the real API server (nothing enforces them here) --
+    policies = client.NetworkingV1Api(cluster.api_client).list_namespaced_network_policy(namespace).items
+    by_name = {p.metadata.name: p for p in policies}
+    assert set(by_name) == {f"{NAME}-expert-servers", f"{NAME}-attention"}
+    expert_rules = by_name[f"{NAME}-expert-servers"].spec.ingress
+    assert expert_rules[0]._from[0].pod_selector.match_labels["eaas.io/pool"] == ATTENTION
+    assert expert_rules[1]._from[0].namespace_selector.match_labels == {
+        "kubernetes.io/metadata.name": operator.namespace
+    }
+    off = {"spec": {"networkPolicy": {"enabled": False}}}
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "moeservices", NAME, off)
+    wait_until(
+        lambda: (
+            not client.NetworkingV1Api(cluster.api_client).list_namespaced_network_policy(namespace).items
+        ),
+        30,
+        "the NetworkPolicies removed (networkPolicy.enabled: false)",
+        interval=0.3,
+    )
     token = cluster.core.read_namespaced_secret(f"{NAME}-data-token", namespace)
     assert token.metadata.owner_references[0].kind == "MoEService" and set(token.data) == {"tokens"}
     assert volumes["data-token"].secret.secret_name == f"{NAME}-data-token"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from eaas.operator.api.base import CRDModel, Rule
 from eaas.operator.api.common import (
+    DNS_LABEL,
     GPU_TRANSPORTS,
     Condition,
     HeartbeatSpec,
@@ -19,6 +20,22 @@ from eaas.operator.api.common import (
 from eaas.operator.api.pools import AttentionPoolTemplate, ExpertPoolTemplate, capacity_rule
 
 AutoscalingMode = Literal["off", "builtin", "external"]
+
+
+class NetworkPolicySpec(CRDModel):
+    """Who may reach the pods (``networking.k8s.io/v1`` NetworkPolicies, enforced by the cluster's
+    network plugin)."""
+
+    enabled: bool = True
+    """Create the two NetworkPolicies (expert servers, attention clients); false removes them."""
+    monitoring_namespaces: list[Annotated[str, Field(max_length=63, pattern=DNS_LABEL)]] = Field(
+        default_factory=list, max_length=32
+    )
+    """Namespaces whose pods may scrape ``/metrics`` (the expert servers' control port, the API port)."""
+    api_from_namespaces: list[Annotated[str, Field(max_length=63, pattern=DNS_LABEL)]] = Field(
+        default_factory=list, max_length=32
+    )
+    """Namespaces (besides this one) whose pods may call the OpenAI-compatible API; empty = anywhere."""
 
 
 class AutoscalingSpec(CRDModel):
@@ -102,6 +119,9 @@ class MoEServiceSpec(CRDModel):
     """Expert placement policy."""
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     """Scaling of the expert pool."""
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    """Expert servers accept their ports only from this MoEService's attention pods, the operator and
+    monitoring; attention pods accept the API from anywhere or the namespaces listed."""
 
 
 class PoolSummary(CRDModel):

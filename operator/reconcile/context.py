@@ -40,6 +40,7 @@ class Context:
     rebalancer: Rebalancer | None = None  # created from `metrics` when not given
     server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
     runtime_cluster_role: str | None = None  # bound to each MoEService's runtime ServiceAccount
+    operator_namespace: str | None = None  # where the operator's pod runs (NetworkPolicies admit it)
     _locks: dict[tuple[str, str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 

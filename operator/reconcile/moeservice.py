@@ -19,6 +19,7 @@ from eaas.operator.builders.common import (
     runtime_role_binding,
     runtime_service_account,
 )
+from eaas.operator.builders.network import network_policies
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.status import aggregate, invalid_spec
 
@@ -42,6 +43,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(str(error)))
         return
     set_expert_replicas(ctx, body, spec, experts)
+    if not body["metadata"].get("deletionTimestamp"):
+        apply_network_policies(ctx, body, spec)
 
     expert_status = experts.get("status") or {}
     attention_status = attention.get("status") or {}
@@ -69,6 +72,15 @@ def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
         made.append(f"Secret {name}-data-token")
     if made:
         ctx.post_event(body, "Normal", "Created", "created " + ", ".join(made))
+
+
+def apply_network_policies(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec) -> None:
+    """The NetworkPolicies, server-side applied (a no-op when unchanged); removed when disabled."""
+    for policy in network_policies(body, spec, ctx.operator_namespace):
+        if spec.network_policy.enabled:
+            ctx.kube.apply(policy)
+        else:
+            ctx.kube.delete("NetworkPolicy", policy["metadata"]["namespace"], policy["metadata"]["name"])
 
 
 def ensure_child(

@@ -8,9 +8,11 @@ import pytest
 
 from eaas.operator import naming
 from eaas.operator.api import AttentionPoolSpec, ExpertPoolSpec, MoEServiceSpec
+from eaas.operator.api.moeservice import NetworkPolicySpec
 from eaas.operator.api.pools import SecretKeySelector
 from eaas.operator.builders import attentionpool, expertpool, moeservice
 from eaas.operator.builders.common import data_token_secret, merge_patch
+from eaas.operator.builders.network import network_policies
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.placement.placement import Placement
 
@@ -231,3 +233,43 @@ def test_both_pools_mount_the_data_token_secret_and_read_it_from_the_file(
     assert secret["metadata"]["name"] == "tiny-data-token" and secret["metadata"]["ownerReferences"]
     token = secret["stringData"]["tokens"]
     assert len(token) >= 40 and token != data_token_secret(moes_body)["stringData"]["tokens"]
+
+
+def test_network_policies_admit_only_this_services_clients_the_operator_and_monitoring(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    spec = moes_spec.model_copy(
+        update={"network_policy": NetworkPolicySpec(monitoring_namespaces=["monitoring"])}
+    )
+    experts, attention = network_policies(moes_body, spec, "eaas-system")
+    assert experts["metadata"]["name"] == "tiny-expert-servers" and experts["metadata"]["ownerReferences"]
+    assert experts["spec"]["podSelector"]["matchLabels"] == expertpool.selector("tiny-experts")
+    assert experts["spec"]["policyTypes"] == ["Ingress"]
+    clients, operator, monitoring = experts["spec"]["ingress"]
+    assert clients["from"] == [{"podSelector": {"matchLabels": attentionpool.selector("tiny-attention")}}]
+    assert {p["port"] for p in clients["ports"]} == {9100, 9101}
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "eaas-system"
+    }
+    assert operator["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert [p["port"] for p in operator["ports"]] == [9100] == [p["port"] for p in monitoring["ports"]]
+    (anyone,) = attention["spec"]["ingress"]
+    assert "from" not in anyone and [p["port"] for p in anyone["ports"]] == [8000]
+
+    # Without the operator's namespace (it runs outside the cluster) it gets no rule; the API can
+    # be limited to this namespace and the ones listed (monitoring keeps its scrape).
+    limited = spec.model_copy(
+        update={
+            "network_policy": NetworkPolicySpec(
+                monitoring_namespaces=["monitoring"], api_from_namespaces=["apps"]
+            )
+        }
+    )
+    experts, attention = network_policies(moes_body, limited, None)
+    assert len(experts["spec"]["ingress"]) == 2
+    (rule,) = attention["spec"]["ingress"]
+    names = [
+        s.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+        for s in rule["from"]
+    ]
+    assert rule["from"][0] == {"podSelector": {}} and names[1:] == ["apps", "monitoring"]

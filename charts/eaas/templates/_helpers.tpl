@@ -101,6 +101,10 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
   verbs: ["bind"]
   resourceNames: [{{ printf "%s-runtime" (include "eaas.fullname" .) | quote }}]
 {{- end }}
+# NetworkPolicies of each MoEService (server-side apply; deleted when spec.networkPolicy.enabled is false).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch", "delete"]
 # Events about scaling and placement changes.
 - apiGroups: [""]
   resources: ["events"]
