@@ -135,6 +135,13 @@ class JsonHandler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self._route("DELETE")
 
+    # Methods no route takes still reach dispatch, which answers 404/405 (the stdlib would say 501).
+    def do_PATCH(self) -> None:
+        self._route("PATCH")
+
+    def do_OPTIONS(self) -> None:
+        self._route("OPTIONS")
+
 
 class BackgroundServer:
     """A ``ThreadingHTTPServer`` for ``handler`` in a daemon thread (one thread per connection)."""
