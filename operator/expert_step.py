@@ -218,28 +218,12 @@ def _decide(o: Observed) -> Step:
             return step.working("ScalingUp", f"adding server {new} ({len(placed)} -> {desired})")
         if retiring:
             leaving = retiring[0]
-            pending = planning.drain_server(o.committed, o.shape, leaving)
-            step.publish = (o.committed, pending)
-            step.events.append(
-                Event(
-                    "Retiring",
-                    f"retiring expert server {o.pool}-{leaving} as asked: its experts move to others in "
-                    f"placement v{pending.version} (R={o.shape.replication} kept)",
-                )
-            )
-            return step.working("Retiring", f"draining server {leaving} (marked for retirement)")
+            doing = f"retiring expert server {o.pool}-{leaving} as asked"
+            return _drain(o, step, leaving, "Retiring", doing, "marked for retirement")
         if len(placed) > desired:
             leaving = max(placed)
-            pending = planning.drain_server(o.committed, o.shape, leaving)
-            step.publish = (o.committed, pending)
-            step.events.append(
-                Event(
-                    "ScalingDown",
-                    f"draining expert server {o.pool}-{leaving}: its experts move to others in "
-                    f"placement v{pending.version} (R={o.shape.replication} kept)",
-                )
-            )
-            return step.working("ScalingDown", f"draining server {leaving} ({len(placed)} -> {desired})")
+            doing = f"draining expert server {o.pool}-{leaving}"
+            return _drain(o, step, leaving, "ScalingDown", doing, f"{len(placed)} -> {desired}")
 
         if o.committed.replication != o.shape.replication:
             names = _names(o, placed)
@@ -273,6 +257,22 @@ def _decide(o: Observed) -> Step:
         step.events.append(Event("PlacementFailed", str(error), "Warning"))
         return step.working("PlacementFailed", str(error))
     return step
+
+
+def _drain(o: Observed, step: Step, leaving: int, reason: str, doing: str, progress: str) -> Step:
+    """Pending = committed without server `leaving`, its experts re-homed (R kept); its pod goes
+    once that is committed (the leftover branch of :func:`_decide`)."""
+    assert o.committed is not None
+    pending = planning.drain_server(o.committed, o.shape, leaving)
+    step.publish = (o.committed, pending)
+    step.events.append(
+        Event(
+            reason,
+            f"{doing}: its experts move to others in placement v{pending.version} "
+            f"(R={o.shape.replication} kept)",
+        )
+    )
+    return step.working(reason, f"draining server {leaving} ({progress})")
 
 
 def _lost_servers(o: Observed) -> dict[int, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,6 @@ def test_cli_help_lists_commands_by_role() -> None:
 
 def imported_modules(directory: Path) -> dict[str, set[str]]:
     """Every module each file under `directory` imports (absolute imports, from the syntax tree)."""
-    import ast
-
     found: dict[str, set[str]] = {}
     for path in directory.rglob("*.py"):
         names = set()

@@ -37,6 +37,18 @@ def tiny_gpu_manifest() -> dict[str, Any]:
     return manifest
 
 
+def apply_tiny(
+    cluster: Cluster, namespace: str, manifest: dict[str, Any] | None = None, keys: str = "sk-e2e"
+) -> None:
+    """The API-keys Secret the manifest names, then the tiny GPU MoEService (or `manifest`);
+    skips the test on a cluster without GPU nodes."""
+    if not cluster.gpu_nodes():
+        pytest.skip("the cluster has no GPU node")
+    secret = {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": keys}}
+    cluster.core.create_namespaced_secret(namespace, secret)
+    cluster.apply(yaml.safe_dump(manifest or tiny_gpu_manifest()), namespace)
+
+
 def get(cluster: Cluster, plural: str, namespace: str, name: str) -> dict[str, Any]:
     return cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
 
@@ -116,13 +128,8 @@ def history(cluster: Cluster, list_call: Any, namespace: str, since: str) -> lis
 
 
 def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+    apply_tiny(cluster, namespace, keys="sk-e2e-one sk-e2e-two")
     gpu_nodes = set(cluster.gpu_nodes())
-    if not gpu_nodes:
-        pytest.skip("the cluster has no GPU node")
-    cluster.core.create_namespaced_secret(
-        namespace, {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": "sk-e2e-one sk-e2e-two"}}
-    )
-    cluster.apply(yaml.safe_dump(tiny_gpu_manifest()), namespace)
 
     # -- created: pools, pods on GPU nodes, Services, placement; Ready -----------------------------
     first = wait_ready(cluster, namespace, servers=3)

@@ -14,18 +14,16 @@ import datetime
 import time
 
 import pytest
-import yaml
 from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.operator.harness import OperatorProcess
 from e2e.operator.test_operator_lifecycle import (
-    KEYS_SECRET,
     POOL,
+    apply_tiny,
     committed,
     expert_pods,
     get,
-    tiny_gpu_manifest,
     wait_ready,
 )
 from e2e.waiting import wait_until
@@ -60,12 +58,7 @@ def stale_lease(pod: client.V1Pod, seconds_ago: float) -> dict:
 def test_a_lost_server_is_re_placed_then_replaced(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    if not cluster.gpu_nodes():
-        pytest.skip("the cluster has no GPU node")
-    cluster.core.create_namespaced_secret(
-        namespace, {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": "sk-e2e"}}
-    )
-    cluster.apply(yaml.safe_dump(tiny_gpu_manifest()), namespace)
+    apply_tiny(cluster, namespace)
     first = wait_ready(cluster, namespace, servers=3)
     assert first.ordinals == (0, 1, 2)
 
@@ -101,12 +94,7 @@ def test_a_lost_server_is_re_placed_then_replaced(
 def test_retiring_a_chosen_server_drains_exactly_that_one(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    if not cluster.gpu_nodes():
-        pytest.skip("the cluster has no GPU node")
-    cluster.core.create_namespaced_secret(
-        namespace, {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": "sk-e2e"}}
-    )
-    cluster.apply(yaml.safe_dump(tiny_gpu_manifest()), namespace)
+    apply_tiny(cluster, namespace)
     first = wait_ready(cluster, namespace, servers=3)
     uids = {name: pod.metadata.uid for name, pod in expert_pods(cluster, namespace).items()}
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import yaml
 from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.operator.harness import OperatorProcess
 from e2e.operator.test_operator_lifecycle import (
     ATTENTION,
-    KEYS_SECRET,
+    apply_tiny,
     expert_pods,
     tiny_gpu_manifest,
     wait_ready,
@@ -67,8 +66,6 @@ def weights(cluster: Cluster, namespace: str) -> Iterator[str]:
 def test_every_pod_is_admitted_under_restricted(
     cluster: Cluster, namespace: str, weights: str, operator: OperatorProcess
 ) -> None:
-    if not cluster.gpu_nodes():
-        pytest.skip("the cluster has no GPU node")
     cluster.core.patch_namespace(namespace, {"metadata": {"labels": RESTRICTED}})
 
     # Enforcement is on: a pod with a hostPath volume and no security context is refused.
@@ -83,12 +80,9 @@ def test_every_pod_is_admitted_under_restricted(
         cluster.core.create_namespaced_pod(namespace, bare)
     assert refused.value.status == 403 and "violates PodSecurity" in refused.value.body
 
-    cluster.core.create_namespaced_secret(
-        namespace, {"metadata": {"name": KEYS_SECRET}, "stringData": {"api-keys": "sk-e2e"}}
-    )
     manifest = tiny_gpu_manifest()
     manifest["spec"]["model"]["checkpoint"] = {"persistentVolumeClaim": {"claimName": weights}}
-    cluster.apply(yaml.safe_dump(manifest), namespace)
+    apply_tiny(cluster, namespace, manifest)
     wait_ready(cluster, namespace, servers=3)  # the attention Deployment's pod included
 
     pods = list(expert_pods(cluster, namespace).values())

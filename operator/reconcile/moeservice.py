@@ -34,7 +34,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     except ValidationError as error:
         ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(describe_validation_error(error)))
         return
-    if not body["metadata"].get("deletionTimestamp"):
+    deleting = bool(body["metadata"].get("deletionTimestamp"))  # nothing new while it goes
+    if not deleting:
         ensure_pod_prerequisites(ctx, body)  # before the pools: their pods use these
     try:
         experts = ensure_child(ctx, body, build.expert_pool(body, spec), ignore=("replicas",))
@@ -43,7 +44,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(str(error)))
         return
     set_expert_replicas(ctx, body, spec, experts)
-    if not body["metadata"].get("deletionTimestamp"):
+    if not deleting:
         apply_network_policies(ctx, body, spec)
 
     expert_status = experts.get("status") or {}

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,9 +28,6 @@ from eaas.runtime.client.serve import AttentionService, ServeOptions, static_dis
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import CheckpointReader, Decoder, load_reference, load_tokenizer
 from eaas.runtime.placement import round_robin
-
-openai = pytest.importorskip("openai")
-tokenizers = pytest.importorskip("tokenizers")
 
 MODEL = "tiny-chat"
 TEMPLATE = (

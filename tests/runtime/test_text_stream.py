@@ -61,10 +61,9 @@ def test_invalid_utf8_is_released_at_the_end_as_replacement_characters(data: byt
 
 
 def trained(kind: str) -> Callable[[list[int]], str]:
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if kind == "byte_level":
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
