@@ -41,14 +41,19 @@ def local_cluster() -> Iterator[Cluster]:
     nodes = FakeNodeSpec(count=int(os.environ.get("EAAS_E2E_GPU_NODES", "2")))
     keep = os.environ.get("EAAS_E2E_KEEP_DIR", "") == "1"
     with ControlPlane(nodes=nodes, keep_work_dir=keep) as plane:
-        yield Cluster.from_kubeconfig(
-            plane.kubeconfig,
-            "local",
-            startup_seconds=plane.startup_seconds,
-            kubectl_path=str(plane.binaries.kubectl),
-            helm_path=str(plane.binaries.helm),
-            work_dir=plane.work_dir,
-        )
+        yield plane_cluster(plane)
+
+
+def plane_cluster(plane: ControlPlane) -> Cluster:
+    """The :class:`Cluster` of a started local control plane."""
+    return Cluster.from_kubeconfig(
+        plane.kubeconfig,
+        "local",
+        startup_seconds=plane.startup_seconds,
+        kubectl_path=str(plane.binaries.kubectl),
+        helm_path=str(plane.binaries.helm),
+        work_dir=plane.work_dir,
+    )
 
 
 @contextlib.contextmanager

@@ -21,9 +21,11 @@ BINARY_NAMES = (
     "kube-apiserver",
     "kube-controller-manager",
     "kube-scheduler",
+    "kube-proxy",
     "kubectl",
     "helm",
     "kwok",
+    "coredns",
 )
 
 
@@ -71,9 +73,11 @@ class Binaries:
     kube_apiserver: Path
     kube_controller_manager: Path
     kube_scheduler: Path
+    kube_proxy: Path
     kubectl: Path
     helm: Path
     kwok: Path
+    coredns: Path
 
     @classmethod
     def from_dir(cls, directory: Path) -> Binaries:

@@ -1,6 +1,12 @@
 """A real Kubernetes control plane from local binaries: etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok (which plays the kubelet of fake GPU nodes, so scheduled Pods become Running).
 
+With ``process_nodes`` the GPU nodes are served by :mod:`e2e.podrunner` instead of kwok: pods run
+their containers as local processes, each in a network namespace on a bridge (:mod:`e2e.podnet`),
+with kube-proxy (nftables) for ClusterIP Services and CoreDNS for Service and pod names. The API
+server then listens on the bridge's gateway address, where pods reach it (through the
+``kubernetes`` Service, as in a real cluster).
+
 Like controller-runtime's envtest and kwokctl's ``binary`` runtime, everything listens on free
 127.0.0.1 ports and lives in one temporary directory (certificates, etcd data, logs, kubeconfig).
 
@@ -16,9 +22,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import secrets
 import shutil
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -31,6 +40,7 @@ import yaml
 
 from e2e import binaries as bins
 from e2e.pki import Pki, write_pki
+from e2e.podnet import PodNetwork, missing_tools
 from e2e.processes import ManagedProcess, free_port
 from e2e.waiting import wait_until
 
@@ -41,6 +51,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 STATE_FILE = "state.json"
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 START_TIMEOUT_SECONDS = 120.0
+ROOT = Path(__file__).resolve().parents[1]
+API_SERVICE_IP = "10.0.0.1"  # the `kubernetes` Service: first address of SERVICE_CIDR
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,39 @@ class FakeNodeSpec:
             "spec": {},
             "status": {"capacity": resources, "allocatable": resources},
         }
+
+
+@dataclass(frozen=True)
+class ProcessNodeSpec:
+    """GPU nodes whose pods really run (:mod:`e2e.podrunner`); no kwok nodes are made then."""
+
+    count: int = 2
+    gpus: int = 8
+    name_prefix: str = "gpu-node-"
+
+    def names(self) -> list[str]:
+        return [f"{self.name_prefix}{index}" for index in range(self.count)]
+
+
+def _corefile(gateway: str, kubeconfig: Path) -> str:
+    """Cluster names from the API (pods' A records for headless Services included); nothing else
+    resolves, since nothing outside this machine may be reached."""
+    return f"""cluster.local:53 {{
+    bind {gateway}
+    errors
+    kubernetes cluster.local {{
+        kubeconfig {kubeconfig}
+        pods insecure
+        ttl 1
+    }}
+}}
+.:53 {{
+    bind {gateway}
+    template ANY ANY {{
+        rcode NXDOMAIN
+    }}
+}}
+"""
 
 
 def _kubeconfig(server: str, pki: Pki) -> dict:
@@ -131,6 +176,7 @@ class ControlPlane:
         nodes: FakeNodeSpec | None = None,
         attached: bool = True,
         keep_work_dir: bool = False,
+        process_nodes: ProcessNodeSpec | None = None,
     ) -> None:
         self.binaries = binaries or bins.Binaries.locate()
         self._own_work_dir = work_dir is None
@@ -141,9 +187,12 @@ class ControlPlane:
         self.kubeconfig = self.work_dir / "kubeconfig"
         self.log_dir = self.work_dir / "logs"
         self.server = ""
-        self.node_names = self.nodes.names()
+        self.process_nodes = process_nodes
+        self.node_names = process_nodes.names() if process_nodes else self.nodes.names()
         self.startup_seconds = 0.0
         self.processes: list[ManagedProcess] = []
+        self.network: PodNetwork | None = None
+        self.pod_dir = self.work_dir / "pods"  # process nodes: per pod, its volumes and container logs
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ControlPlane:
@@ -174,6 +223,9 @@ class ControlPlane:
         """Stop all components, newest first (idempotent), and remove the work dir unless kept."""
         while self.processes:
             self.processes.pop().stop()
+        if self.network is not None:
+            self.network.down()
+            self.network = None
         remove = (
             (self._own_work_dir and not self.keep_work_dir) if remove_work_dir is None else remove_work_dir
         )
@@ -181,8 +233,8 @@ class ControlPlane:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
     # -- internals -----------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
-        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", attached=self.attached)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=env, attached=self.attached)
         process.start()
         self.processes.append(process)
         return process
@@ -202,12 +254,22 @@ class ControlPlane:
 
     def _start(self) -> None:
         b = self.binaries
-        pki = write_pki(self.work_dir / "pki")
+        address = "127.0.0.1"
+        if self.process_nodes is not None:
+            if missing := missing_tools():
+                raise RuntimeError(f"process nodes need {', '.join(missing)} (`make host-tools`)")
+            self.network = PodNetwork(f"e{secrets.token_hex(3)}", SERVICE_CIDR)
+            self.network.up()
+            address = self.network.gateway
+        pki = write_pki(self.work_dir / "pki", API_SERVICE_IP, (address,))
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
         kcm_port, scheduler_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
-        self.server = f"https://127.0.0.1:{api_port}"
+        self.server = f"https://{address}:{api_port}"
+        # Without process nodes nothing can reach the API through the `kubernetes` Service, and
+        # loopback addresses are not valid Endpoints: no endpoint reconciler then.
+        endpoints = ["--endpoint-reconciler-type=none"] if self.process_nodes is None else []
 
         self._spawn(
             "etcd",
@@ -231,9 +293,9 @@ class ControlPlane:
             [
                 str(b.kube_apiserver),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                "--endpoint-reconciler-type=none",  # loopback IPs are not valid Endpoints
+                f"--bind-address={address}",
+                f"--advertise-address={address}",
+                *endpoints,
                 f"--secure-port={api_port}",
                 f"--cert-dir={cert_dir}",
                 f"--tls-cert-file={pki.serving_cert}",
@@ -282,6 +344,10 @@ class ControlPlane:
                 "--profiling=false",
             ],
         )
+        if self.process_nodes is not None:
+            self._start_process_nodes(kubeconfig)
+            self._wait_common(kcm_port, scheduler_port)
+            return
         self._spawn(
             "kwok",
             [
@@ -298,14 +364,59 @@ class ControlPlane:
             ],
         )
         self._create_fake_nodes()
+        self._wait_common(kcm_port, scheduler_port)
 
+    def _wait_common(self, kcm_port: int, scheduler_port: int) -> None:
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE  # self-signed serving certs of kcm/scheduler, loopback only
         self._wait(lambda: _https_ok(f"https://127.0.0.1:{kcm_port}/healthz", insecure), "controller-manager")
         self._wait(lambda: _https_ok(f"https://127.0.0.1:{scheduler_port}/healthz", insecure), "scheduler")
         self._wait(self._default_service_account_exists, "the 'default' ServiceAccount (controller-manager)")
-        self._wait(self._fake_nodes_ready, f"fake nodes {self.node_names} to be Ready (kwok)")
+        self._wait(self._fake_nodes_ready, f"nodes {self.node_names} to be Ready")
+
+    def _start_process_nodes(self, kubeconfig: str) -> None:
+        """kube-proxy and CoreDNS on the gateway, and the process runner for the GPU nodes."""
+        from e2e.podrunner import RunnerConfig
+
+        assert self.network is not None and self.process_nodes is not None
+        b, gateway = self.binaries, self.network.gateway
+        self._spawn(
+            "kube-proxy",
+            [
+                str(b.kube_proxy),
+                kubeconfig,
+                "--proxy-mode=nftables",
+                f"--hostname-override={self.node_names[0]}",
+                f"--cluster-cidr={self.network.subnet}",
+                f"--healthz-bind-address=127.0.0.1:{free_port()}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
+                # Leave the machine's conntrack settings alone.
+                "--conntrack-max-per-core=0",
+                "--conntrack-tcp-timeout-established=0",
+                "--conntrack-tcp-timeout-close-wait=0",
+            ],
+        )
+        corefile = self.work_dir / "Corefile"
+        corefile.write_text(_corefile(gateway, self.kubeconfig))
+        self._spawn("coredns", [str(b.coredns), "-conf", str(corefile)])
+        runner_config = RunnerConfig(
+            kubeconfig=str(self.kubeconfig),
+            nodes=self.node_names,
+            gpus_per_node=self.process_nodes.gpus,
+            work_dir=str(self.work_dir),
+            network_name=self.network.name,
+            bridge=self.network.bridge,
+            subnet=str(self.network.subnet),
+            gateway=gateway,
+            api_service_host=API_SERVICE_IP,
+            api_service_port=443,
+            path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        )
+        config_path = self.work_dir / "podrunner.json"
+        runner_config.save(config_path)
+        environment = dict(os.environ, PYTHONPATH=str(ROOT))
+        self._spawn("podrunner", [sys.executable, "-m", "e2e.podrunner", str(config_path)], env=environment)
 
     def _kubectl_json(self, *args: str) -> dict:
         output = subprocess.run(

@@ -74,9 +74,10 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def write_pki(directory: Path, service_ip: str = "10.0.0.1") -> Pki:
-    """Write a CA, a serving certificate for 127.0.0.1/localhost, an admin client certificate
-    (CN=eaas-e2e-admin, O=system:masters) and a service-account signing key pair into `directory`."""
+def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[str, ...] = ()) -> Pki:
+    """Write a CA, a serving certificate for 127.0.0.1/localhost (and `extra_ips`), an admin client
+    certificate (CN=eaas-e2e-admin, O=system:masters) and a service-account signing key pair into
+    `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = Pki(
         ca_cert=directory / "ca.crt",
@@ -138,7 +139,7 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1") -> Pki:
         "kubernetes.default.svc.cluster.local",
     ]
     serving_sans: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
-    serving_sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", service_ip)]
+    serving_sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", service_ip, *extra_ips)]
     serving_key, serving_cert = leaf(_name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, serving_sans)
     _write_key(pki.serving_key, serving_key)
     _write_cert(pki.serving_cert, serving_cert)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (once) the binaries of the local Kubernetes test control plane and cache them outside the repo:
-#   etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm kwok
+#   etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns
 # into ${EAAS_CACHE_DIR:-~/.cache/eaas}/k8s-<version>/bin (or $EAAS_K8S_BIN_DIR).
 #
 # Everything comes from the Go module proxy; no Docker, no downloads of prebuilt binaries.
@@ -8,7 +8,7 @@
 #
 # Usage: e2e/bin/build-k8s.sh [--print-bin-dir] [--force]
 # Environment: EAAS_CACHE_DIR, EAAS_K8S_BIN_DIR, EAAS_K8S_VERSION, EAAS_ETCD_VERSION, EAAS_HELM_VERSION,
-#              EAAS_KWOK_VERSION (defaults in e2e/versions.env), EAAS_GO_BUILD_JOBS (default: nproc),
+#              EAAS_KWOK_VERSION, EAAS_COREDNS_VERSION (defaults in e2e/versions.env), EAAS_GO_BUILD_JOBS (default: nproc),
 #              GOSUMDB / GOPROXY / GOFLAGS as usual for Go.
 set -Eeuo pipefail
 
@@ -103,7 +103,7 @@ install_outputs() { # install_outputs OUTDIR NAME...: atomic move into the bin d
 }
 
 build_kubernetes() {
-    local v=$EAAS_K8S_VERSION cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+    local v=$EAAS_K8S_VERSION cmds=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl)
     local missing=0 c
     for c in "${cmds[@]}"; do is_built "$c" "v$v" || missing=1; done
     ((missing)) || { echo "kubernetes v$v: cached"; return 0; }
@@ -135,7 +135,7 @@ build_kubernetes() {
         ld+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
     done
     mkdir -p out
-    # One invocation so the packages shared by the four commands compile once.
+    # One invocation so the packages shared by the commands compile once.
     run_logged kubernetes go build -p "$jobs" -trimpath -ldflags "$ld" -o out/ \
         $(for c in "${cmds[@]}"; do echo "k8s.io/kubernetes/cmd/$c"; done)
     install_outputs out "${cmds[@]}"
@@ -198,8 +198,10 @@ build_etcd
 build_kubernetes
 go_install helm helm.sh/helm/v3/cmd/helm "$EAAS_HELM_VERSION" $(helm_ldflags)
 go_install kwok sigs.k8s.io/kwok/cmd/kwok "$EAAS_KWOK_VERSION"
+# DNS for the process-runner nodes (Services and headless pod names inside pods).
+go_install coredns github.com/coredns/coredns "$EAAS_COREDNS_VERSION"
 current_step=verify
-for name in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm kwok; do
+for name in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns; do
     [[ -x "$bin_dir/$name" ]]
 done
 echo "All Kubernetes test binaries ready in $bin_dir ($((SECONDS - total_start)) s)"

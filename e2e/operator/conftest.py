@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster import Cluster
-from e2e.operator.harness import CHART, OperatorProcess, service_account_kubeconfig
+from e2e.operator.harness import CHART, OperatorProcess, operator_as
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,5 @@ def release(cluster: Cluster) -> Iterator[Release]:
 @pytest.fixture
 def operator(cluster: Cluster, release: Release, tmp_path: Path) -> Iterator[OperatorProcess]:
     """`eaas operator` as the chart's ServiceAccount; the test fails if the API server forbade anything."""
-    kubeconfig = service_account_kubeconfig(
-        cluster, release.namespace, release.service_account, tmp_path / "operator.kubeconfig"
-    )
-    process = OperatorProcess(
-        kubeconfig=kubeconfig, log_path=tmp_path / "operator.log", namespace=release.namespace
-    )
-    process.start()
-    process.wait_started()
-    try:
+    with operator_as(cluster, release.namespace, release.service_account, tmp_path) as process:
         yield process
-    finally:
-        process.stop()
-    assert not process.forbidden(), "the chart's RBAC is missing something:\n" + "\n".join(
-        process.forbidden()
-    )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,3 +128,20 @@ class OperatorProcess:
                 return
             time.sleep(0.1)
         raise AssertionError(f"the operator did not start in {timeout} s:\n{self.log_tail()}")
+
+
+@contextlib.contextmanager
+def operator_as(cluster: Cluster, namespace: str, account: str, directory: Path) -> Iterator[OperatorProcess]:
+    """`eaas operator` as ServiceAccount `namespace/account`, logging into `directory`; afterwards
+    fails if the API server forbade it anything (RBAC the chart lacks)."""
+    kubeconfig = service_account_kubeconfig(cluster, namespace, account, directory / "operator.kubeconfig")
+    process = OperatorProcess(kubeconfig=kubeconfig, log_path=directory / "operator.log", namespace=namespace)
+    process.start()
+    process.wait_started()
+    try:
+        yield process
+    finally:
+        process.stop()
+    assert not process.forbidden(), "the chart's RBAC is missing something:\n" + "\n".join(
+        process.forbidden()
+    )

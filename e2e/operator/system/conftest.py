@@ -1,0 +1,60 @@
+"""Fixtures of the whole-system drills: a control plane whose GPU nodes really run their pods
+(:mod:`e2e.podrunner`), the chart and operator on it (the fixtures of ``e2e/operator/conftest.py``,
+which this ``cluster`` overrides), a tiny checkpoint on the nodes and a MoEService serving it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.backends import plane_cluster
+from e2e.cluster import Cluster
+from e2e.controlplane import ControlPlane, ProcessNodeSpec
+from e2e.podnet import missing_tools
+
+
+@pytest.fixture(scope="session")
+def process_plane() -> Iterator[ControlPlane]:
+    if os.geteuid() != 0:
+        pytest.skip("process nodes need root (network namespaces, a bridge, nftables)")
+    if missing := missing_tools():
+        pytest.fail(f"process nodes need {', '.join(missing)}: run `make host-tools`", pytrace=False)
+    keep = os.environ.get("EAAS_E2E_KEEP_DIR", "") == "1"
+    with ControlPlane(process_nodes=ProcessNodeSpec(count=2, gpus=4), keep_work_dir=keep) as plane:
+        yield plane
+
+
+@pytest.fixture(scope="session")
+def cluster(process_plane: ControlPlane) -> Cluster:
+    return plane_cluster(process_plane)
+
+
+@pytest.fixture(scope="session")
+def node_checkpoint(process_plane: ControlPlane) -> Path:
+    """The tiny mixtral checkpoint where the MoEService's hostPath points (on every node: they
+    share this machine)."""
+    directory = process_plane.work_dir / "checkpoints" / "tiny-mixtral"
+    if not directory.exists():
+        subprocess.run(
+            [sys.executable, "-m", "eaas.runtime.cli", "model", "init", "--family", "mixtral",
+             "--preset", "tiny", "--out", str(directory)],
+            check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+    return directory
+
+
+def pod_logs(plane: ControlPlane, namespace: str, lines: int = 40) -> str:
+    """The end of every container log of `namespace` (printed when a drill fails)."""
+    out = []
+    for path in sorted(plane.pod_dir.glob(f"{namespace}_*/*.log")):
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {path.parent.name}/{path.name}\n" + "\n".join(text))
+    runner = plane.log_dir / "podrunner.log"
+    if runner.exists():
+        out.append("--- podrunner\n" + "\n".join(runner.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(out)
