@@ -92,8 +92,12 @@ class ServerConnection:
         connect_timeout_s: float,
         expected: Expected | None = None,
         tokens: Tokens | None = None,
+        placement_version: int | None = None,
     ) -> None:
         get_transport(transport)
+        # The placement this client routes by: the server keeps that placement's experts while
+        # a slot attached under it is open, even after a newer one is committed.
+        self.placement_version = placement_version
         self.tokens = tokens or Tokens()
         self.ordinal = ordinal
         self.url = url.rstrip("/")
@@ -119,7 +123,9 @@ class ServerConnection:
         if self.expected is not None:
             info = http_json("GET", f"{self.url}/v1/info", timeout_s=self.connect_timeout_s)
             self.expected.check(self.ordinal, info)
-        body = {"client_id": self.client_id, "transport": self.transport}
+        body: dict[str, Any] = {"client_id": self.client_id, "transport": self.transport}
+        if self.placement_version is not None:
+            body["placement_version"] = self.placement_version
         handle = http_json(
             "POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s, token=self._token()
         )

@@ -135,6 +135,7 @@ class RemoteExperts:
                 o.connect_timeout_s,
                 Expected(*shape, frozenset(placement.experts_of(ordinal))),
                 o.data_tokens,
+                placement.version,
             )
             for ordinal in self.table.ordinals
         ]

@@ -8,7 +8,7 @@
 | GET | ``/v1/info`` | identity, model shape, hosted (layer, expert) pairs, transports, limits |
 | GET | ``/v1/stats`` | tokens per (layer, expert) since start (the placement planner's input) |
 | GET | ``/v1/slots`` | attached slots and their states |
-| POST | ``/v1/slots`` | ``{"client_id", "transport"}`` → 201 with the slot's handle (503 when full) |
+| POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?}`` → 201: the handle (503: full) |
 | DELETE | ``/v1/slots/<transport>/<slot>`` | release a slot → 204 (404 if not attached) |
 
 With data tokens configured, the three ``/v1/slots`` routes need ``Authorization: Bearer <token>``:
@@ -42,7 +42,9 @@ class ControlTarget(Protocol):
     def info(self) -> dict[str, Any]: ...
     def stats(self) -> dict[str, Any]: ...
     def slots(self) -> list[dict[str, Any]]: ...
-    def attach(self, client_id: str, transport: str) -> dict[str, Any]: ...
+    def attach(
+        self, client_id: str, transport: str, placement_version: int | None = None
+    ) -> dict[str, Any]: ...
     def detach(self, transport: str, slot: int) -> bool: ...
 
 
@@ -93,7 +95,12 @@ def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
                     )
                 if not isinstance(transport, str):
                     raise ControlError(HTTPStatus.BAD_REQUEST, "transport: a transport name is required")
-                self.send_json(HTTPStatus.CREATED, target.attach(client_id, transport))
+                version = body.get("placement_version")
+                if version is not None and (type(version) is not int or not 0 <= version < 2**63):
+                    raise ControlError(
+                        HTTPStatus.BAD_REQUEST, "placement_version: a non-negative integer, if given"
+                    )
+                self.send_json(HTTPStatus.CREATED, target.attach(client_id, transport, version))
             elif method == "DELETE" and path.startswith("/v1/slots/"):
                 parts = path.split("/")
                 if len(parts) != 5 or not parts[4].isdigit():

@@ -112,6 +112,8 @@ class ExpertServer:
         self.placement_version = config.placement_version  # of the experts the loop serves now
         self.placement_error: str | None = None  # the last placement change that failed, if any
         self._rehost_lock = threading.Lock()
+        # (transport, slot) -> the placement version its client routes by (when it said so)
+        self._slot_versions: dict[tuple[str, int], int] = {}
         sweep_stale_segments()
         self.transports: dict[str, ServerTransport] = {}
         try:
@@ -329,7 +331,7 @@ class ExpertServer:
     def slots(self) -> list[dict[str, Any]]:
         return [{"transport": name, **row} for name, t in self.transports.items() for row in t.slots()]
 
-    def attach(self, client_id: str, transport: str) -> dict[str, Any]:
+    def attach(self, client_id: str, transport: str, placement_version: int | None = None) -> dict[str, Any]:
         if not self.is_ready():
             raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, "server is not ready")
         if transport not in self.transports:
@@ -341,6 +343,11 @@ class ExpertServer:
             handle = self.transports[transport].attach(client_id)
         except SlotsExhausted as exc:
             raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
+        key = (transport, int(handle["slot"]))
+        if placement_version is None:
+            self._slot_versions.pop(key, None)
+        else:
+            self._slot_versions[key] = placement_version
         log.info("client %s attached to %s slot %d", client_id, transport, handle["slot"])
         return {
             **handle,
@@ -351,4 +358,13 @@ class ExpertServer:
 
     def detach(self, transport: str, slot: int) -> bool:
         t = self.transports.get(transport)
+        self._slot_versions.pop((transport, slot), None)
         return t is not None and t.detach(slot)
+
+    def oldest_client_placement(self) -> int | None:
+        """The oldest placement version an attached client still routes by (None: none said).
+
+        A slot whose client detached or whose connection died (OFFLINE) no longer counts."""
+        attached = {(row["transport"], int(row["slot"])) for row in self.slots() if row["state"] != "OFFLINE"}
+        versions = [v for key, v in list(self._slot_versions.items()) if key in attached]
+        return min(versions) if versions else None

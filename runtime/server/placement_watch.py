@@ -10,7 +10,10 @@ is re-hosted (only new experts read from the checkpoint; the loop swaps stacks b
 While a placement is pending, a server serves the union of its committed and pending experts:
 clients still route by the committed placement, so nothing they may send is dropped before the
 commit; once committed (``pending.json`` gone), the experts only the old placement had are
-dropped. A server that is in neither placement (being drained) keeps serving what it has.
+dropped — once no attached client still routes by an older placement: a client's requests finish
+on the placement they started with (it says which when it attaches a slot), so the experts only
+that placement had stay until its slots are released or their connections die. A server that is
+in neither placement (being drained) keeps serving what it has.
 A file that does not parse, or a placement whose experts cannot be loaded, is logged and counted
 (``eaas_expert_server_placement_errors_total``, ``/v1/info`` ``placement_error``); the server
 keeps serving its current experts and retries when the files change again.
@@ -123,14 +126,30 @@ class PlacementWatcher(DaemonLoop):
         self.poll_s = poll_s
         self._stamps: tuple[FileStamp, FileStamp] | None = None
         self._digest = ""
+        self._lingering: Target | None = None  # the target whose drops wait for older clients
         super().__init__("eaas-placement-watch")
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 self.check()
+                self.release_lingering()
             except Exception:  # a bug here must not stop the watching, nor the serving
                 log.exception("checking the placement files failed")
+
+    def _older_clients(self, version: int) -> bool:
+        oldest = self.server.oldest_client_placement()
+        return oldest is not None and oldest < version
+
+    def release_lingering(self) -> None:
+        """Drops the experts kept for clients on an older placement once none is attached."""
+        target = self._lingering
+        if target is None or self._older_clients(target.version):
+            return
+        self._lingering = None
+        if target.version == self._version():
+            log.info("no client routes by an older placement now: dropping its experts")
+            self._rehost(target)
 
     def check(self) -> None:
         """One poll: re-host when the files' contents changed to a placement that moves experts."""
@@ -168,13 +187,28 @@ class PlacementWatcher(DaemonLoop):
         if target.version < version:
             log.warning("ignoring placement v%d: older than the loaded v%d", target.version, version)
             return
+        self._lingering = None
+        current = frozenset(server.stack.pairs)
+        if not current <= target.pairs and self._older_clients(target.version):
+            # Requests that started on an older placement may still route the dropped experts here.
+            self._lingering = target
+            target = Target(target.version, target.pairs | current)
+            log.info(
+                "placement v%d: keeping %d experts for clients still on v%d",
+                target.version,
+                len(target.pairs - self._lingering.pairs),
+                self.server.oldest_client_placement(),
+            )
         if target.pairs == frozenset(server.stack.pairs):
             if target.version != version:
                 server.set_placement_version(target.version)
                 log.info("placement v%d: same %d experts, nothing to load", target.version, len(target.pairs))
             return
+        self._rehost(target)
+
+    def _rehost(self, target: Target) -> None:
         try:
-            if not server.rehost(target.pairs, target.version):  # not taken (stopping): retry next poll
+            if not self.server.rehost(target.pairs, target.version):  # not taken (stopping): retry
                 self._stamps, self._digest = None, ""
         except (ValueError, OSError) as error:
             self._fail(f"placement v{target.version}: cannot load its experts: {error}")

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -225,3 +226,48 @@ def test_target_is_the_union_while_pending_and_none_when_drained(model: tuple[Pa
     without_0 = Placement(layers, num_experts, [Server(1, 99)], {1: pending.experts_of(1)}, 1, 7)
     assert target_for(0, committed, without_0) == Target(5, frozenset(a))  # draining: keeps its set
     assert target_for(0, without_0, None) is None
+
+
+def test_experts_of_an_older_placement_stay_while_a_client_routes_by_it(
+    started: tuple[str, Path, Path, Callable[[], str]], model: tuple[Path, list[int], int]
+) -> None:
+    """The drill that found it: a request that started on v1 still routes an expert to this server
+    after v2 (which moves it away) is committed. Its slot said v1, so the expert stays until that
+    slot is released; a client that says nothing, or v2, holds nothing back."""
+    url, directory, _, log = started
+    _, layers, num_experts = model
+    evens = {(layer, e) for layer in layers for e in range(num_experts) if e % 2 == 0}
+    odds = {(layer, e) for layer in layers for e in range(num_experts) if e % 2 == 1}
+    old_client = ServerConnection(0, url, "tcp", "old", 5.0, 2.0, placement_version=1)
+    new_client = ServerConnection(0, url, "tcp", "new", 5.0, 2.0, placement_version=2)
+    old_client.connect()
+    try:
+        write_atomically(
+            directory / "placement.json", placement(layers, num_experts, sorted(odds), 2).to_json()
+        )
+        wait_for(lambda: info(url)["placement_version"] == 2, "placement v2 to be loaded")
+        assert hosted(url) == evens | odds  # v1's experts kept for the client on v1
+        assert "keeping" in log() and "clients still on v1" in log()
+        new_client.connect()  # a v2 client changes nothing while the v1 one is there
+        assert old_client.channel is not None
+        old_client.channel.send(layers[0], *inputs([0, 2]))  # even: v1 only
+        old_client.channel.receive(time.monotonic() + 5)
+    finally:
+        old_client.close()
+    wait_for(lambda: hosted(url) == odds, "v1's experts to be dropped once its client left")
+    assert info(url)["placement_version"] == 2
+    new_client.close()
+
+
+def test_a_bad_placement_version_is_refused(started: tuple[str, Path, Path, Callable[[], str]]) -> None:
+    url = started[0]
+    for bad in (-1, "1", 1.5, True):
+        request = urllib.request.Request(
+            f"{url}/v1/slots",
+            data=json.dumps({"client_id": "c", "transport": "tcp", "placement_version": bad}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=5)
+        assert refused.value.code == 400 and b"placement_version" in refused.value.read()

@@ -313,11 +313,6 @@ def test_sigkill_of_an_expert_server_loses_no_request(system: System) -> None:
     assert during < baseline + 1.0  # target: a crash stalls decoding at most 1 s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: once a placement is committed, servers drop the old placement's experts while "
-    "requests that started on it still route there (NOT_HOSTED)",
-)
 def test_sigstop_of_an_expert_server_loses_no_request(system: System) -> None:
     """Drill 3: a hung server; clients time it out, its Lease expires and the operator re-places
     its experts, deletes the pod and brings a replacement in."""
