@@ -326,3 +326,64 @@ def test_sigstop_of_an_expert_server_loses_no_request(system: System) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     assert during < baseline + 2.0  # target: a hang stalls decoding at most 2 s
+
+
+LIVE_STATUS = ("utilizationMilli",)  # the servers' busy fraction: follows the load, not the operator
+
+
+def owned_state(system: System) -> dict[str, Any]:
+    """What the operator decides, of every object it owns: the three kinds (status less the live
+    load), the pods (identity, labels, annotations, spec: their status is the kubelet's), the
+    Services, the Deployment and the placement ConfigMap."""
+    cluster, namespace = system.cluster, system.namespace
+    api = cluster.api_client
+    state: dict[str, Any] = {}
+    for plural, name in (("moeservices", NAME), ("attentionpools", ATTENTION), ("expertpools", POOL)):
+        obj: Any = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+        status = {k: v for k, v in (obj.get("status") or {}).items() if k not in LIVE_STATUS}
+        state[f"{plural}/{name}"] = (obj["spec"], status, obj["metadata"].get("annotations"))
+    for pod in cluster.core.list_namespaced_pod(namespace, label_selector=f"eaas.io/moeservice={NAME}").items:
+        meta = pod.metadata
+        state[f"pod/{meta.name}"] = (
+            meta.uid,
+            meta.labels,
+            meta.annotations,
+            api.sanitize_for_serialization(pod.spec),
+        )
+    for name in (POOL, ATTENTION):
+        service = cluster.core.read_namespaced_service(name, namespace)
+        state[f"service/{name}"] = (service.metadata.resource_version,)
+    deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
+    state[f"deployment/{ATTENTION}"] = (
+        deployment.metadata.generation,
+        api.sanitize_for_serialization(deployment.spec),
+    )
+    state["configmap/placement"] = cluster.core.read_namespaced_config_map(
+        f"{POOL}-placement", namespace
+    ).data
+    return state
+
+
+def test_operator_restart_under_load_changes_nothing(
+    system: System, system_operator: OperatorProcess
+) -> None:
+    """Drill 5: the operator SIGKILLed and started again while requests flow: nothing it decides
+    changes (objects, pods, placement; only the live load figure in the ExpertPool's status moves,
+    as it does without a restart) and no request fails."""
+    with Load(system.url, system.model, workers=2) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        wait_until(lambda: system.full_strength(3), 60, "the pool settled")
+        before = owned_state(system)
+        system_operator.kill()
+        system_operator.start()
+        system_operator.wait_started()
+        restarted = time.monotonic()
+        time.sleep(5)  # several resync periods of the new operator
+        system_operator.check_alive()
+        wait_until(lambda: load.completed_since(restarted) >= 4, 120, "requests after the restart")
+        after = owned_state(system)
+    changed = {key: (before[key], after.get(key)) for key in before if before[key] != after.get(key)}
+    assert not changed, f"the restarted operator changed {changed}\n{system_operator.log_tail()}"
+    assert before.keys() == after.keys()
+    print(f"\ndrill 5 (operator restart): {len(load.outcomes)} requests, 0 failed, nothing changed")
+    system.check(load.outcomes)
