@@ -39,6 +39,7 @@ import contextlib
 import copy
 import datetime as dt
 import http.client
+import ipaddress
 import json
 import logging
 import os
@@ -160,13 +161,13 @@ class Runner:
         self.network = PodNetwork(settings.network_name, "0.0.0.0/32")
         self.network.bridge = settings.bridge
         self.network.gateway = settings.gateway
-        import ipaddress
-
         self.network.subnet = ipaddress.ip_network(settings.subnet)
         self.workers: dict[str, PodWorker] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.node_uids: dict[str, str] = {}
+        # ConfigMaps and Secrets by (kind, namespace, name), kept by watches; volumes read it.
+        self.cache: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     # nodes ------------------------------------------------------------------------------------------
     def node_manifest(self, name: str) -> dict[str, Any]:
@@ -344,7 +345,6 @@ class Runner:
 
     # ConfigMaps and Secrets: a cache the workers read (volumes are refreshed from it) -------------
     def watch_objects(self) -> None:
-        self.cache: dict[tuple[str, str, str], dict[str, Any]] = {}
         kinds: dict[str, Any] = {
             "ConfigMap": self.core.list_config_map_for_all_namespaces,
             "Secret": self.core.list_secret_for_all_namespaces,
@@ -386,8 +386,7 @@ class Runner:
                 self.stopping.wait(1)
 
     def lookup(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        cache = getattr(self, "cache", {})
-        obj = cache.get((kind, namespace, name))
+        obj = self.cache.get((kind, namespace, name))
         if obj is not None:
             return obj
         try:  # not in the cache yet (the watch is behind): ask
