@@ -226,6 +226,12 @@ class ControlPlane:
         if self.network is not None:
             self.network.down()
             self.network = None
+            # kube-proxy leaves its rules behind when it stops; they would translate ClusterIPs to
+            # pod addresses that no longer exist.
+            for family in ("ip", "ip6"):
+                subprocess.run(
+                    ["nft", "delete", "table", family, "kube-proxy"], capture_output=True, timeout=30
+                )
         remove = (
             (self._own_work_dir and not self.keep_work_dir) if remove_work_dir is None else remove_work_dir
         )
