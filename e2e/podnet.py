@@ -16,9 +16,7 @@ the service range without kube-proxy's DNAT. No route, NAT or masquerade leads o
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -170,13 +168,3 @@ table inet {table} {{
         run_ip("link", "del", address.host_veth, check=False)
         shutil.rmtree(NETNS_DIR / address.namespace, ignore_errors=True)
         self._in_use.discard(address.ip)
-
-
-def namespace_pids(namespace: str) -> list[int]:
-    """Processes still inside network namespace `namespace`."""
-    out = run_ip("netns", "pids", namespace, check=False).stdout
-    pids = []
-    for word in out.split():
-        with contextlib.suppress(ValueError):
-            pids.append(int(word))
-    return [pid for pid in pids if pid != os.getpid()]

@@ -678,10 +678,12 @@ class PodWorker(threading.Thread):
             if source.get("optional"):
                 return {}, "absent"
             raise NotYet(f"volume {volume['name']}: {kind.lower()} {object_name!r} not found")
+        version = str(obj["metadata"].get("resourceVersion", ""))
+        if self.volume_versions.get(volume["name"]) == version:
+            return None, version  # unchanged since it was written: nothing to decode
         mode = int(source.get("defaultMode", 0o644))
-        data = _data(kind, obj)
-        files = _items(data, source.get("items"), mode, f"volume {volume['name']}")
-        return files, str(obj["metadata"].get("resourceVersion", ""))
+        files = _items(_data(kind, obj), source.get("items"), mode, f"volume {volume['name']}")
+        return files, version
 
     def _projected_files(self, volume: dict[str, Any]) -> tuple[dict[str, tuple[bytes, int]], str]:
         if "downwardAPI" in volume:
