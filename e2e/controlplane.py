@@ -418,6 +418,7 @@ class ControlPlane:
             api_service_host=API_SERVICE_IP,
             api_service_port=443,
             path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            image_paths=[str(ROOT), sys.prefix, sys.base_prefix],
         )
         config_path = self.work_dir / "podrunner.json"
         runner_config.save(config_path)

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,9 @@ class RunnerConfig:
     api_service_host: str  # KUBERNETES_SERVICE_HOST in every pod
     api_service_port: int
     path: str  # PATH of the containers (the virtual environment first)
+    # What stands in for the image: this checkout and its interpreter. A volume mounted over one
+    # of them (an emptyDir at /tmp, with the checkout under /tmp) must not hide it from the pod.
+    image_paths: list[str] = field(default_factory=list)
     cpu: str = "64"
     memory: str = "512Gi"
 
@@ -801,6 +804,11 @@ class PodWorker(threading.Thread):
             mounts.append(
                 {"source": str(source), "target": mount["mountPath"], "readOnly": bool(mount.get("readOnly"))}
             )
+        targets = [Path(m["target"]) for m in mounts]
+        for image_path in map(Path, self.runner.settings.image_paths):
+            if any(image_path.is_relative_to(target) for target in targets):
+                # Mounted after the volume above it (podexec mounts parents first): visible again.
+                mounts.append({"source": str(image_path), "target": str(image_path), "readOnly": True})
         return mounts
 
     # processes ----------------------------------------------------------------------------------
