@@ -269,16 +269,14 @@ def _drill(system: System, victim: Any, act: Any, name: str, timeout: float = 18
     restarts = victim.status.container_statuses[0].restart_count
 
     def recovered() -> bool:
-        # The victim's container restarted or its pod was replaced, and the pool is whole again.
-        pods = {p.metadata.name: p for p in system.expert_pods()}
-        now_pod = pods.get(victim.metadata.name)
-        if now_pod is None:
-            return False
-        replaced = now_pod.metadata.uid != victim.metadata.uid
-        restarted = (now_pod.status.container_statuses or [victim.status.container_statuses[0]])[
-            0
-        ].restart_count
-        return (replaced or restarted > restarts) and system.full_strength(3)
+        # The victim's container restarted, or its pod was replaced (under its name or, when the
+        # operator re-placed it after its Lease expired, a new ordinal), and the pool is whole again.
+        now_pod = {p.metadata.name: p for p in system.expert_pods()}.get(victim.metadata.name)
+        if now_pod is not None and now_pod.metadata.uid == victim.metadata.uid:
+            statuses = now_pod.status.container_statuses or []
+            if not statuses or statuses[0].restart_count <= restarts:
+                return False
+        return system.full_strength(3)
 
     with Load(system.url, system.model, workers=2) as load:
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
