@@ -4,17 +4,21 @@
 
 The server runs as a process with the pod's environment (``EAAS_POD_NAME``, ``EAAS_NAMESPACE``,
 ``EAAS_POOL``, heartbeat settings) and a kubeconfig of a ServiceAccount bound to a Role that
-allows ``leases`` ``get``/``create``/``update`` and nothing else; the operator's own Lease reader
-(``server_reports``) must see it live, at the placement version it has loaded.
+allows ``leases`` ``get``/``create``/``update``/``list`` and nothing else; the operator's own Lease
+reader (``server_reports``) must see it live, at the placement version it has loaded. The server
+also lists its MoEService's attention clients' Leases and frees the slot of a client whose Lease
+expired while its connection stayed open (a hung client), and only that one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +30,20 @@ from e2e.operator.harness import service_account_kubeconfig
 from eaas.operator import naming
 from eaas.operator.expert_step import ServerReport
 from eaas.operator.reconcile.expertpool import server_reports
+from eaas.runtime.client.connection import ServerConnection, http_json
+from eaas.runtime.lease import Heartbeat, LeaseSettings
 from eaas.runtime.model import preset, write_random_checkpoint
 from eaas.runtime.placement import round_robin
-from eaas.runtime.server.heartbeat import Heartbeat, LeaseSettings
 
+SERVICE = "tiny"
 POOL = "tiny-experts"
 POD = f"{POOL}-0"
 RUNTIME_RULES = [
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update", "list"],
+    }
 ]
 
 
@@ -96,6 +106,7 @@ def server(
         naming.ENV_POD_NAME: POD,
         naming.ENV_NAMESPACE: namespace,
         naming.ENV_POOL: POOL,
+        naming.ENV_SERVICE: SERVICE,
         naming.ENV_HEARTBEAT_INTERVAL: "0.5",
         naming.ENV_HEARTBEAT_TIMEOUT: "2",
     }
@@ -103,7 +114,7 @@ def server(
         sys.executable, "-m", "eaas.runtime.server", "--checkpoint", str(checkpoint),
         "--placement-dir", str(directory), "--placement-poll-seconds", "0.2", "--ordinal", "0",
         "--transports", "tcp", "--threads", "1", "--kubeconfig", str(runtime_kubeconfig),
-        "--exit-with-parent", str(os.getpid()),
+        "--exit-with-parent", str(os.getpid()), "--ready-file", str(tmp_path / "ready.json"),
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -173,3 +184,58 @@ def test_heartbeat_keeps_retrying_through_api_errors(cluster: Cluster, namespace
     finally:
         heartbeat.stop()
         cluster.delete_namespace(later)
+
+
+def test_the_slot_of_a_client_whose_lease_expired_is_freed(
+    cluster: Cluster,
+    namespace: str,
+    runtime_kubeconfig: Path,
+    server: tuple[subprocess.Popen[bytes], Path, Path],
+    tmp_path: Path,
+) -> None:
+    """Two attention clients renew Leases as their pods would; one stops renewing but keeps its
+    connection open (hung): the server frees that slot within about the Lease's duration, counts it
+    as ``lease_expired``, and leaves the live client's slot alone."""
+    process, _, log_path = server
+    ready = wait_for(lambda: (tmp_path / "ready.json").exists() and tmp_path / "ready.json", "the server", 60)
+    url = json.loads(ready.read_text())["url"]
+    beats = {}
+    connections = {}
+    for name in ("tiny-attention-live", "tiny-attention-hung"):
+        settings = LeaseSettings(
+            name, namespace, "tiny-attention", 0.5, 2, runtime_kubeconfig, None,
+            naming.ATTENTION_COMPONENT, SERVICE,
+        )  # fmt: skip
+        beats[name] = Heartbeat(settings, lambda: 1, lambda: 0.0).start()
+        connections[name] = ServerConnection(0, url, "tcp", name, 5.0, 5.0, lease=name)
+        connections[name].connect()
+
+    def attached() -> set[str]:
+        rows = http_json("GET", f"{url}/v1/slots")["slots"]
+        return {row["client_id"] for row in rows if row["state"] != "OFFLINE"}
+
+    def lease_expired_count() -> float:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith('eaas_expert_server_reaped_slots_total{reason="lease_expired"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    try:
+        assert attached() == set(beats)
+        time.sleep(3)  # more than a Lease duration: both renew, neither is freed
+        assert attached() == set(beats) and lease_expired_count() == 0
+        beats["tiny-attention-hung"].stop()  # hung: no renewals, the TCP connection stays open
+        stopped = time.monotonic()
+        wait_for(lambda: attached() == {"tiny-attention-live"}, "the hung client's slot to be freed", 10)
+        freed_after = time.monotonic() - stopped
+        print(f"hung client's slot freed {freed_after:.1f} s after its last renewal (Lease: 2 s)")
+        assert 1.5 < freed_after < 5.0  # its Lease's duration, plus at most two listing intervals
+        assert lease_expired_count() == 1
+        assert "client Leases of" not in log_path.read_text()  # the Role's list verb was enough
+    finally:
+        for beat in beats.values():
+            beat.stop()
+        for connection in connections.values():
+            connection.drop()
+    assert process.poll() is None, log_path.read_text()

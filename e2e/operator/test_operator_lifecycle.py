@@ -156,10 +156,10 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
         result = cluster.kubectl("auth", "can-i", *args, "-n", where, "--as", account, check=False)
         return result.stdout.strip() == "yes"
 
-    for verb in ("get", "create", "update"):
+    for verb in ("get", "create", "update", "list"):  # list: an expert server reads its clients' Leases
         assert runtime_can(verb, "leases.coordination.k8s.io"), verb
     assert not runtime_can("delete", "leases.coordination.k8s.io")  # one step beyond
-    assert not runtime_can("list", "leases.coordination.k8s.io")
+    assert not runtime_can("watch", "leases.coordination.k8s.io")
     assert not runtime_can("get", "secrets") and not runtime_can("list", "pods")
     assert not runtime_can("create", "leases.coordination.k8s.io", where="default")  # this namespace only
     # -- NetworkPolicies: stored and validated by the real API server (nothing enforces them here) --

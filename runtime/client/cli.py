@@ -22,6 +22,7 @@ import click
 
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
+from eaas.runtime.lease import LeaseOptions, lease_options
 
 if TYPE_CHECKING:
     from eaas.runtime.client import ClientOptions
@@ -154,6 +155,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="serve: write {port} here once serving",
 )
+@lease_options
 @data_token_options
 @click.option("--log-level", default="INFO", show_default=True, help="serve: logging level")
 @click.option("--prompt", "prompts", multiple=True, default=["Experts as a service"], show_default=True)
@@ -185,6 +187,7 @@ def attention_client(
     prompts: tuple[str, ...],
     max_new_tokens: int,
     request_timeout: float,
+    lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
 ) -> None:
@@ -200,10 +203,12 @@ def attention_client(
         raise click.UsageError("give either --server or --expert-service (EAAS_EXPERT_SERVICE), not both")
     if not server_specs and not expert_service:
         raise click.UsageError("expert servers: give --server ORDINAL=URL (repeat) or --expert-service")
+    heartbeat = lease.settings(contract.ATTENTION_COMPONENT) if port is not None else None
     options = ClientOptions(
         transport=transport,
         request_timeout_s=request_timeout,
         data_tokens=data_tokens_from(data_tokens, data_token_file),
+        lease=heartbeat.pod_name if heartbeat else None,  # the servers free our slots when it expires
     )
     if port is None:
         _one_shot(
@@ -218,6 +223,7 @@ def attention_client(
         )
         return
     from eaas.runtime.client.serve import AttentionService, ServeOptions, dns_discovery, static_discovery
+    from eaas.runtime.lease import Heartbeat
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -244,7 +250,18 @@ def attention_client(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    beats = (
+        Heartbeat(
+            heartbeat,
+            lambda: service.placement.version if service.placement else 0,
+            lambda: service.worker.busy_seconds if service.worker else 0.0,
+        )
+        if heartbeat
+        else None
+    )
     with service:
+        if beats is not None:
+            beats.start()
         if ready_file is not None:
             partial = ready_file.with_name(ready_file.name + ".partial")
             partial.write_text(f'{{"port": {service.port}}}\n')
@@ -252,6 +269,8 @@ def attention_client(
         click.echo(f"serving {serve_options.model_name} on {service.url}", err=True)
         while not stop.wait(0.5):
             pass
+        if beats is not None:
+            beats.stop()
     click.echo("stopped", err=True)
 
 

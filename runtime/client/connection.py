@@ -93,8 +93,10 @@ class ServerConnection:
         expected: Expected | None = None,
         tokens: Tokens | None = None,
         placement_version: int | None = None,
+        lease: str | None = None,
     ) -> None:
         get_transport(transport)
+        self.lease = lease  # named at the handshake: the server frees the slot when this Lease expires
         # The placement this client routes by: the server keeps that placement's experts while
         # a slot attached under it is open, even after a newer one is committed.
         self.placement_version = placement_version
@@ -126,6 +128,8 @@ class ServerConnection:
         body: dict[str, Any] = {"client_id": self.client_id, "transport": self.transport}
         if self.placement_version is not None:
             body["placement_version"] = self.placement_version
+        if self.lease is not None:
+            body["lease"] = self.lease
         handle = http_json(
             "POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s, token=self._token()
         )

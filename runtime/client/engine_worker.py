@@ -68,6 +68,7 @@ class EngineWorker:
         self._on_idle = on_idle
         self._idle_interval_s = idle_interval_s
         self._busy_housekeeping_s = busy_housekeeping_s
+        self.busy_seconds = 0.0  # spent in engine steps since start (the heartbeat's busy fraction)
         self._on_error = on_error
         self._on_step = on_step
         self._inbox: list[Request] = []
@@ -135,7 +136,9 @@ class EngineWorker:
                     self.engine = self.engine or self._engine_for()
                 self._take_new_work()
                 if self.engine is not None and self.engine.has_work():
+                    started = time.monotonic()
                     self._step(self.engine)
+                    self.busy_seconds += time.monotonic() - started
                     continue
                 with self._lock:
                     if not self._inbox and not self._cancelled and not self._stop.is_set():

@@ -60,6 +60,9 @@ class ClientOptions:
     spread_threshold: int = 32  # an expert with more tokens than this in a batch is split over replicas
     data_tokens: Tokens = field(default_factory=Tokens)  # the first is presented at every slot handshake
     client_id: str = field(default_factory=lambda: f"client-{uuid.uuid4().hex[:8]}")
+    lease: str | None = (
+        None  # this client's Lease (in the servers' namespace): slots are freed when it expires
+    )
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class RemoteExperts:
                 Expected(*shape, frozenset(placement.experts_of(ordinal))),
                 o.data_tokens,
                 placement.version,
+                o.lease,
             )
             for ordinal in self.table.ordinals
         ]

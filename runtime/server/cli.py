@@ -14,6 +14,7 @@ import click
 from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
+from eaas.runtime.lease import LeaseOptions, lease_options
 
 
 @click.command("expert-server")
@@ -84,54 +85,7 @@ from eaas.runtime.auth import data_token_options, data_tokens_from
 @click.option(
     "--exit-with-parent", type=int, default=None, hidden=True, help="stop when this parent pid is gone"
 )
-@click.option(
-    "--pod-name",
-    envvar=contract.ENV_POD_NAME,
-    show_envvar=True,
-    default=None,
-    help="keep a heartbeat Lease of this name (with --namespace; both set in Kubernetes pods)",
-)
-@click.option(
-    "--namespace",
-    envvar=contract.ENV_NAMESPACE,
-    show_envvar=True,
-    default=None,
-    help="namespace of the Lease",
-)
-@click.option(
-    "--pool",
-    envvar=contract.ENV_POOL,
-    show_envvar=True,
-    default=None,
-    help="the ExpertPool, labelled on the Lease (default: the pod name without -<ordinal>)",
-)
-@click.option(
-    "--pod-uid", envvar=contract.ENV_POD_UID, show_envvar=True, default=None, help="owner of the Lease"
-)
-@click.option(
-    "--heartbeat-interval-seconds",
-    type=float,
-    envvar=contract.ENV_HEARTBEAT_INTERVAL,
-    show_envvar=True,
-    default=5.0,
-    show_default=True,
-    help="how often the Lease is renewed",
-)
-@click.option(
-    "--heartbeat-timeout-seconds",
-    type=float,
-    envvar=contract.ENV_HEARTBEAT_TIMEOUT,
-    show_envvar=True,
-    default=15.0,
-    show_default=True,
-    help="the Lease's leaseDurationSeconds",
-)
-@click.option(
-    "--kubeconfig",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="API server credentials for the Lease (default: the pod's in-cluster ServiceAccount)",
-)
+@lease_options
 @data_token_options
 @click.option("--log-level", default="INFO", show_default=True)
 def expert_server(
@@ -153,13 +107,7 @@ def expert_server(
     threads: int | None,
     ready_file: Path | None,
     exit_with_parent: int | None,
-    pod_name: str | None,
-    namespace: str | None,
-    pool: str | None,
-    pod_uid: str | None,
-    heartbeat_interval_seconds: float,
-    heartbeat_timeout_seconds: float,
-    kubeconfig: Path | None,
+    lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
     log_level: str,
@@ -167,31 +115,16 @@ def expert_server(
     """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
     import torch
 
+    from eaas.runtime.lease import Heartbeat, pool_of
     from eaas.runtime.placement import Placement, PlacementError
+    from eaas.runtime.server.client_leases import ClientLeaseWatch
     from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
-    from eaas.runtime.server.heartbeat import Heartbeat, LeaseSettings, pool_of
     from eaas.runtime.server.loop import LoopOptions
     from eaas.runtime.server.placement_watch import PlacementFiles, PlacementWatcher, initial_target
 
     if (placement_path is None) == (placement_dir is None):
         raise click.UsageError("give exactly one of --placement FILE and --placement-dir DIR")
-    lease: LeaseSettings | None = None
-    if pod_name and namespace:
-        pool = pool or pool_of(pod_name, ordinal)
-        if not pool:
-            raise click.UsageError(f"--pool: cannot tell the pool from pod name {pod_name!r}; set it")
-        try:
-            lease = LeaseSettings(
-                pod_name,
-                namespace,
-                pool,
-                heartbeat_interval_seconds,
-                heartbeat_timeout_seconds,
-                kubeconfig,
-                pod_uid,
-            )
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from exc
+    heartbeat = lease.settings(contract.EXPERT_COMPONENT, pool_of(lease.pod_name or "", ordinal))
 
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s expert-server[{ordinal}] %(levelname)s %(message)s"
@@ -254,13 +187,23 @@ def expert_server(
         server.url,
         ",".join(server.transports),
     )
-    companions: list[PlacementWatcher | Heartbeat] = []
+    companions: list[PlacementWatcher | Heartbeat | ClientLeaseWatch] = []
     if files is not None:
         companions.append(PlacementWatcher(server, files, placement_poll_seconds).start())
-    if lease is not None:
+    if heartbeat is not None:
         companions.append(
-            Heartbeat(lease, lambda: server.placement_version, lambda: server.loop.busy_seconds).start()
+            Heartbeat(heartbeat, lambda: server.placement_version, lambda: server.loop.busy_seconds).start()
         )
+        if heartbeat.service:  # its attention clients' Leases: free the slots of those that expired
+            watch = ClientLeaseWatch(
+                heartbeat.namespace,
+                heartbeat.service,
+                heartbeat.interval_s,
+                heartbeat.timeout_s,
+                server.reap_expired_leases,
+                heartbeat.kubeconfig,
+            )
+            companions.append(watch.start())
     try:
         server.serve_forever()
     finally:

@@ -8,18 +8,21 @@
 | GET | ``/v1/info`` | identity, model shape, hosted (layer, expert) pairs, transports, limits |
 | GET | ``/v1/stats`` | tokens per (layer, expert) since start (the placement planner's input) |
 | GET | ``/v1/slots`` | attached slots and their states |
-| POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?}`` → 201: the handle (503: full) |
+| POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?, "lease"?}`` → 201 (503: full) |
 | DELETE | ``/v1/slots/<transport>/<slot>`` | release a slot → 204 (404 if not attached) |
 
 With data tokens configured, the three ``/v1/slots`` routes need ``Authorization: Bearer <token>``:
 without it they answer 401 and allocate, release and reveal nothing. The handle a granted slot
 returns carries what its transport needs to use that slot only (the tcp hello's per-slot token),
-so a slot id alone is worth nothing. Probes, metrics, ``/v1/info`` and ``/v1/stats`` stay open
-(the operator and Prometheus read them; the NetworkPolicy decides who reaches the port).
+so a slot id alone is worth nothing. ``lease`` names the client's Lease in the server's namespace:
+the slot is freed when that Lease expires (:mod:`eaas.runtime.server.client_leases`). Probes,
+metrics, ``/v1/info`` and ``/v1/stats`` stay open (the operator and Prometheus read them; the
+NetworkPolicy decides who reaches the port).
 """
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -27,6 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
+
+# A Kubernetes object name (DNS subdomain): what a client may give as its Lease.
+LEASE_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 class ControlError(HttpError):
@@ -43,7 +49,7 @@ class ControlTarget(Protocol):
     def stats(self) -> dict[str, Any]: ...
     def slots(self) -> list[dict[str, Any]]: ...
     def attach(
-        self, client_id: str, transport: str, placement_version: int | None = None
+        self, client_id: str, transport: str, placement_version: int | None = None, lease: str | None = None
     ) -> dict[str, Any]: ...
     def detach(self, transport: str, slot: int) -> bool: ...
 
@@ -100,7 +106,14 @@ def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
                     raise ControlError(
                         HTTPStatus.BAD_REQUEST, "placement_version: a non-negative integer, if given"
                     )
-                self.send_json(HTTPStatus.CREATED, target.attach(client_id, transport, version))
+                lease = body.get("lease")
+                if lease is not None and not (isinstance(lease, str) and LEASE_NAME.fullmatch(lease)):
+                    raise ControlError(
+                        HTTPStatus.BAD_REQUEST,
+                        "lease: the name of the client's Lease (a DNS subdomain of at most 253 characters), "
+                        "if given",
+                    )
+                self.send_json(HTTPStatus.CREATED, target.attach(client_id, transport, version, lease))
             elif method == "DELETE" and path.startswith("/v1/slots/"):
                 parts = path.split("/")
                 if len(parts) != 5 or not parts[4].isdigit():

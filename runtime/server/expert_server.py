@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from pathlib import Path
@@ -114,6 +114,9 @@ class ExpertServer:
         self._rehost_lock = threading.Lock()
         # (transport, slot) -> the placement version its client routes by (when it said so)
         self._slot_versions: dict[tuple[str, int], int] = {}
+        # (transport, slot) -> the client's Lease and when the slot attached (when it named one)
+        self._slot_leases: dict[tuple[str, int], tuple[str, float]] = {}
+        self._slot_lock = threading.Lock()  # attaching vs freeing by Lease: never free a new client's slot
         sweep_stale_segments()
         self.transports: dict[str, ServerTransport] = {}
         try:
@@ -331,7 +334,9 @@ class ExpertServer:
     def slots(self) -> list[dict[str, Any]]:
         return [{"transport": name, **row} for name, t in self.transports.items() for row in t.slots()]
 
-    def attach(self, client_id: str, transport: str, placement_version: int | None = None) -> dict[str, Any]:
+    def attach(
+        self, client_id: str, transport: str, placement_version: int | None = None, lease: str | None = None
+    ) -> dict[str, Any]:
         if not self.is_ready():
             raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, "server is not ready")
         if transport not in self.transports:
@@ -339,16 +344,27 @@ class ExpertServer:
                 HTTPStatus.BAD_REQUEST,
                 f"transport: this server offers {', '.join(self.transports)}, got {transport!r}",
             )
-        try:
-            handle = self.transports[transport].attach(client_id)
-        except SlotsExhausted as exc:
-            raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
-        key = (transport, int(handle["slot"]))
-        if placement_version is None:
-            self._slot_versions.pop(key, None)
-        else:
-            self._slot_versions[key] = placement_version
-        log.info("client %s attached to %s slot %d", client_id, transport, handle["slot"])
+        with self._slot_lock:
+            try:
+                handle = self.transports[transport].attach(client_id)
+            except SlotsExhausted as exc:
+                raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
+            key = (transport, int(handle["slot"]))
+            if placement_version is None:
+                self._slot_versions.pop(key, None)
+            else:
+                self._slot_versions[key] = placement_version
+            if lease is None:
+                self._slot_leases.pop(key, None)
+            else:
+                self._slot_leases[key] = (lease, time.monotonic())
+        log.info(
+            "client %s attached to %s slot %d%s",
+            client_id,
+            transport,
+            handle["slot"],
+            f" (Lease {lease})" if lease else "",
+        )
         return {
             **handle,
             "instance": self.instance,
@@ -358,8 +374,34 @@ class ExpertServer:
 
     def detach(self, transport: str, slot: int) -> bool:
         t = self.transports.get(transport)
-        self._slot_versions.pop((transport, slot), None)
-        return t is not None and t.detach(slot)
+        with self._slot_lock:
+            self._slot_versions.pop((transport, slot), None)
+            self._slot_leases.pop((transport, slot), None)
+            return t is not None and t.detach(slot)
+
+    def reap_expired_leases(self, expired: Callable[[str, float], bool]) -> list[tuple[str, int, str]]:
+        """Frees every attached slot whose client's Lease is ``expired(lease, attached_at)``;
+        returns them as (transport, slot, lease)."""
+        freed = []
+        with self._slot_lock:
+            attached = {
+                (row["transport"], int(row["slot"])) for row in self.slots() if row["state"] != "OFFLINE"
+            }
+            for key, (lease, attached_at) in list(self._slot_leases.items()):
+                if key not in attached:  # released or reaped since: its client is gone anyway
+                    del self._slot_leases[key]
+                    continue
+                if not expired(lease, attached_at):
+                    continue
+                transport, slot = key
+                del self._slot_leases[key]
+                self._slot_versions.pop(key, None)
+                if self.transports[transport].detach(slot):
+                    freed.append((transport, slot, lease))
+        for transport, slot, lease in freed:
+            log.warning("freed %s slot %d: the Lease %s of its client expired", transport, slot, lease)
+            self.metrics.reaped_slots.labels("lease_expired").inc()
+        return freed
 
     def oldest_client_placement(self) -> int | None:
         """The oldest placement version an attached client still routes by (None: none said).

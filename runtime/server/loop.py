@@ -151,7 +151,7 @@ class ServerLoop:
             reaped = transport.reap()
             if reaped:
                 log.info("released %s slot(s) %s: client gone", transport.name, reaped)
-                self.metrics.reaped_slots.inc(len(reaped))
+                self.metrics.reaped_slots.labels("client_gone").inc(len(reaped))
                 for slot in reaped:
                     self._last_seen.pop((transport.name, slot), None)
             self.metrics.attached_slots.labels(transport.name).set(

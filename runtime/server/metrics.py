@@ -43,7 +43,9 @@ class ServerMetrics:
         )
         self.reaped_slots = Counter(
             "eaas_expert_server_reaped_slots_total",
-            "Slots released because their client went away",
+            "Slots freed without their client's release: its connection or process ended (client_gone) "
+            "or its Lease expired (lease_expired)",
+            ["reason"],
             registry=r,
         )
         self.hosted_experts = Gauge(

@@ -103,6 +103,7 @@ class TcpServerTransport(ServerTransport):
         self._bound: dict[int, _Conn] = {}
         self._unbound: set[_Conn] = set()  # connected, hello not complete
         self._released: dict[int, str] = {}  # slot -> last client, shown as OFFLINE until re-attached
+        self._lost: list[int] = []  # slots whose connection broke or was closed by its client, unreported
         self._generations = [0] * options.max_clients
         self._buffers: list[memoryview | None] = [None] * options.max_clients
         self._ready: list[Request] = []
@@ -242,10 +243,10 @@ class TcpServerTransport(ServerTransport):
                 except (BlockingIOError, InterruptedError):
                     return
                 except OSError:
-                    self._close(conn)
+                    self._close(conn, lost=True)
                     return
                 if n == 0:
-                    self._close(conn)
+                    self._close(conn, lost=True)
                     return
                 conn.received += n
                 if n < len(target):
@@ -339,7 +340,7 @@ class TcpServerTransport(ServerTransport):
                 self._interest(conn, selectors.EVENT_WRITE)
                 return
             except OSError:
-                self._close(conn)
+                self._close(conn, lost=True)
                 return
             conn.outgoing = conn.outgoing[n:]
         conn.outgoing = None
@@ -350,22 +351,26 @@ class TcpServerTransport(ServerTransport):
         self._interest(conn, selectors.EVENT_READ)
         self._read(conn)  # the next request may already be waiting in the socket
 
-    def _close(self, conn: _Conn) -> None:  # caller holds the lock
+    def _close(self, conn: _Conn, lost: bool = False) -> None:  # caller holds the lock
+        """Closes ``conn``; ``lost``: its client closed it or it broke (reported by the next ``reap``)."""
         self._interest(conn, 0)
         conn.sock.close()
         self._unbound.discard(conn)
         if conn.slot >= 0 and self._bound.get(conn.slot) is conn:
             del self._bound[conn.slot]
             self._released[conn.slot] = conn.client_id
+            if lost:
+                self._lost.append(conn.slot)
         conn.outgoing = None
         conn.phase = _Phase.HELLO
 
     def reap(self) -> list[int]:
-        """Drops attachments never claimed by a connection and connections that never said hello."""
+        """Drops attachments never claimed by a connection and connections that never said hello;
+        returns those slots and the slots whose connection was lost since the last call."""
         now = time.monotonic()
         grace = self.options.attach_grace_s
-        reaped = []
         with self._lock:
+            reaped, self._lost = self._lost, []
             for slot, pending in list(self._pending.items()):
                 if now - pending.attached_at > grace:
                     del self._pending[slot]

@@ -1,19 +1,24 @@
-"""The expert server's heartbeat: a ``coordination.k8s.io/v1`` Lease named after its pod.
+"""Heartbeats: a ``coordination.k8s.io/v1`` Lease named after the pod, renewed by a daemon thread.
 
-Every ``interval_s`` the server creates or renews the Lease (``holderIdentity`` = pod name,
-``leaseDurationSeconds`` = the heartbeat timeout, ``renewTime`` = now), labelled with its pool so
-the operator lists a pool's Leases with one selector, and annotated with the newest placement
-version whose experts it serves (the operator commits a pending placement only when every server
-in it reports that version) and its busy fraction over the last interval in thousandths (what
-the built-in autoscaler averages). API errors are logged and retried with backoff (0.5 s doubling,
-at most the interval); they never stop the serving.
+Expert servers and attention clients keep one. Every ``interval_s`` the process creates or renews
+the Lease (``holderIdentity`` = pod name, ``leaseDurationSeconds`` = the heartbeat timeout,
+``renewTime`` = now), labelled with its pool, its role (``app.kubernetes.io/component``) and its
+MoEService, so the operator lists a pool's Leases and an expert server its MoEService's attention
+clients' Leases with one selector each. It is annotated with the newest placement version the
+process serves (an expert server: whose experts it has loaded, and the operator commits a pending
+placement only when every server in it reports that version; an attention client: the one it
+routes by) and its busy fraction over the last interval in thousandths (what the built-in
+autoscaler averages). API errors are logged and retried with backoff (0.5 s doubling, at most the
+interval); they never stop the serving.
 
 RBAC the pod's ServiceAccount needs in its namespace: ``coordination.k8s.io`` ``leases``
-``get``, ``create``, ``update``.
+``get``, ``create``, ``update`` (and ``list`` for an expert server, which reads its clients'
+Leases: :mod:`eaas.runtime.server.client_leases`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -22,14 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import click
 
 from eaas.runtime import contract
 from eaas.runtime.server.daemon import DaemonLoop
 
-log = logging.getLogger("eaas.server.heartbeat")
+log = logging.getLogger("eaas.heartbeat")
 
 MIN_RETRY_S = 0.5
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -41,12 +49,129 @@ class LeaseSettings:
     timeout_s: float = 15.0
     kubeconfig: Path | None = None  # None: the in-cluster configuration (the pod's ServiceAccount)
     pod_uid: str | None = None  # when known, the Lease is owned by the pod (deleted with it)
+    component: str = contract.EXPERT_COMPONENT  # the role: expert server or attention client
+    service: str | None = None  # the MoEService, labelled when known
 
     def __post_init__(self) -> None:
         if not 0 < self.interval_s < self.timeout_s:
             raise ValueError(
                 f"heartbeat: need 0 < interval ({self.interval_s} s) < timeout ({self.timeout_s} s)"
             )
+
+
+@dataclass(frozen=True)
+class LeaseOptions:
+    """The command-line (and pod environment) settings of a heartbeat, before they are checked."""
+
+    pod_name: str | None
+    namespace: str | None
+    pool: str | None
+    pod_uid: str | None
+    service: str | None
+    interval_s: float
+    timeout_s: float
+    kubeconfig: Path | None
+
+    def settings(self, component: str, default_pool: str | None = None) -> LeaseSettings | None:
+        """The Lease to keep (None outside Kubernetes: no pod name or namespace given)."""
+        if not (self.pod_name and self.namespace):
+            return None
+        pool = self.pool or default_pool
+        if not pool:
+            raise click.UsageError(f"--pool: cannot tell the pool from pod name {self.pod_name!r}; set it")
+        try:
+            return LeaseSettings(
+                self.pod_name,
+                self.namespace,
+                pool,
+                self.interval_s,
+                self.timeout_s,
+                self.kubeconfig,
+                self.pod_uid,
+                component,
+                self.service,
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+
+
+_LEASE_OPTIONS = (
+    click.option(
+        "--pod-name",
+        envvar=contract.ENV_POD_NAME,
+        show_envvar=True,
+        default=None,
+        help="keep a heartbeat Lease of this name (with --namespace; both set in Kubernetes pods)",
+    ),
+    click.option(
+        "--namespace", envvar=contract.ENV_NAMESPACE, show_envvar=True, default=None, help="of the Lease"
+    ),
+    click.option(
+        "--pool",
+        envvar=contract.ENV_POOL,
+        show_envvar=True,
+        default=None,
+        help="the pool, labelled on the Lease (an expert server's default: the pod name without -<ordinal>)",
+    ),
+    click.option(
+        "--pod-uid", envvar=contract.ENV_POD_UID, show_envvar=True, default=None, help="owner of the Lease"
+    ),
+    click.option(
+        "--moeservice",
+        envvar=contract.ENV_SERVICE,
+        show_envvar=True,
+        default=None,
+        help="the MoEService, labelled on the Lease (an expert server also watches its attention "
+        "clients' Leases, and frees the slots of those that expired)",
+    ),
+    click.option(
+        "--heartbeat-interval-seconds",
+        type=float,
+        envvar=contract.ENV_HEARTBEAT_INTERVAL,
+        show_envvar=True,
+        default=5.0,
+        show_default=True,
+        help="how often the Lease is renewed",
+    ),
+    click.option(
+        "--heartbeat-timeout-seconds",
+        type=float,
+        envvar=contract.ENV_HEARTBEAT_TIMEOUT,
+        show_envvar=True,
+        default=15.0,
+        show_default=True,
+        help="the Lease's leaseDurationSeconds",
+    ),
+    click.option(
+        "--kubeconfig",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=None,
+        help="API server credentials for the Lease (default: the pod's in-cluster ServiceAccount)",
+    ),
+)
+
+
+def lease_options(command: F) -> F:
+    """The heartbeat's options, handed to ``command`` as one ``lease: LeaseOptions``."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        lease = LeaseOptions(
+            pod_name=kwargs.pop("pod_name"),
+            namespace=kwargs.pop("namespace"),
+            pool=kwargs.pop("pool"),
+            pod_uid=kwargs.pop("pod_uid"),
+            service=kwargs.pop("moeservice"),
+            interval_s=kwargs.pop("heartbeat_interval_seconds"),
+            timeout_s=kwargs.pop("heartbeat_timeout_seconds"),
+            kubeconfig=kwargs.pop("kubeconfig"),
+        )
+        return command(*args, lease=lease, **kwargs)
+
+    decorated: Any = wrapper
+    for option in reversed(_LEASE_OPTIONS):
+        decorated = option(decorated)
+    return decorated  # type: ignore[no-any-return]
 
 
 def pool_of(pod_name: str, ordinal: int) -> str | None:
@@ -76,10 +201,10 @@ def lease_body(
     metadata = lease.setdefault("metadata", {})
     metadata["name"] = settings.pod_name
     metadata["namespace"] = settings.namespace
-    metadata["labels"] = (metadata.get("labels") or {}) | {
-        contract.POOL_LABEL: settings.pool,
-        contract.COMPONENT_LABEL: contract.EXPERT_COMPONENT,
-    }
+    labels = {contract.POOL_LABEL: settings.pool, contract.COMPONENT_LABEL: settings.component}
+    if settings.service:
+        labels[contract.SERVICE_LABEL] = settings.service
+    metadata["labels"] = (metadata.get("labels") or {}) | labels
     metadata["annotations"] = (metadata.get("annotations") or {}) | {
         contract.LOADED_VERSION_ANNOTATION: str(loaded_version),
         contract.UTILIZATION_ANNOTATION: str(utilization_milli),
@@ -150,7 +275,7 @@ class Heartbeat(DaemonLoop):
                     self.settings.namespace,
                     self.settings.pod_name,
                     self.failures,
-                    _describe(error),
+                    describe(error),
                     delay,
                 )
 
@@ -165,18 +290,24 @@ class Heartbeat(DaemonLoop):
         for attempt in range(2):
             if self._lease is None:
                 try:
-                    self._lease = _json(api.read_namespaced_lease(name, namespace, **_raw(timeout)))
+                    self._lease = response_json(
+                        api.read_namespaced_lease(name, namespace, **raw_options(timeout))
+                    )
                 except ApiException as error:
                     if error.status != 404:
                         raise
                     body = lease_body(self.settings, datetime.now(UTC), version, milli)
-                    self._lease = _json(api.create_namespaced_lease(namespace, body, **_raw(timeout)))
+                    self._lease = response_json(
+                        api.create_namespaced_lease(namespace, body, **raw_options(timeout))
+                    )
                     self.renewals += 1
                     log.info("heartbeat: created Lease %s/%s", namespace, name)
                     return
             body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease)
             try:
-                self._lease = _json(api.replace_namespaced_lease(name, namespace, body, **_raw(timeout)))
+                self._lease = response_json(
+                    api.replace_namespaced_lease(name, namespace, body, **raw_options(timeout))
+                )
                 self.renewals += 1
                 return
             except ApiException as error:
@@ -186,29 +317,34 @@ class Heartbeat(DaemonLoop):
 
     def _client(self) -> Any:
         if self._api is None:
-            from kubernetes import client, config
-
-            if self.settings.kubeconfig is not None:
-                api_client = config.new_client_from_config(config_file=str(self.settings.kubeconfig))
-            else:
-                configuration = client.Configuration()
-                config.load_incluster_config(client_configuration=configuration)
-                api_client = client.ApiClient(configuration)
-            self._api = client.CoordinationV1Api(api_client)
+            self._api = coordination_api(self.settings.kubeconfig)
         return self._api
 
 
-def _raw(timeout_s: float) -> dict[str, Any]:
+def coordination_api(kubeconfig: Path | None) -> Any:
+    """A ``CoordinationV1Api`` from ``kubeconfig``, or from the pod's in-cluster configuration."""
+    from kubernetes import client, config
+
+    if kubeconfig is not None:
+        api_client = config.new_client_from_config(config_file=str(kubeconfig))
+    else:
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        api_client = client.ApiClient(configuration)
+    return client.CoordinationV1Api(api_client)
+
+
+def raw_options(timeout_s: float) -> dict[str, Any]:
     """Request options: a timeout, and the JSON body instead of a model (we keep plain dicts)."""
     return {"_preload_content": False, "_request_timeout": timeout_s}
 
 
-def _json(response: Any) -> dict[str, Any]:
+def response_json(response: Any) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(response.data)
     return data
 
 
-def _describe(error: Exception) -> str:
+def describe(error: Exception) -> str:
     status = getattr(error, "status", None)
     if status is not None and hasattr(error, "body"):
         try:
