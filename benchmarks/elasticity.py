@@ -33,10 +33,11 @@ ready servers share it evenly: each runs at ``Calibration.busy_at(D / n)`` and e
   pool's replicas (ready or starting). Target busy fraction ``HEADROOM`` (0.85) x ``u_slo``;
   scale-up window = ``--ready-seconds`` (the time an added GPU server needs to load its experts,
   120 s; the local process's start time is printed for comparison), scale-down window 300 s (the
-  default). ``per-gpu-0s`` is the same with the default 0 s scale-up window: because servers still
-  starting count in the replicas but not in the utilisation, it compounds scale-ups while they
-  start. ``minReplicas`` = the R-based floor ``--min-servers`` (17: DeepSeek-V3's routed experts
-  in fp8, 58 x 256 x 3 x 7168 x 2048 bytes = 654 GB, twice (R = 2), on 80 GB GPUs).
+  default). ``per-gpu-0s`` is the same with the default 0 s scale-up window; servers still
+  starting count as idle (the autoscaler is told how many are ready, as the operator tells it),
+  so a scale-up is not compounded while they start. ``minReplicas`` = the R-based floor
+  ``--min-servers`` (17: DeepSeek-V3's routed experts in fp8, 58 x 256 x 3 x 7168 x 2048 bytes =
+  654 GB, twice (R = 2), on 80 GB GPUs).
 - **Fixed deployment units** ``fixed-8``/``-16``/``-32``: whole N-GPU units (an EP group as
   SGLang/vLLM run it) sized for the trace's peak at the SLO's edge (no headroom) and held all day;
   ``fixed-peak`` the same at one-GPU granularity.
@@ -186,7 +187,7 @@ def autoscaled(
         busy = calibration.busy_at(float(load) / ready)
         violations += int(load > ready + 1e-9)
         current = ready + sum(g for _, g in starting)
-        wanted = autoscaler.recommend(now, current, round(busy * 1000), spec)
+        wanted = autoscaler.recommend(now, current, round(busy * 1000), spec, ready)
         wanted = unit * math.ceil(wanted / unit)
         while wanted < current and starting:
             _, g = starting.pop()

@@ -3,7 +3,10 @@
 It follows the HorizontalPodAutoscaler's algorithm on one metric, the servers' mean busy
 fraction: ``desired = ceil(current * utilization / target)``, nothing within a 10% tolerance,
 clamped to [min, max]; scale up to the lowest and down to the highest recommendation of the
-respective stabilisation window. The operator writes the result through the ExpertPool's
+respective stabilisation window. Servers still starting (``ready < current``) report no load yet:
+as the HPA does with unready pods, they count as idle when deciding a scale-up (so a scale-up
+in progress is not compounded while its servers load their experts) and no scale-down is made
+until they are ready. The operator writes the result through the ExpertPool's
 ``/scale`` subresource, exactly like an HPA would (and never while an HPA owns it).
 """
 
@@ -34,14 +37,24 @@ class Autoscaler:
     started: float | None = None
 
     def recommend(
-        self, now: float, current: int, utilization_milli: int | None, spec: AutoscalingSpec
+        self,
+        now: float,
+        current: int,
+        utilization_milli: int | None,
+        spec: AutoscalingSpec,
+        ready: int | None = None,
     ) -> int:
-        """The replicas to set now (`current` when nothing should change). `now` is in seconds."""
+        """The replicas to set now (`current` when nothing should change). `now` is in seconds;
+        `utilization_milli` is the mean over the `ready` servers (None: all `current` are)."""
         if self.started is None:
             self.started = now
         if utilization_milli is None:  # no server reports load: keep what we have, within bounds
             return min(max(current, spec.min_replicas), spec.max_replicas)
-        recommendation = raw_recommendation(current, utilization_milli, spec)
+        if ready is not None and 0 <= ready < current:  # some still starting: they count as idle
+            as_idle = utilization_milli * ready // current
+            recommendation = max(raw_recommendation(current, as_idle, spec), current)
+        else:
+            recommendation = raw_recommendation(current, utilization_milli, spec)
         self.history.append((now, recommendation))
         horizon = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         while self.history and self.history[0][0] < now - horizon:

@@ -128,8 +128,9 @@ def set_expert_replicas(
     else:
         key = (metadata["namespace"], metadata["name"])
         autoscaler = ctx.autoscalers.setdefault(key, Autoscaler())
-        utilization = (pool.get("status") or {}).get("utilizationMilli")
-        desired = autoscaler.recommend(time.monotonic(), current, utilization, spec.autoscaling)
+        status = pool.get("status") or {}
+        utilization, ready = status.get("utilizationMilli"), status.get("readyReplicas")
+        desired = autoscaler.recommend(time.monotonic(), current, utilization, spec.autoscaling, ready)
     if desired == current:
         return
     ctx.kube.merge_patch(

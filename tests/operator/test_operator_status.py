@@ -109,6 +109,21 @@ def test_autoscaler_scales_up_at_once_and_down_after_the_window() -> None:
     assert Autoscaler().recommend(0.0, 1, None, SCALING) == 2  # no load reports: just stay in bounds
 
 
+def test_servers_still_starting_count_as_idle_and_block_a_scale_down() -> None:
+    """As the HPA treats unready pods: a scale-up in progress is not compounded while its servers
+    load their experts (the ready ones' load alone would ask again at every pass)."""
+    scaler = Autoscaler()
+    assert scaler.recommend(0.0, 4, 1000, SCALING, ready=4) == 8
+    # 4 servers ready at full load, 4 starting: 4000 / 8 = 500 per server = the target: hold
+    assert scaler.recommend(1.0, 8, 1000, SCALING, ready=4) == 8
+    assert scaler.recommend(2.0, 8, 1000, SCALING, ready=6) == 10  # 6000 / 8 > target: more is needed
+    idle = Autoscaler()
+    assert idle.recommend(0.0, 4, 100, SCALING, ready=3) == 4
+    assert idle.recommend(61.0, 4, 100, SCALING, ready=3) == 4  # no scale-down while one starts
+    assert idle.recommend(62.0, 4, 100, SCALING, ready=4) == 4  # ... and a full window after that
+    assert idle.recommend(123.0, 4, 100, SCALING, ready=4) == 2
+
+
 def test_reconcile_metrics_count_results() -> None:
     metrics = OperatorMetrics(CollectorRegistry())
     with metrics.reconcile("ExpertPool"):
