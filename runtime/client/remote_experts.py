@@ -6,9 +6,11 @@ parallel, and sum the partial results.
 
 Failover: a server that closes its connection, dies or hangs is marked dead; the entries it
 owed are re-routed to live replicas of the same experts and sent again, so the layer's answer is
-the same. With no live replica left, ``ExpertUnavailable`` names the layer and expert. A
-background thread re-attaches dead servers (exponential backoff); a server that answers the
-handshake again rejoins the routing table at the start of the next layer.
+the same. A background thread re-attaches dead servers (exponential backoff); a server that
+answers the handshake again rejoins the routing table at the start of the next layer. With no
+live replica left for an expert, the layer waits up to ``unavailable_wait_s`` for one to rejoin
+(servers that only freed this client's slots, after it hung past its Lease, answer within
+``rejoin_min_s``), then ``ExpertUnavailable`` names the layer and expert.
 
 A hang is told from slowness by asking: each server's round trips are smoothed as TCP smooths
 them (RFC 6298: ``srtt``, ``rttvar``). A request unanswered for ``max(suspect_floor_s, srtt + 4 ×
@@ -37,7 +39,7 @@ import torch
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.client.connection import Expected, ServerConnection
-from eaas.runtime.client.errors import HandshakeError
+from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
 from eaas.runtime.client.routing import RoutingTable, Share
 from eaas.runtime.model import MoEConfig
 from eaas.runtime.placement import Placement
@@ -57,6 +59,7 @@ class ClientOptions:
     connect_timeout_s: float = 2.0
     rejoin_min_s: float = 0.2  # first re-handshake delay after a failure (doubles up to rejoin_max_s)
     rejoin_max_s: float = 5.0
+    unavailable_wait_s: float = 2.0  # an expert with no live replica: wait this long for one to rejoin
     spread_threshold: int = 32  # an expert with more tokens than this in a batch is split over replicas
     data_tokens: Tokens = field(default_factory=Tokens)  # the first is presented at every slot handshake
     client_id: str = field(default_factory=lambda: f"client-{uuid.uuid4().hex[:8]}")
@@ -213,8 +216,18 @@ class RemoteExperts:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         todo = expert_ids.to("cpu", torch.int64)  # [T, K]; entries already computed become -1
         weights = weights.to(torch.float32)
+        give_up_at: float | None = None  # while an expert has no live replica: until rejoins are awaited
         while bool((todo >= 0).any()):
-            assignment = self.table.assign(layer, todo, self.live)  # [T, K]
+            try:
+                assignment = self.table.assign(layer, todo, self.live)  # [T, K]
+            except ExpertUnavailable:
+                # Every replica down is often every slot freed at once, not every server gone: a
+                # client that hung past its Lease, or whose servers all restarted. They answer the
+                # rejoin handshake within rejoin_min_s; fail only if none does in time.
+                give_up_at = give_up_at or time.monotonic() + self.options.unavailable_wait_s
+                if not self._await_rejoin(give_up_at):
+                    raise
+                continue
             failed_rows = self._exchange(layer, x, weights, RoutingTable.split(assignment, todo), out)
             if not failed_rows:
                 break
@@ -367,6 +380,17 @@ class RemoteExperts:
             self.counters.failovers += 1
             log.warning("expert server %d failed (%s); failing over to replicas", conn.ordinal, reason)
             self.events.append(FailoverEvent(time.time(), "failed", conn.ordinal, reason, layer))
+
+    def _await_rejoin(self, until: float) -> bool:
+        """Waits until a dead server has rejoined (applied: True) or ``until`` (False)."""
+        while time.monotonic() < until and not self._stop.is_set():
+            with self._lock:
+                pending = bool(self._rejoined)
+            if pending:
+                self._apply_rejoins()
+                return True
+            time.sleep(0.01)
+        return False
 
     def refresh(self) -> None:
         """Applies pending rejoins now (otherwise at the next layer); call from the thread that generates."""

@@ -181,19 +181,39 @@ def test_no_live_replica_raises_expert_unavailable_naming_layer_and_expert(
     config = CheckpointReader(checkpoint).config
     placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
     with in_process_servers(checkpoint, placement) as servers:
-        client = AttentionClient(
-            checkpoint, placement, urls(servers), ClientOptions(transport="tcp")
-        ).connect()
+        options = ClientOptions(transport="tcp", unavailable_wait_s=0.5)
+        client = AttentionClient(checkpoint, placement, urls(servers), options).connect()
         try:
             servers[0].stop()
             servers[1].stop()
+            started = time.monotonic()
             with pytest.raises(
                 ExpertUnavailable, match=r"expert unavailable: \(layer \d+, expert \d+\)"
             ) as error:
                 client.generate(PROMPTS, 3)
             assert sorted(error.value.replicas) == [0, 1]
+            assert time.monotonic() - started >= 0.5  # the replicas were given time to rejoin
         finally:
             client.close()
+
+
+def test_every_slot_freed_at_once_fails_no_request(
+    tiny_checkpoints: dict[str, Path], reference_outputs: dict[str, tuple[list[list[int]], torch.Tensor]]
+) -> None:
+    """A client that hung past its Lease finds, when it resumes, every slot freed by every server:
+    no expert has a live replica, yet the servers are all there. It re-attaches and the step goes
+    on with the same tokens, instead of failing with ExpertUnavailable."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=2)
+    with in_process_servers(checkpoint, placement) as servers:
+        options = ClientOptions(transport="tcp", lease="m-attention-x")
+        with AttentionClient(checkpoint, placement, urls(servers), options) as client:
+            for server in servers.values():
+                assert len(server.reap_expired_leases(lambda name, _: name == "m-attention-x")) == 1
+            tokens, _ = client.generate(PROMPTS, MAX_NEW_TOKENS)
+            assert client.experts.counters.rejoins == 2
+    assert tokens == reference_outputs["mixtral"][0]
 
 
 CLIENT_SCRIPT = textwrap.dedent(
