@@ -193,6 +193,7 @@ class ControlPlane:
         self.processes: list[ManagedProcess] = []
         self.network: PodNetwork | None = None
         self.pod_dir = self.work_dir / "pods"  # process nodes: per pod, its volumes and container logs
+        self._admin: ssl.SSLContext | None = None  # a client context with the admin's certificate
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ControlPlane:
@@ -237,6 +238,20 @@ class ControlPlane:
         )
         if remove:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def api_server_down(self, seconds: float) -> float:
+        """Stops the kube-apiserver (SIGTERM, as a crash or an upgrade of the only replica would
+        take it away), starts it again after `seconds` and waits until it is ready again; returns
+        how long it was unreachable. Everything else keeps running."""
+        api = next(p for p in self.processes if p.name == "kube-apiserver")
+        admin = self._admin
+        assert admin is not None, "the control plane was not started"
+        stopped = time.monotonic()
+        api.stop()
+        time.sleep(max(0.0, seconds - (time.monotonic() - stopped)))
+        api.start()
+        self._wait(lambda: _https_ok(f"{self.server}/readyz", admin), "kube-apiserver /readyz again")
+        return time.monotonic() - stopped
 
     # -- internals -----------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
@@ -319,6 +334,7 @@ class ControlPlane:
         self.kubeconfig.write_text(yaml.safe_dump(_kubeconfig(self.server, pki)))
         admin = ssl.create_default_context(cafile=str(pki.ca_cert))
         admin.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
+        self._admin = admin
         self._wait(lambda: _https_ok(f"{self.server}/readyz", admin), "kube-apiserver /readyz")
 
         kubeconfig = f"--kubeconfig={self.kubeconfig}"
