@@ -156,12 +156,16 @@ class Rebalancer:
         if forecast is not None and forecast.shape == load.shape:
             drift = prediction_error(forecast, load, 1, 1)
         cost = replace(self.cost, load_error=drift)
+        if window.seconds_per_token is not None:  # measured on these servers: what a token costs here
+            cost = replace(cost, seconds_per_token=window.seconds_per_token)
         try:
             decision = rebalance.plan(committed, load, policy, cost, capacity=capacity)
         except PlacementError as error:
             logger.warning("rebalance of %s/%s failed: %s", *key, error)
             return self._count(key, rebalance.Decision(None, "error", str(error)))
-        return self._count(key, replace(decision, load_error=drift))
+        measured = "measured" if window.seconds_per_token is not None else "assumed"
+        message = f"{decision.message}; {cost.seconds_per_token * 1e6:.3g} us per routed token ({measured})"
+        return self._count(key, replace(decision, load_error=drift, message=message))
 
     def _count(self, key: tuple[str, str], decision: rebalance.Decision) -> rebalance.Decision:
         logger.info(

@@ -18,7 +18,10 @@ Two steps, each a plain function the collector (:mod:`eaas.operator.collector`) 
 
 Units: the window's load is scaled to one rebalance interval and passed as the load of one
 "step" (``horizon_steps=1``), so the objective compares compute over the next interval (assumed
-to see the same load) against the one-off cost of loading experts.
+to see the same load) against the one-off cost of loading experts. The compute per routed token
+is measured: servers report the seconds they spent computing (``busy_seconds``), and the
+window's busy seconds per routed token replace the cost model's default (an H100 figure) when
+known, so a pool of slower servers weighs its imbalance as what it costs there.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class ServerStats:
     since_unix_s: float
     layers: tuple[int, ...]
     tokens: np.ndarray  # [L, E] int64, rows in `layers` order
+    busy_seconds: float | None = None  # spent computing batches since start (absent: not reported)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,9 @@ class WindowLoad:
     seconds: the window's length; counted: ordinals whose tokens are in ``load``;
     missing: ordinals of the placement left out (no answer now or at the window's start);
     restarted: ordinals whose counters were reset during the window;
-    complete: every (layer, expert) has at least one counted host.
+    complete: every (layer, expert) has at least one counted host;
+    seconds_per_token: the counted servers' busy seconds per routed token over the window (their
+    fixed per-layer costs included), None when none reports its busy time.
     """
 
     load: np.ndarray
@@ -84,6 +90,7 @@ class WindowLoad:
     missing: tuple[int, ...]
     restarted: tuple[int, ...]
     complete: bool
+    seconds_per_token: float | None = None
 
     @property
     def total_tokens(self) -> float:
@@ -109,7 +116,16 @@ def parse_stats(document: Any, layers: tuple[int, ...], num_experts: int) -> Ser
     since = document.get("since_unix_s", 0.0)
     if not isinstance(since, (int, float)) or not math.isfinite(since):
         raise StatsError(f"since_unix_s: expected a number, got {since!r}")
-    return ServerStats(str(document.get("instance", "")), float(since), tuple(layers), tokens)
+    busy = document.get("busy_seconds")
+    if busy is not None and (not isinstance(busy, (int, float)) or not math.isfinite(busy) or busy < 0):
+        raise StatsError(f"busy_seconds: expected a number >= 0, got {busy!r}")
+    return ServerStats(
+        str(document.get("instance", "")),
+        float(since),
+        tuple(layers),
+        tokens,
+        None if busy is None else float(busy),
+    )
 
 
 def window_load(previous: Scrape, current: Scrape, placement: Placement) -> WindowLoad:
@@ -118,22 +134,30 @@ def window_load(previous: Scrape, current: Scrape, placement: Placement) -> Wind
     counted_sum = np.zeros(shape, dtype=np.float64)
     counted: list[int] = []
     restarted: list[int] = []
+    timed_seconds, timed_tokens = 0.0, 0  # over servers that report their busy time
     for ordinal in placement.ordinals:
         now = current.servers.get(ordinal)
         before = previous.servers.get(ordinal)
         if now is None or now.tokens.shape != shape:
             continue
+        busy: float | None
         if before is None or before.tokens.shape != shape:
             if now.since_unix_s < previous.at:  # up before the window began: its start is unknown
                 continue
-            delta = now.tokens  # started during the window: all it counted is the window's
+            delta, busy = now.tokens, now.busy_seconds  # started during the window: all is the window's
         elif before.instance != now.instance or (now.tokens < before.tokens).any():
-            delta = now.tokens  # restarted: counters start again from zero
+            delta, busy = now.tokens, now.busy_seconds  # restarted: counters start again from zero
             restarted.append(ordinal)
         else:
             delta = now.tokens - before.tokens
+            busy = None
+            if now.busy_seconds is not None and before.busy_seconds is not None:
+                busy = now.busy_seconds - before.busy_seconds
         counted_sum += delta
         counted.append(ordinal)
+        if busy is not None and busy >= 0:
+            timed_seconds += busy
+            timed_tokens += int(delta.sum())
     hosting = placement.hosting_matrix()  # [S, L, E] bool
     replicas = hosting.sum(axis=0)  # [L, E]
     counted_rows = [placement.server_index(o) for o in counted]
@@ -147,6 +171,7 @@ def window_load(previous: Scrape, current: Scrape, placement: Placement) -> Wind
         missing=tuple(o for o in placement.ordinals if o not in counted),
         restarted=tuple(restarted),
         complete=complete,
+        seconds_per_token=timed_seconds / timed_tokens if timed_tokens > 0 and timed_seconds > 0 else None,
     )
 
 

@@ -328,6 +328,7 @@ class ExpertServer:
             "ordinal": self.config.ordinal,
             "instance": self.instance,
             "placement_version": self.placement_version,
+            "busy_seconds": self.loop.busy_seconds,  # computing batches since start: the cost per token
             **self.load.to_json(self.model.moe_layers),
         }
 

@@ -79,12 +79,15 @@ def test_an_unknown_policy_is_refused_with_the_allowed_values() -> None:
 # -- /v1/stats documents and the window's load -----------------------------------------------------
 
 
-def stats(tokens: np.ndarray, instance: str = "a", since: float = 0.0) -> dict[str, Any]:
+def stats(
+    tokens: np.ndarray, instance: str = "a", since: float = 0.0, busy: float | None = None
+) -> dict[str, Any]:
     """A /v1/stats document as the expert server writes it (runtime/server/stats.py)."""
     return {
         "ordinal": 0,
         "instance": instance,
         "placement_version": 3,
+        **({} if busy is None else {"busy_seconds": busy}),
         "since_unix_s": since,
         "layers": list(LAYERS),
         "num_experts": 8,
@@ -165,6 +168,48 @@ def test_a_server_started_during_the_window_counts_everything_it_served() -> Non
     np.testing.assert_allclose(window.load, load)
 
 
+def test_the_cost_per_token_is_measured_from_the_servers_busy_time() -> None:
+    """Busy seconds over routed tokens in the window; servers that do not report are left out of
+    it (their tokens still count as load), and none reporting leaves it unknown."""
+    current = placement()
+    load = hot_load(tokens=4000)
+    before = {o: stats(served(current, o, load), busy=10.0) for o in current.ordinals}
+    after = {o: stats(served(current, o, 3 * load), busy=10.0 + 0.002 * o) for o in current.ordinals}
+    after[3] = stats(served(current, 3, 3 * load))  # an older server without busy_seconds
+    window = rebalance.window_load(scrape(100.0, before), scrape(160.0, after), current)
+    timed = sum(float(served(current, o, 2 * load).sum()) for o in (0, 1, 2))
+    assert window.seconds_per_token == pytest.approx((0.0 + 0.002 + 0.004) / timed)
+    np.testing.assert_allclose(window.load, 2 * load)
+    untimed = {o: stats(served(current, o, 3 * load)) for o in current.ordinals}
+    assert (
+        rebalance.window_load(scrape(100.0, before), scrape(160.0, untimed), current).seconds_per_token
+        is None
+    )
+
+
+def test_tick_plans_with_the_measured_cost_per_token() -> None:
+    """A skew that does not pay for its moves at the default (H100) cost per token does on
+    servers measured 100x slower: the rebalance is then made, and says what it assumed."""
+    current = placement()
+    load = hot_load(tokens=400)
+    decisions = {}
+    for busy_per_token in (None, 25e-6):
+        fake, _, rebalancer, urls = ticking(current)
+        for total in (load, 2 * load):
+            for o in current.ordinals:
+                tokens = served(current, o, total)
+                seconds = None if busy_per_token is None else float(tokens.sum()) * busy_per_token
+                fake.answers[f"{urls[o]}/v1/stats"] = stats(tokens, busy=seconds)
+            decision = rebalancer.tick(("ns", "p"), current, urls, "cost_aware", 60)
+            fake.now += 60
+        decisions[busy_per_token] = decision
+    assert decisions[None] is not None and decisions[None].result == "unchanged"
+    assert decisions[None].message.endswith("0.25 us per routed token (assumed)")
+    measured = decisions[25e-6]
+    assert measured is not None and measured.result == "rebalanced"
+    assert measured.message.endswith("25 us per routed token (measured)")
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -173,6 +218,8 @@ def test_a_server_started_during_the_window_counts_everything_it_served() -> Non
         ({"tokens": [[1, 2]]}, "tokens"),
         ({"tokens": "many"}, "tokens"),
         ({"since_unix_s": "yesterday"}, "since_unix_s"),
+        ({"busy_seconds": -1}, "busy_seconds"),
+        ({"busy_seconds": "lots"}, "busy_seconds"),
     ],
 )
 def test_unusable_stats_documents_are_refused_naming_the_field(change: dict[str, Any], field: str) -> None:
