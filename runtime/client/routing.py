@@ -4,9 +4,12 @@ Built from a ``Placement`` (server ordinal → hosted (layer, expert) pairs, rep
 Replica choice is deterministic and spreads load two ways:
 
 - an expert with few tokens in the batch goes whole to one live replica, number
-  ``(layer + e) mod live_replicas``: experts spread over servers, and each expert's weights are read
-  by one server only (decode is bound by reading weights; splitting a small group would read them
-  twice);
+  ``(layer + e + turn) mod live_replicas``, where ``turn`` counts the layer's batches: experts spread
+  over servers, each expert's weights are read by one server per batch (decode is bound by
+  reading weights; splitting a small group would read them twice), and over successive batches
+  an expert's load is shared evenly by its replicas — what the placement planner assumes when it
+  weighs a server's load (without the turn, each cold expert's whole load would stay on one
+  replica, and a rebalance could move load where the planner did not expect it);
 - an expert with more than ``spread_threshold`` tokens (a hot expert, or a prefill) is split:
   its t-th token goes to replica ``(t + e) mod live_replicas``, so its replicas share the compute.
 
@@ -42,6 +45,7 @@ class RoutingTable:
         width = max(len(hosts) for per_expert in table.values() for hosts in per_expert)
         self._replicas: dict[int, torch.Tensor] = {}  # layer -> [E, R] server index, -1 = none
         self._device_replicas: dict[tuple[int, str], torch.Tensor] = {}
+        self._turns: dict[int, int] = {}  # layer -> batches routed (rotates cold experts' replicas)
         for layer, per_expert in table.items():
             replicas = torch.full((self.num_experts, width), -1, dtype=torch.int64)
             for expert, hosts in enumerate(per_expert):
@@ -89,7 +93,9 @@ class RoutingTable:
         tokens_per_expert.scatter_add_(0, ids.clamp(min=0).reshape(-1), active.reshape(-1).to(torch.int64))
         hot = tokens_per_expert[ids.clamp(min=0)] > self.spread_threshold  # [T, K]
         tokens = torch.arange(ids.shape[0], device=ids.device)[:, None]  # [T, 1]
-        salt = torch.where(hot, tokens, layer)  # split hot experts by token, keep others whole
+        turn = self._turns.get(layer, 0)
+        self._turns[layer] = turn + 1
+        salt = torch.where(hot, tokens, layer + turn)  # split hot experts by token, rotate others whole
         pick = (salt + ids) % counts.clamp(min=1)  # [T, K]: which live replica
         rank = alive.cumsum(-1) - 1  # [T, K, R]: rank of each live replica
         chosen = (alive & (rank == pick[..., None])).to(torch.int8).argmax(-1)  # [T, K]

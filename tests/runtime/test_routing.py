@@ -71,6 +71,8 @@ def test_replicas_share_a_hot_expert_and_the_choice_is_deterministic() -> None:
     assert counts[hosts].tolist() == [50, 50]  # a hot expert is split over its replicas
     cold = table.assign(1, torch.full((8, 1), 3), live)
     assert cold.unique().numel() == 1 and int(cold[0, 0]) in hosts  # a cold one stays whole on one replica
+    turns = [int(table.assign(1, torch.full((8, 1), 3), live)[0, 0]) for _ in range(6)]
+    assert sorted(turns) == sorted(hosts * 3)  # ... which rotates: over batches its replicas share it
     spread = table.assign(1, torch.arange(EXPERTS)[:, None], live)
     assert spread.unique().numel() == 4  # and different experts land on different servers
 

@@ -50,6 +50,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 API_KEY = "sk-e2e"
 PROMPTS = ["experts as a service", "the pool scales", "one GPU at a time", "no request is lost"]
+SKEWED = "aaaaaaaaaaaaaaaa"  # asked over and over (drill 7): its tokens keep to a few experts
 MAX_TOKENS = 24
 REPLICATION = 2
 
@@ -70,8 +71,17 @@ class Load:
     """Streaming completions through the Service from `workers` threads until stopped (bounded:
     at most `limit` requests and `max_seconds`)."""
 
-    def __init__(self, url: str, model: str, workers: int = 2, limit: int = 400, max_seconds: float = 240):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        workers: int = 2,
+        limit: int = 400,
+        max_seconds: float = 240,
+        prompts: tuple[str, ...] = tuple(PROMPTS),
+    ):
         self.url, self.model, self.workers, self.limit = url, model, workers, limit
+        self.prompts = prompts
         self.deadline = time.monotonic() + max_seconds
         self.outcomes: list[Outcome] = []
         self.stopping = threading.Event()
@@ -94,7 +104,7 @@ class Load:
             with self.lock:
                 if len(self.outcomes) >= self.limit:
                     return
-                outcome = Outcome(PROMPTS[turn % len(PROMPTS)])
+                outcome = Outcome(self.prompts[turn % len(self.prompts)])
                 self.outcomes.append(outcome)
             turn += self.workers
             stream_completion(self.url, self.model, outcome)
@@ -302,6 +312,18 @@ def retried(url: str, model: str, prompt: str, attempts: int = 20) -> Outcome:
     return outcome
 
 
+def reference_texts(checkpoint: Path, prompts: list[str]) -> dict[str, str]:
+    """What the single-process reference model answers to each prompt (greedy, up to EOS)."""
+    reference = load_reference(checkpoint)
+    tokenizer = load_tokenizer(checkpoint, reference.config.vocab_size)
+    generated, _ = reference.generate([tokenizer.encode(p) for p in prompts], MAX_TOKENS)
+    expected = {}
+    for prompt, ids in zip(prompts, generated, strict=True):
+        stop = next((i for i, t in enumerate(ids) if t in tokenizer.eos_token_ids), len(ids))
+        expected[prompt] = tokenizer.decode(ids[:stop])
+    return expected
+
+
 @pytest.fixture(scope="module")
 def system_operator(
     cluster: Cluster, release: Release, tmp_path_factory: pytest.TempPathFactory
@@ -318,17 +340,14 @@ def system(
 ) -> Iterator[System]:
     """Drill 1: `kubectl apply` the tiny MoEService → Ready → completions through the Service equal
     the reference."""
-    reference = load_reference(node_checkpoint)
-    tokenizer = load_tokenizer(node_checkpoint, reference.config.vocab_size)
-    generated, _ = reference.generate([tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
-    expected = {}
-    for prompt, ids in zip(PROMPTS, generated, strict=True):
-        stop = next((i for i, t in enumerate(ids) if t in tokenizer.eos_token_ids), len(ids))
-        expected[prompt] = tokenizer.decode(ids[:stop])
+    expected = reference_texts(node_checkpoint, [*PROMPTS, SKEWED])
     manifest = copy.deepcopy(tiny_gpu_manifest())
     manifest["spec"]["expertPool"]["gpusPerPod"] = 0  # the processes compute on CPU here
     manifest["spec"]["model"]["checkpoint"] = {"hostPath": {"path": str(node_checkpoint)}}
     manifest["spec"]["heartbeat"] = {"intervalSeconds": 1, "timeoutSeconds": 5}
+    # Load-based rebalancing only where a drill asks for it (drill 7): elsewhere a rebalance
+    # would be a change the drill did not make.
+    manifest["spec"]["placement"] = {"rebalanceIntervalSeconds": 0}
     with cluster.namespace(prefix="drills") as namespace:
         started = time.monotonic()
         apply_tiny(cluster, namespace, manifest, keys=API_KEY)
@@ -380,7 +399,7 @@ def _drill(system: System, victim: Any, act: Any, name: str, timeout: float = 18
                 return False
         return system.full_strength(3)
 
-    with Load(system.url, system.model, workers=2) as load:
+    with ReplicaWatch(system) as watch, Load(system.url, system.model, workers=2) as load:
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
         before_start = time.monotonic()
         time.sleep(3)
@@ -397,9 +416,17 @@ def _drill(system: System, victim: Any, act: Any, name: str, timeout: float = 18
     baseline = longest_gap(outcomes, before_start, struck)
     during = longest_gap(outcomes, struck, time.monotonic())
     failed = sum(1 for o in outcomes if o.error)
+    # R on the survivors: from the first sample short of R (the victim's pod no longer Ready) to
+    # the next with every expert on R Ready servers of the committed placement (the re-placement
+    # committed, or the victim Ready again, whichever came first).
+    samples = [(t, f) for t, _, f in watch.fewest if t >= struck]
+    short = next((t for t, f in samples if f < REPLICATION), None)
+    whole = next((t for t, f in samples if short is not None and t > short and f >= REPLICATION), None)
+    r_back = f"{whole - struck:.1f} s" if whole is not None else "never short"
     print(
         f"\n{name}: {len(outcomes)} requests, {failed} failed; interruption {during:.2f} s "
-        f"(before: {baseline:.2f} s); full R again after {restored:.1f} s"
+        f"(before: {baseline:.2f} s); R on Ready servers again after {r_back}; victim back and "
+        f"pool whole after {restored:.1f} s"
     )
     system.check(outcomes)
     return during, baseline
@@ -618,6 +645,8 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
         data = system.cluster.core.read_namespaced_config_map(f"{POOL}-placement", ns).data
         return Placement.from_json(data["placement.json"]).ordinals if "pending.json" not in data else ()
 
+    moe: Any = system.cluster.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME)
+    original_mode = moe["spec"]["autoscaling"]["mode"]
     mode("external")  # `kubectl scale` is then the one writer of the pool's replicas
     wait_until(lambda: system.full_strength(3), 60, "the pool settled at 3")
     took = {}
@@ -648,7 +677,7 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
         back = time.monotonic()
         wait_until(lambda: load.completed_since(back) >= 2, 120, "requests after")
     after = {p.metadata.name: p.metadata.uid for p in system.expert_pods()}
-    mode("off")
+    mode(original_mode)
     system.check(load.outcomes)
     stayed = {name: uid for name, uid in uids.items() if name != victim}
     assert {name: after.get(name) for name in stayed} == stayed  # only the chosen server left
@@ -710,6 +739,73 @@ def test_api_server_outage_under_load(system: System, system_operator: OperatorP
     )
     assert served_while_down >= 2
     assert during < baseline + 1.0
+
+
+def test_skewed_load_is_rebalanced(system: System) -> None:
+    """Drill 7: one prompt asked over and over keeps its tokens on a few experts. With load-based
+    rebalancing turned on, the operator measures the skew (and what a token costs on these
+    servers), publishes a placement that moves experts (the `Rebalanced` event), and the measured
+    per-server load evens out: the max/mean of the servers' expert-token rates falls. No request
+    fails, every answer stays the reference's."""
+    ns = system.namespace
+    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+
+    def interval(seconds: int) -> None:
+        patch = {"spec": {"placement": {"rebalanceIntervalSeconds": seconds}}}
+        system.cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME, patch)
+
+    def committed() -> tuple[int, bool]:
+        data = system.cluster.core.read_namespaced_config_map(f"{POOL}-placement", ns).data
+        return Placement.from_json(data["placement.json"]).version, "pending.json" in data
+
+    def expert_tokens() -> dict[str, float]:
+        totals = {}
+        for pod in system.expert_pods():
+            text = urllib.request.urlopen(f"{pod_url(pod, 'control')}/metrics", timeout=5).read().decode()
+            totals[pod.metadata.name] = sum(metric(text, "eaas_expert_server_expert_tokens_total"))
+        return totals
+
+    def imbalance(seconds: float) -> tuple[float, list[float]]:
+        """max/mean of the servers' expert-token rates over the next `seconds`."""
+        start = expert_tokens()
+        time.sleep(seconds)
+        end = expert_tokens()
+        rates = [(end[name] - start[name]) / seconds for name in sorted(start) if name in end]
+        return max(rates) / (sum(rates) / len(rates)), rates
+
+    def rebalanced_events() -> list[Any]:
+        events = system.cluster.core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={POOL},reason=Rebalanced"
+        )
+        return events.items
+
+    version, _ = committed()
+    with Load(system.url, system.model, prompts=(SKEWED,)) as load:
+        wait_until(lambda: load.completed_since(0) >= 2, 120, "skewed requests before")
+        before, rates_before = imbalance(12)
+        enabled = time.monotonic()
+        interval(10)  # on: a baseline scrape, a window of 10 s, then a plan
+        try:
+            wait_until(
+                lambda: committed()[0] > version and not committed()[1] and rebalanced_events(),
+                150,
+                "a rebalanced placement committed",
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
+        took = time.monotonic() - enabled
+        interval(0)  # off again: what follows is measured on that one placement
+        after, rates_after = imbalance(12)
+    system.check(load.outcomes)
+    event = rebalanced_events()[-1]
+    print(
+        f"\ndrill 7 (skewed prompt): {len(load.outcomes)} requests, 0 failed; Rebalanced after "
+        f"{took:.1f} s: {event.message}; per-server expert tokens/s before "
+        f"{[round(r) for r in rates_before]} (max/mean {before:.2f}), after "
+        f"{[round(r) for r in rates_after]} (max/mean {after:.2f})"
+    )
+    assert "measured" in event.message
+    assert after < before
 
 
 LIVE_STATUS = ("utilizationMilli",)  # the servers' busy fraction: follows the load, not the operator
