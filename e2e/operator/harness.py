@@ -9,7 +9,8 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,9 @@ class OperatorProcess:
     process: ManagedProcess | None = None
     metrics_port: int = 0
     health_port: int = 0
+    # (start, end) in seconds since the epoch: a kube-apiserver that has just started refuses
+    # requests until its RBAC caches are filled, so its 403s then are not the chart's fault
+    forbidden_grace: list[tuple[float, float]] = field(default_factory=list)
 
     def start(self) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
@@ -113,7 +117,16 @@ class OperatorProcess:
             for line in text.splitlines()
             if ("403 Forbidden" in line or " is forbidden: " in line)
             and "because it is being terminated" not in line
+            and not self._in_grace(line)
         ]
+
+    def _in_grace(self, line: str) -> bool:
+        """Was `line` (it starts with the log's local timestamp) logged in a grace window?"""
+        try:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            return False
+        return any(start <= stamp <= end for start, end in self.forbidden_grace)
 
     def log_tail(self, lines: int = 60) -> str:
         return tail(self.log_path, lines)

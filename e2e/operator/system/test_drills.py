@@ -656,8 +656,8 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
         took["4 -> 2"] = scale(2)
         took["2 -> 3"] = scale(3)
         uids = {p.metadata.name: p.metadata.uid for p in system.expert_pods()}
-        victim = f"{POOL}-1"
-        assert victim in uids, uids
+        ordinals = sorted(int(name.rsplit("-", 1)[1]) for name in uids)
+        victim = f"{POOL}-{ordinals[1]}"  # the middle one of three (which ones depends on earlier drills)
         started = time.monotonic()
         system.cluster.kubectl("annotate", "pod", victim, "eaas.io/retire=true", "-n", ns)
         again = system.cluster.kubectl(  # asked twice: the same retirement, nothing more
@@ -673,7 +673,7 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
             240,
             "the retired server gone and the pool at 3 again",
         )
-        took["retire 1"] = time.monotonic() - started
+        took[f"retire {victim}"] = time.monotonic() - started
         back = time.monotonic()
         wait_until(lambda: load.completed_since(back) >= 2, 120, "requests after")
     after = {p.metadata.name: p.metadata.uid for p in system.expert_pods()}
@@ -719,6 +719,10 @@ def test_api_server_outage_under_load(system: System, system_operator: OperatorP
         struck = time.monotonic()
         unreachable = system.plane.api_server_down(30)
         returned = time.monotonic()
+        # Just started, the kube-apiserver refuses requests for a moment while it fills its RBAC
+        # caches (a 403 for a verb the chart grants): the operator retries, and the drill requires
+        # that it carries out a change afterwards.
+        system_operator.forbidden_grace.append((time.time() - 1, time.time() + 15))
         served_while_down = load.completed_since(struck) - load.completed_since(returned)
         time.sleep(10)  # the operator's first passes after the outage, on Leases that looked expired
         system_operator.check_alive()
@@ -745,8 +749,9 @@ def test_skewed_load_is_rebalanced(system: System) -> None:
     """Drill 7: one prompt asked over and over keeps its tokens on a few experts. With load-based
     rebalancing turned on, the operator measures the skew (and what a token costs on these
     servers), publishes a placement that moves experts (the `Rebalanced` event), and the measured
-    per-server load evens out: the max/mean of the servers' expert-token rates falls. No request
-    fails, every answer stays the reference's."""
+    per-server load evens out: summed over layers, the busiest server's tokens over the mean
+    server's (what the planner minimises: each layer waits for its busiest server) falls. No
+    request fails, every answer stays the reference's."""
     ns = system.namespace
     wait_until(lambda: system.full_strength(3), 120, "the pool settled")
 
@@ -758,20 +763,28 @@ def test_skewed_load_is_rebalanced(system: System) -> None:
         data = system.cluster.core.read_namespaced_config_map(f"{POOL}-placement", ns).data
         return Placement.from_json(data["placement.json"]).version, "pending.json" in data
 
-    def expert_tokens() -> dict[str, float]:
-        totals = {}
+    def layer_tokens() -> dict[str, list[int]]:
+        """Per server: the tokens it has computed for each MoE layer (from its /v1/stats)."""
+        counts = {}
         for pod in system.expert_pods():
-            text = urllib.request.urlopen(f"{pod_url(pod, 'control')}/metrics", timeout=5).read().decode()
-            totals[pod.metadata.name] = sum(metric(text, "eaas_expert_server_expert_tokens_total"))
-        return totals
+            stats = json.loads(
+                urllib.request.urlopen(f"{pod_url(pod, 'control')}/v1/stats", timeout=5).read()
+            )
+            counts[f"{pod.metadata.name}/{stats['instance']}"] = [sum(row) for row in stats["tokens"]]
+        return counts
 
-    def imbalance(seconds: float) -> tuple[float, list[float]]:
-        """max/mean of the servers' expert-token rates over the next `seconds`."""
-        start = expert_tokens()
+    def imbalance(seconds: float) -> tuple[float, list[int]]:
+        """What the planner minimises, measured over the next `seconds`: each layer waits for its
+        busiest server, so sum over layers of the busiest server's tokens / of the mean server's
+        (1.0 = even); and each server's tokens in the window."""
+        start = layer_tokens()
         time.sleep(seconds)
-        end = expert_tokens()
-        rates = [(end[name] - start[name]) / seconds for name in sorted(start) if name in end]
-        return max(rates) / (sum(rates) / len(rates)), rates
+        end = layer_tokens()
+        window = [[b - a for a, b in zip(start[n], end[n], strict=True)] for n in sorted(start) if n in end]
+        layers = list(zip(*window, strict=True))  # per layer, each server's tokens
+        busiest = sum(max(per_server) for per_server in layers)
+        mean = sum(sum(per_server) / len(per_server) for per_server in layers)
+        return busiest / mean, [sum(server) for server in window]
 
     def rebalanced_events() -> list[Any]:
         events = system.cluster.core.list_namespaced_event(
@@ -782,7 +795,7 @@ def test_skewed_load_is_rebalanced(system: System) -> None:
     version, _ = committed()
     with Load(system.url, system.model, prompts=(SKEWED,)) as load:
         wait_until(lambda: load.completed_since(0) >= 2, 120, "skewed requests before")
-        before, rates_before = imbalance(12)
+        before, rates_before = imbalance(20)
         enabled = time.monotonic()
         interval(10)  # on: a baseline scrape, a window of 10 s, then a plan
         try:
@@ -795,14 +808,13 @@ def test_skewed_load_is_rebalanced(system: System) -> None:
             raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
         took = time.monotonic() - enabled
         interval(0)  # off again: what follows is measured on that one placement
-        after, rates_after = imbalance(12)
+        after, rates_after = imbalance(20)
     system.check(load.outcomes)
     event = rebalanced_events()[-1]
     print(
         f"\ndrill 7 (skewed prompt): {len(load.outcomes)} requests, 0 failed; Rebalanced after "
-        f"{took:.1f} s: {event.message}; per-server expert tokens/s before "
-        f"{[round(r) for r in rates_before]} (max/mean {before:.2f}), after "
-        f"{[round(r) for r in rates_after]} (max/mean {after:.2f})"
+        f"{took:.1f} s: {event.message}; tokens per server in 20 s before {rates_before}, busiest/mean "
+        f"server summed over layers {before:.2f}; after {rates_after}, {after:.2f}"
     )
     assert "measured" in event.message
     assert after < before
