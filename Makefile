@@ -7,11 +7,12 @@ DEPS_STAMP := $(VENV)/.eaas-deps
 # Installed as a strict editable link tree so mypy can follow it (see CONVENTIONS.md).
 EDITABLE := --config-settings editable_mode=strict
 
-.PHONY: help install serve demo test lint typecheck unit e2e crds clean
+.PHONY: help install serve demo test lint typecheck unit e2e crds clean image
 help:
 	@echo "make serve  - serve a tiny random model (OpenAI API on :8000) from a local EaaS cluster"
 	@echo "make demo   - run EaaS locally (expert servers + attention client) on a tiny random model"
 	@echo "make test   - ruff, mypy and the whole pytest suite (builds the Kubernetes test binaries once)"
+	@echo "make image  - opt-in, as root: build the OCI image without Docker (VARIANT=cuda|cpu), run it, size it"
 
 # Heavy dependencies (torch is several GB) are installed once per .venv.
 $(DEPS_STAMP): pyproject.toml setup.py
@@ -51,6 +52,12 @@ test: install k8s-bins
 
 crds: install
 	$(PY) -m eaas.operator.crdgen --out crds --chart charts/eaas/crds --docs docs/crd-reference.md
+
+# Opt-in (heavy; not part of `make test`): the OCI image from Debian's archive with mmdebstrap and umoci,
+# checked with runc as its user 65532 (image/build.sh; docs/operations.md, "Container image").
+VARIANT ?= cuda
+image:
+	image/build.sh $(VARIANT)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache
