@@ -9,7 +9,8 @@
 # nvidia-* wheels, so it cannot be slimmed by leaving them out).
 # Base: Debian 12 (bookworm) and its python3 (3.11); gcc because Triton compiles its launcher.
 ARG VARIANT=cuda
-ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# VARIANT=cpu needs TORCH_CPU_INDEX: the URL of PyTorch's CPU wheel index (or a mirror of it).
+ARG TORCH_CPU_INDEX=""
 
 FROM debian:bookworm-slim AS base
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
@@ -27,7 +28,9 @@ COPY runtime ./runtime
 COPY kernels ./kernels
 COPY image/imagetool.py /usr/local/bin/
 # The wheel and its dependencies, pinned with their sha256, as image/build.sh does.
-RUN if [ "$VARIANT" = cpu ]; then export PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX"; fi \
+RUN if [ "$VARIANT" = cpu ] && [ -z "$TORCH_CPU_INDEX" ]; then \
+        echo "VARIANT=cpu needs --build-arg TORCH_CPU_INDEX=<PyTorch's CPU wheel index>" >&2; exit 1; fi \
+    && if [ "$VARIANT" = cpu ]; then export PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX"; fi \
     && python3 -m venv /opt/pip && /opt/pip/bin/pip install -q --upgrade pip \
     && /opt/pip/bin/pip wheel -q --no-deps --wheel-dir /dist . \
     && /opt/pip/bin/pip install -q --dry-run --ignore-installed --report /tmp/report.json /dist/eaas-*.whl \

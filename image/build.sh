@@ -23,7 +23,8 @@
 #    capabilities, no network.
 #
 # Environment: EAAS_IMAGE_CACHE (default ~/.cache/eaas/image: base, wheels, OCI layout, work dirs),
-# EAAS_IMAGE_MIRROR / EAAS_IMAGE_SECURITY_MIRROR (Debian archives; the base is pinned to the
+# EAAS_IMAGE_MIRROR / EAAS_IMAGE_SECURITY_MIRROR (Debian archives; default: the ones this machine's apt
+# uses; the base is pinned to the
 # release, not to a date), EAAS_IMAGE_RUNTIME (runc or crun), PYTHON (runs pip on this machine).
 set -euo pipefail
 
@@ -33,8 +34,27 @@ case $VARIANT in cpu | cuda) ;; *) echo "usage: $0 cuda|cpu" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${EAAS_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/eaas/image}
 SUITE=bookworm # Debian 12, whose python3 is 3.11: the pin of the base
-MIRROR=${EAAS_IMAGE_MIRROR:-http://deb.debian.org/debian}
-SECURITY_MIRROR=${EAAS_IMAGE_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
+# The Debian archives this machine's apt uses (deb822 .sources or one-line .list files), unless set.
+apt_uri() { # the first URI of an enabled source that lists suite $1
+    local file
+    for file in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+        [ -r "$file" ] || continue
+        case $file in
+        *.sources) awk -v suite="$1" 'BEGIN { RS = ""; FS = "\n" } {
+                uri = ""; ok = 0
+                for (i = 1; i <= NF; i++) {
+                    if ($i ~ /^URIs:/) { split($i, a, " "); uri = a[2] }
+                    if ($i ~ /^Suites:/) { n = split($i, b, " "); for (j = 2; j <= n; j++) if (b[j] == suite) ok = 1 }
+                    if ($i ~ /^Enabled: *no/) ok = 0
+                }
+                if (ok && uri != "") { print uri; exit }
+            }' "$file" ;;
+        *) awk -v suite="$1" '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { if ($(i + 1) == suite) { print $i; exit } } }' "$file" ;;
+        esac
+    done | head -n 1
+}
+MIRROR=${EAAS_IMAGE_MIRROR:-$(apt_uri "$SUITE")}
+SECURITY_MIRROR=${EAAS_IMAGE_SECURITY_MIRROR:-$(apt_uri "$SUITE-security")}
 PACKAGES=python3,python3-venv,gcc,libc6-dev,ca-certificates
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml")
 TAG=$VERSION-$VARIANT
@@ -49,7 +69,7 @@ TARGET+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platf
     --platform linux_x86_64)
 # PyPI's torch for Linux is the CUDA build (it does not import without its nvidia-* wheels): the cpu
 # variant takes torch's CPU build (+cpu) from PyTorch's index, next to PyPI.
-TORCH_CPU_INDEX=${EAAS_IMAGE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+TORCH_CPU_INDEX=${EAAS_IMAGE_TORCH_CPU_INDEX:-} # PyTorch's CPU wheel index, or a mirror of it
 INDEXES=()
 [ "$VARIANT" = cuda ] || INDEXES=(--extra-index-url "$TORCH_CPU_INDEX")
 
@@ -58,6 +78,10 @@ die() { echo "image/build.sh: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "needs root (mmdebstrap, chroot, mounts and runc)"
 [ "$(uname -m)" = x86_64 ] || die "builds linux/amd64 only"
+[ -n "$MIRROR" ] && [ -n "$SECURITY_MIRROR" ] \
+    || die "no Debian $SUITE archive in this machine's apt sources: set EAAS_IMAGE_MIRROR and EAAS_IMAGE_SECURITY_MIRROR"
+[ "$VARIANT" = cuda ] || [ -n "$TORCH_CPU_INDEX" ] \
+    || die "the cpu variant needs EAAS_IMAGE_TORCH_CPU_INDEX: the URL of PyTorch's CPU wheel index (or a mirror)"
 RUNTIME=${EAAS_IMAGE_RUNTIME:-$(command -v runc || command -v crun || true)}
 for tool in mmdebstrap umoci "${RUNTIME:-runc}"; do
     command -v "$tool" > /dev/null || die "$tool missing: apt-get install mmdebstrap umoci runc"
