@@ -23,9 +23,9 @@
 #    capabilities, no network.
 #
 # Environment: EAAS_IMAGE_CACHE (default ~/.cache/eaas/image: base, wheels, OCI layout, work dirs),
-# EAAS_IMAGE_MIRROR / EAAS_IMAGE_SECURITY_MIRROR (Debian archives; default: the ones this machine's apt
-# uses; the base is pinned to the
-# release, not to a date), EAAS_IMAGE_RUNTIME (runc or crun), PYTHON (runs pip on this machine).
+# EAAS_IMAGE_MIRROR / EAAS_IMAGE_SECURITY_MIRROR (Debian archives; default: the ones this machine's
+# apt uses; the base is pinned to the release, not to a date), EAAS_IMAGE_TORCH_CPU_INDEX (cpu:
+# PyTorch's CPU wheel index or a mirror), EAAS_IMAGE_RUNTIME (runc or crun), PYTHON (runs pip here).
 set -euo pipefail
 
 VARIANT=${1:-cuda}
