@@ -18,7 +18,9 @@ from e2e.controlplane import ControlPlane, ProcessNodeSpec
 from e2e.podnet import missing_tools
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: the plane (and its processes) goes as soon as the drills are done, so the tests
+# after them do not share the machine with it.
+@pytest.fixture(scope="module")
 def process_plane() -> Iterator[ControlPlane]:
     if os.geteuid() != 0:
         pytest.skip("process nodes need root (network namespaces, a bridge, nftables)")
@@ -29,12 +31,12 @@ def process_plane() -> Iterator[ControlPlane]:
         yield plane
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(process_plane: ControlPlane) -> Cluster:
     return plane_cluster(process_plane)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def node_checkpoint(process_plane: ControlPlane) -> Path:
     """The tiny mixtral checkpoint where the MoEService's hostPath points (on every node: they
     share this machine)."""

@@ -79,9 +79,10 @@ class Load:
         limit: int = 400,
         max_seconds: float = 240,
         prompts: tuple[str, ...] = tuple(PROMPTS),
+        timeout: float = 60,
     ):
         self.url, self.model, self.workers, self.limit = url, model, workers, limit
-        self.prompts = prompts
+        self.prompts, self.timeout = prompts, timeout
         self.deadline = time.monotonic() + max_seconds
         self.outcomes: list[Outcome] = []
         self.stopping = threading.Event()
@@ -107,7 +108,7 @@ class Load:
                 outcome = Outcome(self.prompts[turn % len(self.prompts)])
                 self.outcomes.append(outcome)
             turn += self.workers
-            stream_completion(self.url, self.model, outcome)
+            stream_completion(self.url, self.model, outcome, self.timeout)
 
     def stop_new(self) -> None:
         """Start no more requests; the ones in flight go on."""
@@ -122,8 +123,9 @@ class Load:
             return all(o.done for o in self.outcomes)
 
 
-def stream_completion(url: str, model: str, outcome: Outcome) -> Outcome:
-    """One streamed completion of `outcome.prompt`, recorded in `outcome` (returned)."""
+def stream_completion(url: str, model: str, outcome: Outcome, timeout: float = 60) -> Outcome:
+    """One streamed completion of `outcome.prompt`, recorded in `outcome` (returned); `timeout`
+    bounds each wait on the socket (connecting, and every chunk)."""
     body = {
         "model": model,
         "prompt": outcome.prompt,
@@ -138,7 +140,7 @@ def stream_completion(url: str, model: str, outcome: Outcome) -> Outcome:
     )
     outcome.started = time.monotonic()
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             for raw in response:
                 line = raw.decode().strip()
                 if line == "data: [DONE]":
@@ -298,7 +300,8 @@ CONNECTION_ERRORS = (
     "IncompleteRead",
     "ConnectionResetError",
     "ConnectionAbortedError",
-    "the stream ended without",
+    "the stream ended without",  # the server's end closed mid-stream
+    "timed out",  # nothing closed it: the pod's network went with it, as when its node dies
 )
 
 
@@ -478,7 +481,7 @@ def test_kill_of_an_attention_pod_fails_only_its_in_flight_requests(system: Syst
     pid = system.pid_of(doomed)
     with (
         Load(pod_url(other, "http"), system.model) as steady,
-        Load(pod_url(doomed, "http"), system.model) as lost,
+        Load(pod_url(doomed, "http"), system.model, timeout=10) as lost,
     ):
         wait_until(
             lambda: steady.completed_since(0) >= 2 and lost.completed_since(0) >= 2, 120, "requests before"
