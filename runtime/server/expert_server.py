@@ -380,14 +380,16 @@ class ExpertServer:
             self._slot_leases.pop((transport, slot), None)
             return t is not None and t.detach(slot)
 
+    def _attached(self) -> set[tuple[str, int]]:
+        """(transport, slot) of the slots a client holds (not released, reaped or OFFLINE)."""
+        return {(row["transport"], int(row["slot"])) for row in self.slots() if row["state"] != "OFFLINE"}
+
     def reap_expired_leases(self, expired: Callable[[str, float], bool]) -> list[tuple[str, int, str]]:
         """Frees every attached slot whose client's Lease is ``expired(lease, attached_at)``;
         returns them as (transport, slot, lease)."""
         freed = []
         with self._slot_lock:
-            attached = {
-                (row["transport"], int(row["slot"])) for row in self.slots() if row["state"] != "OFFLINE"
-            }
+            attached = self._attached()
             for key, (lease, attached_at) in list(self._slot_leases.items()):
                 if key not in attached:  # released or reaped since: its client is gone anyway
                     del self._slot_leases[key]
@@ -408,6 +410,6 @@ class ExpertServer:
         """The oldest placement version an attached client still routes by (None: none said).
 
         A slot whose client detached or whose connection died (OFFLINE) no longer counts."""
-        attached = {(row["transport"], int(row["slot"])) for row in self.slots() if row["state"] != "OFFLINE"}
+        attached = self._attached()
         versions = [v for key, v in list(self._slot_versions.items()) if key in attached]
         return min(versions) if versions else None

@@ -240,25 +240,27 @@ class System:
         )
         wait_until(lambda: self.attention_serving(replicas), 180, f"{replicas} attention pods serving")
 
-    def attached_slots(self) -> dict[str, int]:
-        """Slots attached on each live expert server, from its /metrics (pod name -> count)."""
-        counts = {}
-        for pod in self.expert_pods():
-            if pod.metadata.deletion_timestamp is not None or not ready(pod):
-                continue
-            text = urllib.request.urlopen(f"{pod_url(pod, 'control')}/metrics", timeout=5).read().decode()
-            counts[pod.metadata.name] = int(sum(metric(text, "eaas_expert_server_attached_slots")))
-        return counts
-
-    def reaped_slots(self, reason: str) -> dict[str, float]:
-        """Slots each live expert server freed for `reason` (pod name -> count)."""
-        counts = {}
+    def server_metric(self, name: str) -> dict[str, float]:
+        """`name` (all its samples summed) from each live expert server's /metrics, by pod name."""
+        values = {}
         for pod in self.expert_pods():
             if pod.metadata.deletion_timestamp is None and ready(pod):
                 text = urllib.request.urlopen(f"{pod_url(pod, 'control')}/metrics", timeout=5).read().decode()
-                name = f'eaas_expert_server_reaped_slots_total{{reason="{reason}"}}'
-                counts[pod.metadata.name] = sum(metric(text, name))
-        return counts
+                values[pod.metadata.name] = sum(metric(text, name))
+        return values
+
+    def attached_slots(self) -> dict[str, int]:
+        """Slots attached on each live expert server (pod name -> count)."""
+        return {name: int(n) for name, n in self.server_metric("eaas_expert_server_attached_slots").items()}
+
+    def reaped_slots(self, reason: str) -> dict[str, float]:
+        """Slots each live expert server freed for `reason` (pod name -> count)."""
+        return self.server_metric(f'eaas_expert_server_reaped_slots_total{{reason="{reason}"}}')
+
+    def placement(self) -> tuple[Placement, bool]:
+        """The committed placement, and whether a pending one is being loaded."""
+        data = self.cluster.core.read_namespaced_config_map(f"{POOL}-placement", self.namespace).data
+        return Placement.from_json(data["placement.json"]), "pending.json" in data
 
     def pid_of(self, pod: Any) -> int:
         container_id = pod.status.container_statuses[0].container_id or ""
@@ -618,10 +620,7 @@ class ReplicaWatch:
         while not self.stopping.wait(0.2):
             with contextlib.suppress(Exception):  # an API hiccup: skip this sample
                 before = self._ready_ordinals()
-                config_map = self.system.cluster.core.read_namespaced_config_map(
-                    f"{POOL}-placement", self.system.namespace
-                )
-                placement = Placement.from_json(config_map.data["placement.json"])
+                placement, _ = self.system.placement()
                 live = before | self._ready_ordinals()
                 fewest = min(
                     sum(1 for ordinal in hosts if ordinal in live)
@@ -659,8 +658,8 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
         return time.monotonic() - started
 
     def committed_ordinals() -> tuple[int, ...]:
-        data = system.cluster.core.read_namespaced_config_map(f"{POOL}-placement", ns).data
-        return Placement.from_json(data["placement.json"]).ordinals if "pending.json" not in data else ()
+        placement, pending = system.placement()
+        return () if pending else placement.ordinals
 
     moe: Any = system.cluster.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME)
     original_mode = moe["spec"]["autoscaling"]["mode"]
@@ -727,8 +726,7 @@ def test_api_server_outage_under_load(
         return {p.metadata.name: p.metadata.uid for p in [*system.expert_pods(), *system.attention_pods()]}
 
     def committed_version() -> int:
-        data = system.cluster.core.read_namespaced_config_map(f"{POOL}-placement", system.namespace).data
-        return Placement.from_json(data["placement.json"]).version
+        return system.placement()[0].version
 
     pods_before, version_before = identities(), committed_version()
     with Load(system.url, system.model) as load:
@@ -813,8 +811,8 @@ def test_skewed_load_is_rebalanced(system: System) -> None:
         system.cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME, patch)
 
     def committed() -> tuple[int, bool]:
-        data = system.cluster.core.read_namespaced_config_map(f"{POOL}-placement", ns).data
-        return Placement.from_json(data["placement.json"]).version, "pending.json" in data
+        placement, pending = system.placement()
+        return placement.version, pending
 
     def layer_tokens() -> dict[str, list[int]]:
         """Per server: the tokens it has computed for each MoE layer (from its /v1/stats)."""
