@@ -26,6 +26,8 @@ BINARY_NAMES = (
     "helm",
     "kwok",
     "coredns",
+    "prometheus",
+    "prometheus-adapter",
 )
 
 
@@ -78,6 +80,8 @@ class Binaries:
     helm: Path
     kwok: Path
     coredns: Path
+    prometheus: Path
+    prometheus_adapter: Path
 
     @classmethod
     def from_dir(cls, directory: Path) -> Binaries:

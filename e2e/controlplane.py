@@ -39,7 +39,7 @@ from types import TracebackType
 import yaml
 
 from e2e import binaries as bins
-from e2e.pki import Pki, write_pki
+from e2e.pki import FRONT_PROXY_CLIENT, Pki, write_pki
 from e2e.podnet import PodNetwork, missing_tools
 from e2e.processes import ManagedProcess, free_port
 from e2e.waiting import wait_until
@@ -51,6 +51,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 STATE_FILE = "state.json"
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 START_TIMEOUT_SECONDS = 120.0
+HPA_SYNC_SECONDS = 2  # the controller-manager's HorizontalPodAutoscaler sync period
 ROOT = Path(__file__).resolve().parents[1]
 API_SERVICE_IP = "10.0.0.1"  # the `kubernetes` Service: first address of SERVICE_CIDR
 
@@ -194,6 +195,13 @@ class ControlPlane:
         self.network: PodNetwork | None = None
         self.pod_dir = self.work_dir / "pods"  # process nodes: per pod, its volumes and container logs
         self._admin: ssl.SSLContext | None = None  # a client context with the admin's certificate
+        self._pki: Pki | None = None
+
+    @property
+    def pki(self) -> Pki:
+        """The plane's certificates (after start)."""
+        assert self._pki is not None, "the control plane was not started"
+        return self._pki
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ControlPlane:
@@ -283,6 +291,7 @@ class ControlPlane:
             self.network.up()
             address = self.network.gateway
         pki = write_pki(self.work_dir / "pki", API_SERVICE_IP, (address,))
+        self._pki = pki
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
         kcm_port, scheduler_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
@@ -322,6 +331,16 @@ class ControlPlane:
                 f"--tls-cert-file={pki.serving_cert}",
                 f"--tls-private-key-file={pki.serving_key}",
                 f"--client-ca-file={pki.ca_cert}",
+                # The aggregation layer (prometheus-adapter's custom.metrics.k8s.io): the API server
+                # authenticates the user and passes it on in X-Remote-* headers, signed in by this
+                # client certificate, which the aggregated server trusts.
+                f"--requestheader-client-ca-file={pki.ca_cert}",
+                f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki.front_proxy_cert}",
+                f"--proxy-client-key-file={pki.front_proxy_key}",
                 "--authorization-mode=RBAC",
                 "--allow-privileged=true",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -351,6 +370,9 @@ class ControlPlane:
                 f"--root-ca-file={pki.ca_cert}",
                 f"--cluster-signing-cert-file={pki.ca_cert}",
                 f"--cluster-signing-key-file={pki.ca_key}",
+                # HorizontalPodAutoscalers act within seconds (default: every 15 s); their own
+                # `behavior` sets the stabilisation windows and tolerance.
+                f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_SECONDS}s",
                 "--profiling=false",
             ],
         )

@@ -1,7 +1,9 @@
 """Certificates and keys for the local control plane (Python `cryptography`, ECDSA P-256).
 
-One throwaway CA signs the kube-apiserver serving certificate and an admin client certificate in the
-``system:masters`` group; a separate key pair signs service-account tokens. All files are PEM.
+One throwaway CA signs the kube-apiserver serving certificate, an admin client certificate in the
+``system:masters`` group and the front-proxy client certificate the API server presents to aggregated
+APIs (prometheus-adapter); :func:`issue_serving_cert` signs more serving certificates later (an
+aggregated API server's). A separate key pair signs service-account tokens. All files are PEM.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALIDITY = datetime.timedelta(days=7)
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class Pki:
     serving_key: Path
     admin_cert: Path
     admin_key: Path
+    front_proxy_cert: Path
+    front_proxy_key: Path
     service_account_key: Path
     service_account_public_key: Path
 
@@ -59,6 +64,27 @@ def _builder(
     )
 
 
+def _sign_leaf(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_name: x509.Name,
+    subject: x509.Name,
+    usage: x509.ObjectIdentifier,
+    sans: list[x509.GeneralName],
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = _new_key()
+    builder = (
+        _builder(subject, ca_name, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     path.write_bytes(
         key.private_bytes(
@@ -86,6 +112,8 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[st
         serving_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt",
         admin_key=directory / "admin.key",
+        front_proxy_cert=directory / "front-proxy-client.crt",
+        front_proxy_key=directory / "front-proxy-client.key",
         service_account_key=directory / "sa.key",
         service_account_public_key=directory / "sa.pub",
     )
@@ -118,18 +146,7 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[st
     def leaf(
         subject: x509.Name, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]
     ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-        key = _new_key()
-        builder = (
-            _builder(subject, ca_name, key.public_key())
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-            )
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return key, builder.sign(ca_key, hashes.SHA256())
+        return _sign_leaf(ca_key, ca_name, subject, usage, sans)
 
     dns_names = [
         "localhost",
@@ -149,6 +166,12 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[st
     _write_key(pki.admin_key, admin_key)
     _write_cert(pki.admin_cert, admin_cert)
 
+    # What the aggregator presents to aggregated API servers (--proxy-client-cert-file); they trust
+    # its X-Remote-User headers because the CA and this CN are in extension-apiserver-authentication.
+    proxy_key, proxy_cert = leaf(_name(FRONT_PROXY_CLIENT), ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    _write_key(pki.front_proxy_key, proxy_key)
+    _write_cert(pki.front_proxy_cert, proxy_cert)
+
     sa_key = _new_key()
     _write_key(pki.service_account_key, sa_key)
     pki.service_account_public_key.write_bytes(
@@ -157,3 +180,21 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[st
         )
     )
     return pki
+
+
+def issue_serving_cert(
+    pki: Pki, cert: Path, key: Path, dns_names: list[str], ips: tuple[str, ...] = ("127.0.0.1",)
+) -> None:
+    """A serving certificate for `dns_names` and `ips`, signed by the plane's CA, written to `cert`
+    and `key` (an aggregated API server's: the aggregator checks it against the APIService's
+    caBundle, i.e. this CA, for the name ``<service>.<namespace>.svc``)."""
+    ca_cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    sans: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    leaf_key, leaf_cert = _sign_leaf(
+        ca_key, ca_cert.subject, _name(dns_names[0]), ExtendedKeyUsageOID.SERVER_AUTH, sans
+    )
+    _write_key(key, leaf_key)
+    _write_cert(cert, leaf_cert)

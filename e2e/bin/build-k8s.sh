@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) the binaries of the local Kubernetes test control plane and cache them outside the repo:
 #   etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns
+#   prometheus prometheus-adapter (the metrics pipeline of the autoscaling drills)
 # into ${EAAS_CACHE_DIR:-~/.cache/eaas}/k8s-<version>/bin (or $EAAS_K8S_BIN_DIR).
 #
 # Everything comes from the Go module proxy; no Docker, no downloads of prebuilt binaries.
@@ -8,7 +9,8 @@
 #
 # Usage: e2e/bin/build-k8s.sh [--print-bin-dir] [--force]
 # Environment: EAAS_CACHE_DIR, EAAS_K8S_BIN_DIR, EAAS_K8S_VERSION, EAAS_ETCD_VERSION, EAAS_HELM_VERSION,
-#              EAAS_KWOK_VERSION, EAAS_COREDNS_VERSION (defaults in e2e/versions.env), EAAS_GO_BUILD_JOBS (default: nproc),
+#              EAAS_KWOK_VERSION, EAAS_COREDNS_VERSION, EAAS_PROMETHEUS_VERSION, EAAS_PROMETHEUS_ADAPTER_VERSION
+#              (defaults in e2e/versions.env), EAAS_GO_BUILD_JOBS (default: nproc),
 #              GOSUMDB / GOPROXY / GOFLAGS as usual for Go.
 set -Eeuo pipefail
 
@@ -144,39 +146,39 @@ build_kubernetes() {
     echo "kubernetes v$v: built in $((SECONDS - start)) s"
 }
 
-build_etcd() {
-    local v=$EAAS_ETCD_VERSION
-    is_built etcd "v$v" && { echo "etcd v$v: cached"; return 0; }
-    echo "etcd v$v: building..."
-    local start=$SECONDS mod=$work_dir/etcd-$v
-    rm -f "$log_dir/etcd.log"
-    fresh_module "$mod" local/eaas-etcd-build
-    cd "$mod"
-    # server/go.mod has replace directives, so `go install` refuses it; its main package is the
-    # module root (server/main.go).
-    run_logged etcd go get "go.etcd.io/etcd/server/v3@v$v"
-    mkdir -p out
-    run_logged etcd go build -p "$jobs" -trimpath -ldflags "-s -w" -o out/etcd go.etcd.io/etcd/server/v3
-    install_outputs out etcd
-    stamp "v$v" etcd
-    cd - >/dev/null
-    echo "etcd v$v: built in $((SECONDS - start)) s"
-}
-
 go_install() { # go_install NAME PACKAGE VERSION [LDFLAG...]: plain `go install` into the bin dir
-    local name=$1 pkg=$2 v=$3
+    # Build tags come from $GO_TAGS (empty: none).
+    local name=$1 pkg=$2 v=$3 tags=${GO_TAGS:-}
     shift 3
-    # The stamp holds the extra ldflags too: changing one of them (e.g. the Kubernetes version that
-    # helm is stamped with) rebuilds the binary.
-    local version_stamp="v$v${*:+ $*}"
+    # The stamp holds the extra ldflags and tags too: changing one of them (e.g. the Kubernetes version
+    # that helm is stamped with) rebuilds the binary.
+    local version_stamp="v$v${*:+ $*}${tags:+ tags=$tags}"
     is_built "$name" "$version_stamp" && { echo "$name v$v: cached"; return 0; }
     echo "$name v$v: building..."
     local start=$SECONDS out=$work_dir/$name-$v
     rm -rf "$out" "$log_dir/$name.log"
     mkdir -p "$out"
-    GOBIN=$out run_logged "$name" go install -p "$jobs" -trimpath -ldflags "-s -w${*:+ $*}" "$pkg@v$v"
+    GOBIN=$out run_logged "$name" go install -p "$jobs" -trimpath ${tags:+-tags "$tags"} \
+        -ldflags "-s -w${*:+ $*}" "$pkg@v$v"
     install_outputs "$out" "$name"
     stamp "$version_stamp" "$name"
+    echo "$name v$v: built in $((SECONDS - start)) s"
+}
+
+go_build_wrapped() { # go_build_wrapped NAME PACKAGE MODULE VERSION: `go build` in a throwaway module
+    local name=$1 pkg=$2 module=$3 v=$4
+    is_built "$name" "v$v" && { echo "$name v$v: cached"; return 0; }
+    echo "$name v$v: building..."
+    local start=$SECONDS mod=$work_dir/$name-$v
+    rm -f "$log_dir/$name.log"
+    fresh_module "$mod" "local/eaas-$name-build"
+    cd "$mod"
+    run_logged "$name" go get "$module@v$v"
+    mkdir -p out
+    run_logged "$name" go build -p "$jobs" -trimpath -ldflags "-s -w" -o "out/$name" "$pkg"
+    install_outputs out "$name"
+    stamp "v$v" "$name"
+    cd - >/dev/null
     echo "$name v$v: built in $((SECONDS - start)) s"
 }
 
@@ -194,14 +196,30 @@ helm_ldflags() { # the -X flags of helm: its version, and the Kubernetes version
 
 total_start=$SECONDS
 echo "Kubernetes test binaries -> $bin_dir"
-build_etcd
+# etcd's server/go.mod has replace directives, so `go install` refuses it; its main package is the
+# module root (server/main.go).
+go_build_wrapped etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 "$EAAS_ETCD_VERSION"
 build_kubernetes
 go_install helm helm.sh/helm/v3/cmd/helm "$EAAS_HELM_VERSION" $(helm_ldflags)
 go_install kwok sigs.k8s.io/kwok/cmd/kwok "$EAAS_KWOK_VERSION"
 # DNS for the process-runner nodes (Services and headless pod names inside pods).
 go_install coredns github.com/coredns/coredns "$EAAS_COREDNS_VERSION"
+# The metrics pipeline of the autoscaling drills: Prometheus (module v0.3MM.P is Prometheus 3.MM.P)
+# with only file, HTTP and Kubernetes service discovery, and prometheus-adapter serving custom.metrics.k8s.io.
+prometheus_module_version() { local minor=${EAAS_PROMETHEUS_VERSION#*.}; echo "0.${EAAS_PROMETHEUS_VERSION%%.*}$(printf %02d "${minor%%.*}").${minor#*.}"; }
+prom_ld=""
+for p in github.com/prometheus/common/version; do
+    prom_ld+="-X $p.Version=$EAAS_PROMETHEUS_VERSION -X $p.Branch=release -X $p.Revision=module-v$(prometheus_module_version)"
+done
+GO_TAGS=remove_all_sd,enable_kubernetes_sd go_install prometheus github.com/prometheus/prometheus/cmd/prometheus \
+    "$(prometheus_module_version)" $prom_ld
+# `go install …@version` asks the proxy for the module's deprecation (its version list), which it
+# refuses for prometheus-adapter: build it in a wrapper module from the exact version instead.
+go_build_wrapped prometheus-adapter sigs.k8s.io/prometheus-adapter/cmd/adapter \
+    sigs.k8s.io/prometheus-adapter "$EAAS_PROMETHEUS_ADAPTER_VERSION"
 current_step=verify
-for name in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns; do
+for name in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns \
+    prometheus prometheus-adapter; do
     [[ -x "$bin_dir/$name" ]]
 done
 echo "All Kubernetes test binaries ready in $bin_dir ($((SECONDS - total_start)) s)"

@@ -131,10 +131,8 @@ def test_autoscaler_manifests_target_the_tiny_expert_pool_on_a_real_metric() -> 
     from eaas.operator import naming
     from eaas.runtime.server.metrics import ServerMetrics
 
-    exported = {
-        metric.name + "_total" for metric in ServerMetrics().registry.collect() if metric.type == "counter"
-    }
-    assert "eaas_expert_server_tokens_total" in exported
+    histograms = {m.name for m in ServerMetrics().registry.collect() if m.type == "histogram"}
+    assert "eaas_expert_server_step_seconds" in histograms  # its _sum is the busy time
     tiny = MoEServiceSpec.from_k8s(tiny_manifest()["spec"])
     hpa, adapter = yaml.safe_load_all((ROOT / "manifests" / "expertpool-hpa.yaml").read_text())
     (keda,) = yaml.safe_load_all((ROOT / "manifests" / "expertpool-keda.yaml").read_text())
@@ -148,6 +146,12 @@ def test_autoscaler_manifests_target_the_tiny_expert_pool_on_a_real_metric() -> 
     assert keda["spec"]["minReplicaCount"] >= tiny.expert_pool.replication_factor
     assert tiny.autoscaling.mode == "external"  # the HPA/KEDA is then the one writer of replicas
     (rule,) = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
-    assert "eaas_expert_server_tokens_total" in rule["seriesQuery"]
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "eaas_expert_server_tokens_per_second"
-    assert "eaas_expert_server_tokens_total" in keda["spec"]["triggers"][0]["metadata"]["query"]
+    assert "eaas_expert_server_step_seconds_sum" in rule["seriesQuery"]
+    assert rule["name"]["as"] == hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert "eaas_expert_server_step_seconds_sum" in keda["spec"]["triggers"][0]["metadata"]["query"]
+    # Both aim at the built-in autoscaler's default busy fraction.
+    target = hpa["spec"]["metrics"][0]["pods"]["target"]
+    assert target == {"type": "AverageValue", "averageValue": f"{tiny.autoscaling.target_utilization_milli}m"}
+    assert float(keda["spec"]["triggers"][0]["metadata"]["threshold"]) * 1000 == (
+        tiny.autoscaling.target_utilization_milli
+    )

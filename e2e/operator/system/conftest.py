@@ -15,6 +15,8 @@ import pytest
 from e2e.backends import plane_cluster
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane, ProcessNodeSpec
+from e2e.operator.conftest import Release
+from e2e.operator.harness import OperatorProcess, operator_as
 from e2e.podnet import missing_tools
 
 
@@ -48,6 +50,17 @@ def node_checkpoint(process_plane: ControlPlane) -> Path:
             check=True, capture_output=True, timeout=300,
         )  # fmt: skip
     return directory
+
+
+@pytest.fixture(scope="module")
+def system_operator(
+    cluster: Cluster, release: Release, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator, running as the chart's ServiceAccount, on this module's process plane."""
+    with operator_as(
+        cluster, release.namespace, release.service_account, tmp_path_factory.mktemp("operator")
+    ) as process:
+        yield process
 
 
 def pod_logs(plane: ControlPlane, namespace: str, lines: int = 40) -> str:

@@ -11,332 +11,47 @@ pool is back to full R. docs/benchmarks.md records what they printed.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import json
 import os
 import signal
-import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane
 from e2e.operator.conftest import Release
-from e2e.operator.harness import OperatorProcess, operator_as
+from e2e.operator.harness import OperatorProcess
 from e2e.operator.system.conftest import pod_logs
-from e2e.operator.test_operator_lifecycle import (
+from e2e.operator.system.workload import (
+    API_KEY,
     ATTENTION,
+    CONNECTION_ERRORS,
     GROUP,
     NAME,
     POOL,
+    PROMPTS,
+    REPLICATION,
+    SKEWED,
     VERSION,
-    apply_tiny,
-    tiny_gpu_manifest,
+    Load,
+    Outcome,
+    ReplicaWatch,
+    System,
+    deploy,
+    longest_gap,
+    pod_url,
+    retried,
+    stream_completion,
 )
 from e2e.waiting import wait_until
-from eaas.runtime.model import load_reference, load_tokenizer
-from eaas.runtime.placement import Placement
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-API_KEY = "sk-e2e"
-PROMPTS = ["experts as a service", "the pool scales", "one GPU at a time", "no request is lost"]
-SKEWED = "aaaaaaaaaaaaaaaa"  # asked over and over (drill 7): its tokens keep to a few experts
-MAX_TOKENS = 24
-REPLICATION = 2
-
-
-@dataclass
-class Outcome:
-    prompt: str
-    text: str = ""
-    error: str = ""
-    started: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)
-    done: bool = False
-    finished: bool = False  # the stream's [DONE] arrived
-    done_at: float = 0.0
-
-
-class Load:
-    """Streaming completions through the Service from `workers` threads until stopped (bounded:
-    at most `limit` requests and `max_seconds`)."""
-
-    def __init__(
-        self,
-        url: str,
-        model: str,
-        workers: int = 2,
-        limit: int = 400,
-        max_seconds: float = 240,
-        prompts: tuple[str, ...] = tuple(PROMPTS),
-        timeout: float = 60,
-    ):
-        self.url, self.model, self.workers, self.limit = url, model, workers, limit
-        self.prompts, self.timeout = prompts, timeout
-        self.deadline = time.monotonic() + max_seconds
-        self.outcomes: list[Outcome] = []
-        self.stopping = threading.Event()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(workers)]
-
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(timeout=60)
-
-    def _loop(self, worker: int) -> None:
-        turn = worker
-        while not self.stopping.is_set() and time.monotonic() < self.deadline:
-            with self.lock:
-                if len(self.outcomes) >= self.limit:
-                    return
-                outcome = Outcome(self.prompts[turn % len(self.prompts)])
-                self.outcomes.append(outcome)
-            turn += self.workers
-            stream_completion(self.url, self.model, outcome, self.timeout)
-
-    def stop_new(self) -> None:
-        """Start no more requests; the ones in flight go on."""
-        self.stopping.set()
-
-    def completed_since(self, moment: float) -> int:
-        with self.lock:
-            return sum(1 for o in self.outcomes if o.started >= moment and o.done and not o.error)
-
-    def all_done(self) -> bool:
-        with self.lock:
-            return all(o.done for o in self.outcomes)
-
-
-def stream_completion(url: str, model: str, outcome: Outcome, timeout: float = 60) -> Outcome:
-    """One streamed completion of `outcome.prompt`, recorded in `outcome` (returned); `timeout`
-    bounds each wait on the socket (connecting, and every chunk)."""
-    body = {
-        "model": model,
-        "prompt": outcome.prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": True,
-    }
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
-    )
-    outcome.started = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    outcome.finished = True
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    outcome.error = json.dumps(chunk["error"])
-                    return outcome
-                outcome.chunk_times.append(time.monotonic())
-                outcome.text += chunk["choices"][0].get("text", "")
-    except urllib.error.HTTPError as error:
-        outcome.error = f"HTTP {error.code}: {error.read()[:500]!r}"
-    except Exception as error:
-        outcome.error = f"{type(error).__name__}: {error}"
-    else:
-        if not outcome.finished:
-            outcome.error = "the stream ended without data: [DONE]"
-    finally:
-        outcome.done_at = time.monotonic()
-        outcome.done = True
-    return outcome
-
-
-def longest_gap(outcomes: list[Outcome], start: float, end: float) -> float:
-    """The longest wait for the next chunk of any request, over waits that end in [start, end]."""
-    worst = 0.0
-    for outcome in outcomes:
-        times = [outcome.started, *outcome.chunk_times]
-        for before, after in itertools.pairwise(times):
-            if start <= after <= end:
-                worst = max(worst, after - before)
-    return worst
-
-
-@dataclass
-class System:
-    cluster: Cluster
-    plane: ControlPlane
-    namespace: str
-    checkpoint: Path
-    url: str
-    model: str
-    expected: dict[str, str]
-
-    def expert_pool(self) -> dict[str, Any]:
-        return self.cluster.custom.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "expertpools", POOL
-        )
-
-    def expert_pods(self) -> list[Any]:
-        pods = self.cluster.core.list_namespaced_pod(
-            self.namespace, label_selector=f"eaas.io/pool={POOL}"
-        ).items
-        return sorted(pods, key=lambda p: p.metadata.name)
-
-    def full_strength(self, servers: int) -> bool:
-        """`servers` expert pods Ready and every expert on R live servers."""
-        status = self.expert_pool().get("status") or {}
-        pods = [p for p in self.expert_pods() if p.metadata.deletion_timestamp is None]
-        ready = [
-            p
-            for p in pods
-            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-        ]
-        return (
-            len(ready) == servers
-            and not status.get("downServers")
-            and status.get("fewestLiveReplicas", 0) >= REPLICATION
-        )
-
-    def attention_pods(self) -> list[Any]:
-        """The attention pods not being deleted, by name."""
-        pods = self.cluster.core.list_namespaced_pod(
-            self.namespace, label_selector=f"eaas.io/pool={ATTENTION}"
-        ).items
-        return sorted(
-            (p for p in pods if p.metadata.deletion_timestamp is None), key=lambda p: p.metadata.name
-        )
-
-    def serving_endpoints(self) -> int:
-        """Ready endpoints of the AttentionPool's Service (what kube-proxy routes to)."""
-        slices = client.DiscoveryV1Api(self.cluster.api_client).list_namespaced_endpoint_slice(
-            self.namespace, label_selector=f"kubernetes.io/service-name={ATTENTION}"
-        )
-        return sum(1 for s in slices.items for e in s.endpoints or [] if e.conditions and e.conditions.ready)
-
-    def attention_serving(self, replicas: int) -> bool:
-        pods = self.attention_pods()
-        return len(pods) == replicas and all(map(ready, pods)) and self.serving_endpoints() == replicas
-
-    def scale_attention(self, replicas: int) -> None:
-        patch = {"spec": {"attentionPool": {"replicas": replicas}}}
-        self.cluster.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "moeservices", NAME, patch
-        )
-        wait_until(lambda: self.attention_serving(replicas), 180, f"{replicas} attention pods serving")
-
-    def server_metric(self, name: str) -> dict[str, float]:
-        """`name` (all its samples summed) from each live expert server's /metrics, by pod name."""
-        values = {}
-        for pod in self.expert_pods():
-            if pod.metadata.deletion_timestamp is None and ready(pod):
-                text = urllib.request.urlopen(f"{pod_url(pod, 'control')}/metrics", timeout=5).read().decode()
-                values[pod.metadata.name] = sum(metric(text, name))
-        return values
-
-    def attached_slots(self) -> dict[str, int]:
-        """Slots attached on each live expert server (pod name -> count)."""
-        return {name: int(n) for name, n in self.server_metric("eaas_expert_server_attached_slots").items()}
-
-    def reaped_slots(self, reason: str) -> dict[str, float]:
-        """Slots each live expert server freed for `reason` (pod name -> count)."""
-        return self.server_metric(f'eaas_expert_server_reaped_slots_total{{reason="{reason}"}}')
-
-    def placement(self) -> tuple[Placement, bool]:
-        """The committed placement, and whether a pending one is being loaded."""
-        data = self.cluster.core.read_namespaced_config_map(f"{POOL}-placement", self.namespace).data
-        return Placement.from_json(data["placement.json"]), "pending.json" in data
-
-    def pid_of(self, pod: Any) -> int:
-        container_id = pod.status.container_statuses[0].container_id or ""
-        assert container_id.startswith("proc://"), container_id
-        return int(container_id.removeprefix("proc://"))
-
-    def check(self, outcomes: list[Outcome]) -> None:
-        failed = [o for o in outcomes if o.error]
-        assert not failed, (
-            f"{len(failed)} failed requests, e.g. {failed[0]}\n{pod_logs(self.plane, self.namespace)}"
-        )
-        wrong = [o for o in outcomes if o.text != self.expected[o.prompt]]
-        assert not wrong, (
-            f"answers differ from the reference: {wrong[0].text!r} != {self.expected[wrong[0].prompt]!r}"
-        )
-
-
-def ready(pod: Any) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-
-
-def pod_url(pod: Any, port_name: str) -> str:
-    """http://<pod IP>:<the container port named `port_name`>."""
-    port = next(p.container_port for p in pod.spec.containers[0].ports if p.name == port_name)
-    return f"http://{pod.status.pod_ip}:{port}"
-
-
-def metric(text: str, name: str) -> list[float]:
-    """The values of every sample of `name` (with its labels, if given) in Prometheus text."""
-    values = []
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            values.append(float(line.rsplit(" ", 1)[1]))
-    return values
-
-
-CONNECTION_ERRORS = (
-    "RemoteDisconnected",
-    "IncompleteRead",
-    "ConnectionResetError",
-    "ConnectionAbortedError",
-    "the stream ended without",  # the server's end closed mid-stream
-    "timed out",  # nothing closed it: the pod's network went with it, as when its node dies
-)
-
-
-def retried(url: str, model: str, prompt: str, attempts: int = 20) -> Outcome:
-    """What a client does after a connection error: try again (through the Service), 0.5 s apart."""
-    for _ in range(attempts):
-        outcome = stream_completion(url, model, Outcome(prompt))
-        if not outcome.error:
-            return outcome
-        time.sleep(0.5)
-    return outcome
-
-
-def reference_texts(checkpoint: Path, prompts: list[str]) -> dict[str, str]:
-    """What the single-process reference model answers to each prompt (greedy, up to EOS)."""
-    reference = load_reference(checkpoint)
-    tokenizer = load_tokenizer(checkpoint, reference.config.vocab_size)
-    generated, _ = reference.generate([tokenizer.encode(p) for p in prompts], MAX_TOKENS)
-    expected = {}
-    for prompt, ids in zip(prompts, generated, strict=True):
-        stop = next((i for i, t in enumerate(ids) if t in tokenizer.eos_token_ids), len(ids))
-        expected[prompt] = tokenizer.decode(ids[:stop])
-    return expected
-
-
-@pytest.fixture(scope="module")
-def system_operator(
-    cluster: Cluster, release: Release, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    with operator_as(
-        cluster, release.namespace, release.service_account, tmp_path_factory.mktemp("operator")
-    ) as process:
-        yield process
 
 
 @pytest.fixture(scope="module")
@@ -345,42 +60,8 @@ def system(
 ) -> Iterator[System]:
     """Drill 1: `kubectl apply` the tiny MoEService → Ready → completions through the Service equal
     the reference."""
-    expected = reference_texts(node_checkpoint, [*PROMPTS, SKEWED])
-    manifest = copy.deepcopy(tiny_gpu_manifest())
-    manifest["spec"]["expertPool"]["gpusPerPod"] = 0  # the processes compute on CPU here
-    manifest["spec"]["model"]["checkpoint"] = {"hostPath": {"path": str(node_checkpoint)}}
-    manifest["spec"]["heartbeat"] = {"intervalSeconds": 1, "timeoutSeconds": 5}
-    # Load-based rebalancing only where a drill asks for it (drill 7): elsewhere a rebalance
-    # would be a change the drill did not make.
-    manifest["spec"]["placement"] = {"rebalanceIntervalSeconds": 0}
-    with cluster.namespace(prefix="drills") as namespace:
-        started = time.monotonic()
-        apply_tiny(cluster, namespace, manifest, keys=API_KEY)
-        placeholder = System(cluster, process_plane, namespace, node_checkpoint, "", "", expected)
-        try:
-            wait_until(lambda: _ready(placeholder), 300, "the MoEService Ready with every pod running")
-        except AssertionError as error:
-            raise AssertionError(
-                f"{error}\n{system_operator.log_tail()}\n{pod_logs(process_plane, namespace)}"
-            ) from None
-        service = cluster.core.read_namespaced_service(ATTENTION, namespace)
-        url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"
-        models = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
-        with urllib.request.urlopen(models, timeout=10) as response:
-            model = json.loads(response.read())["data"][0]["id"]
-        print(f"\ndrill 1: tiny MoEService Ready with its processes in {time.monotonic() - started:.1f} s")
-        yield System(cluster, process_plane, namespace, node_checkpoint, url, model, expected)
-
-
-def _ready(system: System) -> bool:
-    moe: Any = system.cluster.custom.get_namespaced_custom_object(
-        GROUP, VERSION, system.namespace, "moeservices", NAME
-    )
-    ready = any(
-        c["type"] == "Ready" and c["status"] == "True"
-        for c in (moe.get("status") or {}).get("conditions", [])
-    )
-    return ready and system.full_strength(3)
+    with deploy(cluster, process_plane, node_checkpoint, system_operator, "drills") as deployed:
+        yield deployed
 
 
 def test_completions_through_the_service_equal_the_reference(system: System) -> None:
@@ -585,52 +266,6 @@ def test_hung_attention_pod_loses_its_slots_to_its_lease(system: System) -> None
     )
     system.check([first, again])
     assert freed < 5 + 2 * 1 + 2  # the Lease's duration, two listing intervals, the metrics' refresh
-
-
-class ReplicaWatch:
-    """Samples, every 0.2 s, the committed placement and which placed servers are Ready: the
-    fewest Ready replicas of any expert, and the sequence of committed placements. A server
-    counts as Ready when its pod was Ready in the read before or after the ConfigMap's (a commit
-    between the two reads is then never mistaken for a lost replica)."""
-
-    def __init__(self, system: System) -> None:
-        self.system = system
-        self.fewest: list[tuple[float, int, int]] = []  # (time, version, fewest Ready replicas)
-        self.commits: list[tuple[int, tuple[int, ...]]] = []  # (version, ordinals), as they change
-        self.commit_times: list[float] = []  # when each of `commits` was first seen
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ReplicaWatch:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=30)
-
-    def _ready_ordinals(self) -> set[int]:
-        return {
-            int(p.metadata.labels["eaas.io/ordinal"])
-            for p in self.system.expert_pods()
-            if p.metadata.deletion_timestamp is None and ready(p)
-        }
-
-    def _run(self) -> None:
-        while not self.stopping.wait(0.2):
-            with contextlib.suppress(Exception):  # an API hiccup: skip this sample
-                before = self._ready_ordinals()
-                placement, _ = self.system.placement()
-                live = before | self._ready_ordinals()
-                fewest = min(
-                    sum(1 for ordinal in hosts if ordinal in live)
-                    for table in placement.routing_table().values()
-                    for hosts in table
-                )
-                self.fewest.append((time.monotonic(), placement.version, fewest))
-                if not self.commits or self.commits[-1][0] != placement.version:
-                    self.commits.append((placement.version, placement.ordinals))
-                    self.commit_times.append(time.monotonic())
 
 
 def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
