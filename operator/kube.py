@@ -46,6 +46,7 @@ RESOURCES: dict[str, Resource] = {
     "Event": Resource("v1", "events"),
     "Deployment": Resource("apps/v1", "deployments"),
     "Lease": Resource("coordination.k8s.io/v1", "leases"),
+    "HorizontalPodAutoscaler": Resource("autoscaling/v2", "horizontalpodautoscalers"),
     **{kind.kind: Resource(kind.api_version, kind.plural) for kind in KINDS},
 }
 

@@ -37,6 +37,8 @@ class Context:
     metrics: OperatorMetrics
     post_event: EventPoster = kopf_event
     autoscalers: dict[tuple[str, str], Autoscaler] = field(default_factory=dict)
+    # ExpertPools whose replicas an HPA also targets while the operator owns them (reported once).
+    rival_writers: set[tuple[str, str]] = field(default_factory=set)
     rebalancer: Rebalancer | None = None  # created from `metrics` when not given
     server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
     runtime_cluster_role: str | None = None  # bound to each MoEService's runtime ServiceAccount
@@ -57,6 +59,7 @@ class Context:
         with self._locks_guard:
             self._locks.pop((kind, namespace, name), None)
         self.autoscalers.pop((namespace, name), None)
+        self.rival_writers.discard((namespace, name))
         if self.rebalancer is not None and kind == "ExpertPool":
             self.rebalancer.forget(namespace, name)
 

@@ -3,6 +3,7 @@ mode, and summarise the pools' status."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,8 +21,12 @@ from eaas.operator.builders.common import (
     runtime_service_account,
 )
 from eaas.operator.builders.network import network_policies
+from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.status import aggregate, invalid_spec
+from eaas.runtime.contract import GROUP
+
+logger = logging.getLogger("eaas.operator")
 
 
 class NotOurs(Exception):
@@ -121,12 +126,29 @@ def set_expert_replicas(
     writer = build.replicas_writer(spec)
     current = int((pool.get("spec") or {}).get("replicas") or 0)
     metadata = pool["metadata"]
+    key = (metadata["namespace"], metadata["name"])
     if writer == "external":
+        ctx.rival_writers.discard(key)  # an HPA is welcome now
         return
+    if rival := rival_autoscaler(ctx, *key):
+        # Two writers would fight over the pool's size: leave it to the HPA and say so (once).
+        if key not in ctx.rival_writers:
+            ctx.rival_writers.add(key)
+            ctx.post_event(
+                body,
+                "Warning",
+                "ConflictingAutoscaler",
+                f"HorizontalPodAutoscaler {rival} also scales ExpertPool {key[1]}: the operator leaves its "
+                f"replicas alone while autoscaling.mode is {spec.autoscaling.mode}; delete the HPA or set "
+                "spec.autoscaling.mode: external",
+            )
+        return
+    if key in ctx.rival_writers:
+        ctx.rival_writers.discard(key)
+        ctx.post_event(body, "Normal", "AutoscalerConflictResolved", f"the operator scales {key[1]} again")
     if writer == "moeservice":
         desired = spec.expert_pool.replicas
     else:
-        key = (metadata["namespace"], metadata["name"])
         autoscaler = ctx.autoscalers.setdefault(key, Autoscaler())
         status = pool.get("status") or {}
         utilization, ready = status.get("utilizationMilli"), status.get("readyReplicas")
@@ -145,6 +167,22 @@ def set_expert_replicas(
         reason,
         f"{metadata['name']}: {current} -> {desired} expert servers (writer: {writer})",
     )
+
+
+def rival_autoscaler(ctx: Context, namespace: str, pool: str) -> str | None:
+    """The name of a HorizontalPodAutoscaler (KEDA's included) that targets ExpertPool `pool`, if
+    any. When they cannot be listed (an older chart without the grant) none is assumed."""
+    try:
+        autoscalers = ctx.kube.list("HorizontalPodAutoscaler", namespace, {})
+    except KubeError as error:
+        logger.info("cannot list HorizontalPodAutoscalers in %s: %s", namespace, error)
+        return None
+    for hpa in autoscalers:
+        target = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
+        group = str(target.get("apiVersion", "")).split("/")[0]
+        if target.get("kind") == EXPERTPOOL.kind and target.get("name") == pool and group == GROUP:
+            return str(hpa["metadata"]["name"])
+    return None
 
 
 def _counts(status: Mapping[str, Any]) -> dict[str, int]:

@@ -37,6 +37,7 @@ EXPECTED_RULES = {
     ("", "secrets"): {"create"},  # the data-token Secret: created once, never read
     ("apps", "deployments"): {"create", "patch"},
     ("coordination.k8s.io", "leases"): {"list"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list"},  # an HPA on a pool the operator scales
     ("networking.k8s.io", "networkpolicies"): {"create", "patch", "delete"},
     ("", "events"): {"create"},
 }

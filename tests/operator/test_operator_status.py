@@ -7,12 +7,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from eaas.operator.api import AutoscalingSpec, Condition
+from eaas.operator.api import AutoscalingSpec, Condition, MoEServiceSpec
 from eaas.operator.autoscaler import Autoscaler, raw_recommendation
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, Observation, merge
 from eaas.operator.handlers import backoff
 from eaas.operator.kube import KubeError
 from eaas.operator.metrics import OperatorMetrics
+from eaas.operator.reconcile.context import Context
+from eaas.operator.reconcile.moeservice import set_expert_replicas
 from eaas.operator.status import aggregate, deployment_conditions
 
 
@@ -144,3 +146,66 @@ def test_reconcile_metrics_count_results() -> None:
 
 def test_backoff_is_exponential_and_capped() -> None:
     assert [backoff(n) for n in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+
+
+class ScaleKube:
+    """The calls :func:`set_expert_replicas` makes: list HPAs, patch /scale."""
+
+    def __init__(self, autoscalers: list[dict[str, Any]] | KubeError) -> None:
+        self.autoscalers = autoscalers
+        self.scaled: list[int] = []
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        assert kind == "HorizontalPodAutoscaler"
+        if isinstance(self.autoscalers, KubeError):
+            raise self.autoscalers
+        return self.autoscalers
+
+    def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any], sub: str) -> None:
+        assert (kind, sub) == ("ExpertPool", "scale")
+        self.scaled.append(patch["spec"]["replicas"])
+
+
+def _hpa(kind: str, name: str, api_version: str = "eaas.io/v1alpha1") -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"hpa-{name}"},
+        "spec": {"scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": name}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("autoscalers", "writes"),
+    [
+        ([], [5]),
+        ([_hpa("Deployment", "tiny-experts"), _hpa("ExpertPool", "other-experts")], [5]),
+        ([_hpa("ExpertPool", "tiny-experts", "example.com/v1")], [5]),  # another group's kind
+        (KubeError(403, "Forbidden", "no grant", "list"), [5]),  # cannot tell: as before
+        ([_hpa("ExpertPool", "tiny-experts")], []),  # the HPA's: left alone, said once
+    ],
+)
+def test_the_operator_never_fights_an_hpa_over_replicas(
+    autoscalers: list[dict[str, Any]] | KubeError, writes: list[int], moes_body: dict[str, Any]
+) -> None:
+    """Mode off (or builtin): the operator writes replicas, unless an HPA targets the pool."""
+    manifest = moes_body
+    manifest["spec"]["autoscaling"] = {"mode": "off"}
+    manifest["spec"]["expertPool"]["replicas"] = 5
+    spec = MoEServiceSpec.from_k8s(manifest["spec"])
+    kube = ScaleKube(autoscalers)
+    events: list[tuple[str, str, str]] = []
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    context.post_event = lambda obj, kind, reason, message: events.append((kind, reason, message))
+    pool = {"metadata": {"namespace": "ns", "name": "tiny-experts"}, "spec": {"replicas": 3}}
+    for _ in range(2):
+        set_expert_replicas(context, manifest, spec, pool)
+    assert kube.scaled == writes
+    if writes:
+        assert [reason for _, reason, _ in events] == ["ScaledUp"]
+        return
+    ((kind, reason, message),) = events  # once, not every pass
+    assert (kind, reason) == ("Warning", "ConflictingAutoscaler")
+    assert "hpa-tiny-experts" in message and "spec.autoscaling.mode: external" in message
+    kube.autoscalers = []  # the HPA deleted: the operator scales again, and says so
+    set_expert_replicas(context, manifest, spec, pool)
+    assert kube.scaled == [5]
+    assert [reason for _, reason, _ in events[1:]] == ["AutoscalerConflictResolved", "ScaledUp"]

@@ -63,6 +63,11 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: ["eaas.io"]
   resources: ["expertpools/scale"]
   verbs: ["patch"]
+# One writer of ExpertPool replicas: an HPA (or KEDA's) on a pool the operator scales itself is
+# reported, not fought.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list"]
 # Expert servers: one Pod per GPU, created and deleted one ordinal at a time.
 - apiGroups: [""]
   resources: ["pods"]
