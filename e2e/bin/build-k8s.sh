@@ -2,6 +2,7 @@
 # Build (once) the binaries of the local Kubernetes test control plane and cache them outside the repo:
 #   etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns
 #   prometheus prometheus-adapter (the metrics pipeline of the autoscaling drills)
+# and KEDA's ScaledObject CRD (keda-crds/, from the module source; KEDA itself is not built).
 # into ${EAAS_CACHE_DIR:-~/.cache/eaas}/k8s-<version>/bin (or $EAAS_K8S_BIN_DIR).
 #
 # Everything comes from the Go module proxy; no Docker, no downloads of prebuilt binaries.
@@ -9,7 +10,8 @@
 #
 # Usage: e2e/bin/build-k8s.sh [--print-bin-dir] [--force]
 # Environment: EAAS_CACHE_DIR, EAAS_K8S_BIN_DIR, EAAS_K8S_VERSION, EAAS_ETCD_VERSION, EAAS_HELM_VERSION,
-#              EAAS_KWOK_VERSION, EAAS_COREDNS_VERSION, EAAS_PROMETHEUS_VERSION, EAAS_PROMETHEUS_ADAPTER_VERSION
+#              EAAS_KWOK_VERSION, EAAS_COREDNS_VERSION, EAAS_PROMETHEUS_VERSION, EAAS_PROMETHEUS_ADAPTER_VERSION,
+#              EAAS_KEDA_VERSION
 #              (defaults in e2e/versions.env), EAAS_GO_BUILD_JOBS (default: nproc),
 #              GOSUMDB / GOPROXY / GOFLAGS as usual for Go.
 set -Eeuo pipefail
@@ -217,6 +219,25 @@ GO_TAGS=remove_all_sd,enable_kubernetes_sd go_install prometheus github.com/prom
 # refuses for prometheus-adapter: build it in a wrapper module from the exact version instead.
 go_build_wrapped prometheus-adapter sigs.k8s.io/prometheus-adapter/cmd/adapter \
     sigs.k8s.io/prometheus-adapter "$EAAS_PROMETHEUS_ADAPTER_VERSION"
+# KEDA is not built (its operator pulls every scaler's SDK: far beyond the CI budget); its
+# ScaledObject CRD is taken from the module's source so the manifest is validated by the API server.
+fetch_keda_crds() {
+    local v=$EAAS_KEDA_VERSION out=$bin_dir/keda-crds info dir
+    [[ $force == 0 && "$(cat "$out/.version" 2>/dev/null)" == "v$v" ]] && { echo "keda CRDs v$v: cached"; return 0; }
+    current_step=keda-crds
+    current_log=$log_dir/keda-crds.log
+    if ! info=$(cd "$work_dir" && go mod download -json "github.com/kedacore/keda/v2@v$v" 2>&1); then
+        echo "$info" >>"$current_log"
+        false
+    fi
+    dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$info")
+    mkdir -p "$out"
+    cp "$dir/config/crd/bases/keda.sh_scaledobjects.yaml" "$out/"
+    chmod u+w "$out"/*.yaml
+    echo "v$v" >"$out/.version"
+    echo "keda CRDs v$v: fetched"
+}
+fetch_keda_crds
 current_step=verify
 for name in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns \
     prometheus prometheus-adapter; do
