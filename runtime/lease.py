@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -226,17 +227,34 @@ def lease_body(
     return lease
 
 
-class Utilization:
-    """Busy fraction between two readings of a monotonically growing busy-seconds counter."""
+UTILIZATION_WINDOW_S = 10.0
 
-    def __init__(self, busy_seconds: Callable[[], float]) -> None:
+
+class Utilization:
+    """Busy fraction of a monotonically growing busy-seconds counter over the last `window_s`
+    seconds (the readings of the calls to :meth:`milli`), as a Prometheus rate over a window:
+    one heartbeat's interval alone is too short a sample of a bursty load (the built-in autoscaler
+    would act on noise), and the adapter's rule for the HPA reads the same quantity over a window."""
+
+    def __init__(
+        self,
+        busy_seconds: Callable[[], float],
+        window_s: float = UTILIZATION_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._busy_seconds = busy_seconds
-        self._last = (time.monotonic(), busy_seconds())
+        self._window_s = window_s
+        self._clock = clock
+        self._readings: deque[tuple[float, float]] = deque([(clock(), busy_seconds())])
 
     def milli(self) -> int:
-        """Busy thousandths (0-1000) since the last call."""
-        now, busy = time.monotonic(), self._busy_seconds()
-        (then, busy_then), self._last = self._last, (now, busy)
+        """Busy thousandths (0-1000) from the oldest reading within the window (or the newest
+        before it, when the calls are further apart) to now."""
+        now, busy = self._clock(), self._busy_seconds()
+        self._readings.append((now, busy))
+        while len(self._readings) > 2 and self._readings[1][0] <= now - self._window_s:
+            self._readings.popleft()
+        then, busy_then = self._readings[0]
         if now <= then:
             return 0
         return max(0, min(1000, round(1000 * (busy - busy_then) / (now - then))))

@@ -215,3 +215,21 @@ def test_a_client_that_hangs_with_its_connection_open_loses_its_slot_to_its_leas
     assert int(hung.handle["slot"]) not in live_slots(server)
     sock.close()
     hung.drop()
+
+
+def test_utilization_is_the_busy_fraction_over_a_window_not_one_heartbeat() -> None:
+    """A server busy in bursts: one heartbeat's interval would read 0 or 100%; the Lease carries
+    the fraction over the last 10 s, as the HPA's rate over its window does."""
+    from eaas.runtime.lease import Utilization
+
+    now, busy = [0.0], [0.0]
+    utilization = Utilization(lambda: busy[0], window_s=10.0, clock=lambda: now[0])
+    readings = []
+    for second in range(1, 31):  # 1 s heartbeats; busy every other second
+        now[0] = float(second)
+        busy[0] += 1.0 if second % 2 else 0.0
+        readings.append(utilization.milli())
+    assert readings[0] == 1000  # less than a window seen: the fraction so far
+    assert all(450 <= r <= 550 for r in readings[9:]), readings  # a full window: about half
+    now[0] += 60.0  # heartbeats far apart (the API server was away): the whole gap counts
+    assert utilization.milli() == 0
