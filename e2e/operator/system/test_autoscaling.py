@@ -23,7 +23,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +324,21 @@ class Drill:
             raise AssertionError(f"{error}\n{self.timeline.table(2)}") from None
         return int(since["n"]), self.timeline.mean_metric(since["t"] + seconds / 2)
 
+    def ramp(self, at_steady: Callable[[], object] = lambda: None) -> tuple[int, float | None]:
+        """Light load for 10 s, then heavy load until the pool holds one size (`at_steady` runs
+        then), then none until it is back at R: the steady size and its busy fraction per server."""
+        with self.light:
+            time.sleep(10)
+            with self.heavy:
+                self.mark("heavy load")
+                steady, busy = self.hold_steady()
+                self.mark(f"steady at {steady}")
+                at_steady()
+            self.mark("load ends")
+            self.light.stop_new()
+            self.back_at_min()
+        return steady, busy
+
     def back_at_min(self) -> None:
         try:
             wait_until(lambda: settled(self.system, MIN_SERVERS), 240, f"{self.name}: the pool back at R")
@@ -407,20 +422,15 @@ def test_hpa_scales_the_pool_on_expert_load(system: System, metrics: MetricsStac
             90,
             "the HPA reading the metric (ScalingActive)",
         )
-        with Drill(system, metrics, "hpa", results_dir) as drill, drill.light:
-            time.sleep(10)
-            with drill.heavy:
-                drill.mark("heavy load")
-                steady, busy = drill.hold_steady()
-                drill.mark(f"steady at {steady}")
-                seen = system.cluster.kubectl("get", "hpa", "-n", system.namespace).stdout
-            drill.mark("load ends")
-            drill.light.stop_new()
-            drill.back_at_min()
+        seen: list[str] = []
+        with Drill(system, metrics, "hpa", results_dir) as drill:
+            steady, busy = drill.ramp(
+                lambda: seen.append(system.cluster.kubectl("get", "hpa", "-n", system.namespace).stdout)
+            )
         rescales = [e["message"] for e in events(system, "SuccessfulRescale")]
     finally:
         delete_hpa(system)
-    print(f"\n$ kubectl get hpa\n{seen}HPA events: {rescales}")
+    print(f"\n$ kubectl get hpa\n{seen[0]}HPA events: {rescales}")
     assert_scaled_on_load(steady, busy, target)
     assert drill.scale_writers() == ["kube-controller-manager"]  # never the operator
     assert operator_scalings(system) == scaled_before, "the operator scaled the pool in external mode"
@@ -445,15 +455,8 @@ def test_builtin_autoscaler_scales_the_pool_on_expert_load(
     }
     set_mode(system, builtin)
     try:
-        with Drill(system, metrics, "builtin", results_dir) as drill, drill.light:
-            time.sleep(10)
-            with drill.heavy:
-                drill.mark("heavy load")
-                steady, busy = drill.hold_steady()
-                drill.mark(f"steady at {steady}")
-            drill.mark("load ends")
-            drill.light.stop_new()
-            drill.back_at_min()
+        with Drill(system, metrics, "builtin", results_dir) as drill:
+            steady, busy = drill.ramp()
     finally:
         set_mode(system, {"mode": "external"})
     assert_scaled_on_load(steady, busy, target)
