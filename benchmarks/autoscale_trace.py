@@ -1,0 +1,832 @@
+"""Autoscale trace: a compressed diurnal day of requests through a local expert pool scaled by the
+operator's built-in autoscaler, against a fixed pool sized for the peak, in the same run.
+
+**What runs (real processes).** Expert-server processes (tcp, one thread each) host the serving
+benchmarks' random mixtral-family model (``_load.serving_config``: 4 MoE layers x 8 experts, top-2)
+with R = ``--replication`` (2), behind one ``eaas attention-client`` process (continuous batching,
+one torch thread); ``_load.run_mode`` streams the requests to it. The servers follow a placement
+directory (``--placement-dir``: ``placement.json`` committed, ``pending.json`` being loaded) as pods
+follow the mounted placement ConfigMap. ``LocalCluster`` starts its servers with a placement file
+read once and cannot add or remove one at run time: ``ElasticCluster`` below adds that (ports of
+every ordinal up to the maximum are reserved up front, so the client, started with all of them,
+reaches servers added later as it would through the headless Service).
+
+**The operator, on its own pure code.** ``LocalOperator`` does for the pool what the operator's
+ExpertPool and MoEService reconciles do, with Kubernetes replaced by the processes: every
+``TICK_S`` it observes them (a pod is Ready once ``/readyz`` answers 200; its Lease's loaded
+version is ``placement_version`` of ``/v1/stats``), calls ``eaas.operator.expert_step.plan`` and
+applies the step: a server is added one at a time (pending = committed + server k, its process
+started, committed once it has loaded its experts) and removed highest ordinal first (pending =
+committed without it, its experts re-homed with R kept, its process sent SIGTERM only after that
+placement is committed). Every ``--resync-seconds`` (5 s, the Lease heartbeat's default interval)
+it calls ``Autoscaler.recommend`` as ``set_expert_replicas`` does: current = the pool's replicas;
+utilization = the mean busy fraction of the servers that report one (``busy_seconds`` of
+``/v1/stats`` = ``eaas_expert_server_step_seconds_sum``, over the last period, as the heartbeat
+reports it); ready = Ready servers not stopping. Load-based rebalancing is not run (its default
+interval, 300 s, is longer than an arm). ``--placement round-robin`` (a diagnostic, not what the
+operator does) replaces every scale step's pending placement by a round-robin one over the new set
+of servers, which spreads every layer over all of them; the operator's load-blind
+``planning.add_server`` evens out the number of (layer, expert) pairs per server but not per layer,
+so a grown pool has layers on only a few servers. The sizing lines print how many servers share a
+layer's work (``layer_balance`` x servers: 2 = two servers' worth) for the committed placement and
+for a round-robin one.
+
+**Simulated: the accelerator.** On this 2-core machine more server processes add no compute, so
+there would be no capacity for autoscaling to buy. Every server runs the ``SIM_BACKEND`` kernel:
+the real expert computation (the torch reference: outputs stay right), then a sleep up to a modelled
+device time of ``--sim-expert-us`` (200) per expert whose weights the batch reads plus
+``--sim-entry-us`` (3000) per routed (token, expert) entry, prefill and decode alike (a server that
+many attention clients share computes large batches, whose time grows with their tokens). A sleep
+holds no core, so n servers have n times the device time; it counts in the busy fraction the
+autoscaler sees. ``0 0`` turns it off (CPU compute only).
+
+**The trace.** ``elasticity.diurnal_trace``'s ``peaked`` day (``1 + 0.6 cos + 0.2 cos 2x``, peak at
+14:00, AR(1) noise of 3%, seeded; with seed 0 and 180 s, peak / trough 3.3, mean / peak 0.55)
+compressed into ``--duration-s`` (180 s; quick 45 s) from 00:00, one rate per second, scaled to peak at
+``--peak-rps`` (1.5). Arrivals are Poisson within each second (seeded); prompt and output lengths
+as ``_load.workload`` (8-48 and 8-64 tokens). Both arms replay the same requests.
+
+**The SLO.** The p99 time per output token (TPOT, after the first) of the requests that arrive in a
+``--window-s`` (15 s) window must not exceed the target, else the window is *violating*. The target
+is ``--slo-factor`` (2) x the p99 TPOT measured first in this run, as a sizing run below, on the
+smallest pool at the trough's rate (what the autoscaled pool serves at night), or ``--slo-tpot-ms``.
+
+**The fixed pool (baseline), measured.** ``--sizing-s`` (30 s; quick 9 s) of Poisson load at the
+peak rate on n = min, min + 1, ... servers (TPOT of the requests after the first third, once the
+batch has filled; the busy fraction over the same time), until one meets the target with no failed
+request: the fixed pool is the smallest that does. If none does, it is the smallest whose p99 is
+within 10% of the best measured (more servers than that buy no latency, so sizing above it would
+only inflate the baseline); the output says which rule applied.
+
+**Ours.** The autoscaler between ``--min-servers`` (2, = R) and ``--max-servers`` (4), scale-up
+window 0 s (the CRD's default), scale-down window ``--scale-down-window-s`` (20 s: the default 300 s
+belongs to full days and GPU servers that take minutes to start; server start-up and placement
+changes are not compressed with the day, so neither is the window). Its target utilization, as a
+user would set it after a load test: ``elasticity.HEADROOM`` (0.85) x the busy fraction the fixed
+pool had at the peak (the busiest it may be while meeting the SLO), unless
+``--target-utilization-milli``. Both arms start the replay with their pool settled (ours at the
+minimum); they run one after the other, fixed first.
+
+**Reported** per arm: GPU-seconds (over servers, the time from starting a server's process until it
+has exited, within the replay's ``--duration-s``), violating windows, the requests in them,
+requests whose own TPOT is above the target, failed requests; saved = 1 - ours / fixed; and, for
+scale, what an oracle could save on this trace (``oracle_saving``: no autoscaler saves more than the
+trace's shape and the floor of ``--min-servers`` allow; 32% against 4 servers here). Targets (the
+issue): saved >= 30% with no more violating windows than the fixed pool, and no failed request.
+
+**Known limits.** The machine is shared and has 2 cores: the client's CPU time, which no number of
+servers changes, is part of every TPOT and moves with other load, so absolute times mean little,
+and the arms, run one after the other, do not see the same background load (the load average is
+printed per phase). The client runs one torch thread (``OMP_NUM_THREADS=1``): with the default two,
+OpenMP threads spinning against other work made its p50 TPOT 10x worse under load. A local server
+starts in a second or two, not the minutes a GPU server needs to load its weights, which favours
+scaling. With about one request per second, a window holds few requests at night and its p99 is
+close to its maximum.
+
+Usage: python benchmarks/autoscale_trace.py [--quick] [--peak-rps R] [--duration-s S] [--json-out PATH]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.client import HTTPConnection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _common import emit, parser, target
+from _load import OUTPUT_LEN, PROMPT_LEN, percentile, run_mode, serving_config, start_client
+from elasticity import DAY_S, HEADROOM, diurnal_trace
+
+from eaas.kernels import register_backend
+from eaas.kernels.reference import experts_forward_reference
+from eaas.operator import expert_step
+from eaas.operator.api.moeservice import AutoscalingSpec
+from eaas.operator.autoscaler import Autoscaler
+from eaas.operator.planning import PoolShape, initial
+from eaas.runtime.client.routing import RoutingTable
+from eaas.runtime.local.cluster import LocalCluster, ServerProcess
+from eaas.runtime.model import write_random_checkpoint
+from eaas.runtime.placement import Placement
+from eaas.runtime.server.placement_watch import PlacementFiles
+from eaas.runtime.transport.shm_segment import remove_segments_of
+
+SERVER_ENTRY = "--as-expert-server"  # argv[1] of this script when it runs an expert server
+SIM_BACKEND = "simulated"
+TICK_S = 0.5  # the local operator's reconcile period (the real one reacts to events within ~1 s)
+TEMPLATE = "local"  # every server runs the same pod template
+BALANCE_TOKENS = 16  # decode batch for ``layer_balance`` (about the batch at the peak)
+Request = tuple[float, list[int], int]  # (arrival offset s, prompt ids, max_tokens), as _load's
+
+
+# --- the trace and its requests (pure) ----------------------------------------------------------------
+def rate_trace(peak_rps: float, duration_s: int, seed: int) -> np.ndarray:
+    """Requests/s for each second of the replay [S] (S = ``duration_s``): the ``peaked`` day from
+    00:00, one step per second, maximum exactly ``peak_rps``."""
+    step_s = DAY_S // duration_s
+    return diurnal_trace(peak_rps, seed, "peaked", step_s=step_s, day_s=step_s * duration_s)
+
+
+def trace_requests(rates: np.ndarray, seed: int, vocab: int) -> list[Request]:
+    """Poisson arrivals at ``rates[s]`` within each second s, lengths drawn as ``_load.workload``."""
+    counts = np.random.default_rng(seed).poisson(rates)  # [S]
+    rng = random.Random(seed)
+    requests = []
+    for second, count in enumerate(counts.tolist()):
+        for offset in sorted(rng.random() for _ in range(count)):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))]
+            requests.append((second + offset, prompt, rng.randint(*OUTPUT_LEN)))
+    return requests
+
+
+def poisson_requests(rate: float, seconds: float, seed: int, vocab: int) -> list[Request]:
+    """A constant ``rate`` for ``seconds`` (the sizing runs)."""
+    return trace_requests(np.full(math.ceil(seconds), rate), seed, vocab)
+
+
+# --- accounting (pure) --------------------------------------------------------------------------------
+def tpot(result: dict[str, Any]) -> float | None:
+    """Seconds per output token after the first; None for a failed request or a single token."""
+    if "error" in result or result.get("count", 0) < 2:
+        return None
+    return float((result["end"] - result["first"]) / (result["count"] - 1))
+
+
+def gpu_seconds(lifetimes: list[tuple[float, float | None]], start: float, end: float) -> float:
+    """Server-seconds within [start, end]; a lifetime is (started, stopped), stopped None = running."""
+    return sum(
+        max(0.0, min(end, stop if stop is not None else end) - max(start, begin)) for begin, stop in lifetimes
+    )
+
+
+def slo_windows(
+    results: list[dict[str, Any]], origin: float, window_s: float, duration_s: float, slo_s: float
+) -> list[dict[str, Any]]:
+    """Per window of arrivals [origin + i w, origin + (i + 1) w): requests, failed, p99 TPOT and
+    whether it is above ``slo_s`` (a window without a measured TPOT does not violate)."""
+    count = math.ceil(duration_s / window_s)
+    windows: list[dict[str, Any]] = [
+        {"start_s": i * window_s, "requests": 0, "failed": 0} for i in range(count)
+    ]
+    tpots: list[list[float]] = [[] for _ in range(count)]
+    for result in results:
+        index = min(count - 1, max(0, int((result["arrival"] - origin) // window_s)))
+        windows[index]["requests"] += 1
+        windows[index]["failed"] += int("error" in result)
+        if (value := tpot(result)) is not None:
+            tpots[index].append(value)
+    for window, values in zip(windows, tpots, strict=True):
+        window["p99_tpot_s"] = percentile(values, 0.99) if values else None
+        window["over_slo"] = sum(v > slo_s for v in values)
+        window["violating"] = bool(values) and window["p99_tpot_s"] > slo_s
+    return windows
+
+
+def summarize(windows: list[dict[str, Any]]) -> dict[str, int]:
+    """Violating windows, the requests in them, requests above the target, failed requests."""
+    violating = [w for w in windows if w["violating"]]
+    return {
+        "requests": sum(w["requests"] for w in windows),
+        "violating_windows": len(violating),
+        "requests_in_violating_windows": sum(w["requests"] for w in violating),
+        "requests_over_slo": sum(w["over_slo"] for w in windows),
+        "failed": sum(w["failed"] for w in windows),
+    }
+
+
+def saved(ours: float, fixed: float) -> float:
+    return 1.0 - ours / fixed
+
+
+def oracle_saving(rates: np.ndarray, min_servers: int, fixed_servers: int) -> float:
+    """The most any autoscaler could save against ``fixed_servers`` sized for the peak: each second
+    the whole servers the rate needs in proportion (ceil(fixed x rate / peak)), at least
+    ``min_servers``, started and stopped instantly. rates: [S] req/s."""
+    needed = np.clip(np.ceil(fixed_servers * rates / rates.max() - 1e-9), min_servers, fixed_servers)  # [S]
+    return float(1.0 - needed.mean() / fixed_servers)
+
+
+def layer_balance(placement: Placement, top_k: int, tokens: int, seed: int = 0, trials: int = 50) -> float:
+    """Mean over layers and batches of (mean server work / busiest server's work) when ``tokens``
+    tokens per layer route uniformly at random to ``top_k`` experts and the client picks replicas
+    as it does (``RoutingTable``); work = entries. Layers run one after the other, so a step waits
+    for each layer's busiest server: 1.0 = every server shares every layer evenly."""
+    table = RoutingTable(placement)
+    live = torch.ones(len(table.ordinals), dtype=torch.bool)  # [S]
+    generator = torch.Generator().manual_seed(seed)
+    ratios = []
+    for _ in range(trials):
+        for layer in placement.layers:
+            ids = torch.rand(tokens, placement.num_experts, generator=generator).argsort(-1)[
+                :, :top_k
+            ]  # [T, K]
+            work = torch.bincount(table.assign(layer, ids, live).reshape(-1), minlength=len(live))  # [S]
+            ratios.append(float(work.float().mean() / work.max()))
+    return sum(ratios) / len(ratios)
+
+
+# --- a simulated accelerator, inside each expert-server process -------------------------------------
+def simulated_backend(expert_s: float, entry_s: float) -> Callable[..., torch.Tensor]:
+    """The reference expert compute, stretched by sleeping to ``expert_s`` per distinct group (an
+    expert's weights read once) plus ``entry_s`` per routed entry. group_of: int [T, K], -1 = none."""
+
+    def forward(
+        x: torch.Tensor,
+        group_of: torch.Tensor,
+        weight_of: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        **kw: Any,
+    ) -> torch.Tensor:  # [T, H]
+        started = time.perf_counter()
+        y = experts_forward_reference(x, group_of, weight_of, w13, w2, **kw)
+        routed = group_of[group_of >= 0]  # [N]
+        modelled = expert_s * torch.unique(routed).numel() + entry_s * routed.numel()
+        time.sleep(max(0.0, modelled - (time.perf_counter() - started)))
+        return y
+
+    return forward
+
+
+def serve_expert(argv: list[str]) -> None:
+    """``autoscale_trace.py --as-expert-server EXPERT_US ENTRY_US <eaas expert-server args>``."""
+    from eaas.runtime.server.cli import expert_server
+
+    expert_us, entry_us, *server_args = argv
+    register_backend(SIM_BACKEND, simulated_backend(float(expert_us) * 1e-6, float(entry_us) * 1e-6))
+    expert_server.main(args=server_args, prog_name="eaas expert-server")
+
+
+# --- the pool: processes that follow a placement directory, started and stopped while running -------
+def hold_port(port: int = 0) -> socket.socket:
+    """A bound (not listening) socket that keeps ``port`` (0: a free one) from other processes."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    return holder
+
+
+def http_get(url: str, path: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """As kubelet updates a mounted ConfigMap: a reader sees the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+@dataclass
+class ElasticCluster(LocalCluster):
+    """``LocalCluster`` whose servers follow ``workdir`` as a placement directory and are added
+    (``add``) and removed (``remove``) while running. Ports of ordinals 0 .. max_servers - 1 are
+    reserved up front, so an attention client started with all of them reaches servers added later
+    (as it would through the headless Service)."""
+
+    max_servers: int = 4
+    simulated_us: tuple[float, float] = (0.0, 0.0)  # (per expert, per entry); (0, 0) = real compute
+    ports: dict[int, tuple[int, int]] = field(default_factory=dict)  # ordinal -> (control, tcp)
+    holders: dict[int, list[socket.socket]] = field(default_factory=dict)  # ports of absent servers
+    started: dict[int, float] = field(default_factory=dict)  # running processes: ordinal -> start time
+    finished: list[tuple[float, float]] = field(default_factory=list)  # (started, exited)
+
+    def start(self) -> ElasticCluster:
+        """Reserves the ports, commits ``placement`` and starts its servers; waits until all are ready."""
+        for ordinal in range(self.max_servers):
+            self.holders[ordinal] = [hold_port(), hold_port()]
+            control, data = (int(h.getsockname()[1]) for h in self.holders[ordinal])
+            self.ports[ordinal] = (control, data)
+        write_atomically(self.placement_path, self.placement.to_json())
+        try:
+            for ordinal in self.placement.ordinals:
+                self.add(ordinal)
+            deadline = time.monotonic() + self.startup_timeout_s
+            for server in self.servers.values():
+                self._wait_ready(server, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def urls(self) -> dict[int, str]:
+        return {n: f"http://127.0.0.1:{control}" for n, (control, _) in self.ports.items()}
+
+    def add(self, ordinal: int) -> None:
+        for holder in self.holders.pop(ordinal, []):
+            holder.close()
+        control, data = self.ports[ordinal]
+        self.servers[ordinal] = self._spawn(ordinal, control, data)
+        self.started[ordinal] = time.monotonic()
+
+    def remove(self, ordinal: int, timeout_s: float = 10.0) -> None:
+        """SIGTERM, as a deleted pod gets; returns once the process has exited."""
+        server = self.servers.pop(ordinal)
+        server.process.terminate()
+        try:
+            server.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait(timeout=timeout_s)
+        self.finished.append((self.started.pop(ordinal), time.monotonic()))
+        remove_segments_of(server.pid)
+        with contextlib.suppress(OSError):  # best effort: the port is very likely still free
+            self.holders[ordinal] = [hold_port(port) for port in self.ports[ordinal]]
+
+    def running_urls(self) -> list[str]:
+        return [self.urls[ordinal] for ordinal in self.servers]
+
+    def lifetimes(self) -> list[tuple[float, float | None]]:
+        """(started, exited) of every process so far; exited None while it runs."""
+        return [*self.finished, *((begin, None) for begin in self.started.values())]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for ordinal in list(self.servers):
+            self.remove(ordinal, timeout_s)
+        for holder in (h for held in self.holders.values() for h in held):
+            holder.close()
+        self.holders.clear()
+
+    def _spawn(self, ordinal: int, control_port: int, tcp_port: int, restarts: int = 0) -> ServerProcess:
+        count = sum(1 for _ in self.workdir.glob(f"server-{ordinal}.*.log"))
+        log_path = self.workdir / f"server-{ordinal}.{count}.log"
+        ready_path = self.workdir / f"server-{ordinal}.{count}.ready.json"
+        expert_us, entry_us = self.simulated_us
+        simulated = expert_us > 0 or entry_us > 0
+        command = [
+            sys.executable, __file__, SERVER_ENTRY, str(expert_us), str(entry_us),
+            "--checkpoint", str(self.checkpoint), "--placement-dir", str(self.workdir),
+            "--ordinal", str(ordinal), "--control-port", str(control_port), "--tcp-port", str(tcp_port),
+            "--transports", ",".join(self.transports), "--max-tokens", str(self.max_tokens),
+            "--kernel-backend", SIM_BACKEND if simulated else self.kernel_backend,
+            "--threads", str(self.threads_per_server), "--ready-file", str(ready_path),
+            "--exit-with-parent", str(os.getpid()), "--log-level", self.log_level,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads_per_server)}
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return ServerProcess(ordinal, process, log_path, ready_path)
+
+
+class LocalOperator:
+    """The operator's ExpertPool reconcile and MoEService autoscaling over an ``ElasticCluster``
+    (see the module docstring), in a thread. ``replicas`` is the ExpertPool's ``spec.replicas``;
+    with ``autoscaling`` set the autoscaler writes it."""
+
+    def __init__(
+        self, cluster: ElasticCluster, shape: PoolShape, replicas: int, resync_s: float, round_robin: bool
+    ) -> None:
+        self.cluster, self.shape, self.replicas, self.resync_s = cluster, shape, replicas, resync_s
+        self.round_robin = round_robin  # re-plan every scale step round-robin (not what the operator does)
+        self.files = PlacementFiles(cluster.workdir)
+        self.autoscaling: AutoscalingSpec | None = None
+        self.autoscaler = Autoscaler()
+        self.ready: set[int] = set()
+        self.versions: dict[int, int] = {}
+        self.busy: dict[int, tuple[float, float]] = {}  # ordinal -> (time, busy seconds) at the last resync
+        self.latest: dict[int, tuple[float, float]] = {}  # ordinal -> (time, busy seconds) last observed
+        committed, pending = self.files.read()
+        self.last_version = max((p.version for p in (committed, pending) if p is not None), default=0)
+        self.timeline: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-operator", daemon=True)
+
+    def start(self) -> LocalOperator:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def set_replicas(self, replicas: int, autoscaling: AutoscalingSpec | None = None) -> None:
+        with self._lock:
+            self.replicas, self.autoscaling, self.autoscaler = replicas, autoscaling, Autoscaler()
+
+    def _run(self) -> None:
+        next_resync = time.monotonic()
+        while not self._stop.wait(TICK_S):
+            try:
+                with self._lock:
+                    self.reconcile()
+                    if time.monotonic() >= next_resync:
+                        next_resync += self.resync_s
+                        self.resync(time.monotonic())
+            except Exception as exc:  # recorded and reported: a run with errors is not a result
+                logging.exception("local operator")
+                self.errors.append(repr(exc))
+
+    def observe(self) -> expert_step.Observed:
+        pods, reports = {}, {}
+        for ordinal, server in list(self.cluster.servers.items()):
+            url = self.cluster.urls[ordinal]
+            if server.process.poll() is not None:
+                raise RuntimeError(f"expert server {ordinal} exited:\n{self.cluster.log_tail(ordinal)}")
+            if ordinal not in self.ready:
+                try:
+                    if http_get(url, "/readyz")[0] == 200:
+                        self.ready.add(ordinal)
+                except OSError:
+                    pass
+            if ordinal in self.ready:
+                stats = json.loads(http_get(url, "/v1/stats")[1])
+                self.versions[ordinal] = int(stats["placement_version"])
+                self.latest[ordinal] = (time.monotonic(), float(stats["busy_seconds"]))
+                self.busy.setdefault(ordinal, self.latest[ordinal])
+                reports[ordinal] = expert_step.ServerReport(
+                    expired=False, loaded_version=self.versions[ordinal]
+                )
+            pods[ordinal] = expert_step.PodState(
+                ordinal, ordinal in self.ready, template_hash=TEMPLATE, uid=str(server.pid)
+            )
+        committed, pending = self.files.read()
+        return expert_step.Observed(
+            pool="local", desired_replicas=self.replicas, shape=self.shape, template_hash=TEMPLATE, pods=pods,
+            committed=committed, pending=pending, reports=reports, last_version=self.last_version,
+        )  # fmt: skip
+
+    def reconcile(self) -> None:
+        """One ExpertPool pass: observe, plan, act (publish first, then start, then stop servers)."""
+        step = expert_step.plan(self.observe())
+        if step.publish is not None:
+            committed, pending = step.publish
+            if self.round_robin and committed and pending and committed.ordinals != pending.ordinals:
+                spread = dict.fromkeys(pending.ordinals)
+                pending = initial(self.shape, spread, {}, version=pending.version)
+            if committed is not None:
+                write_atomically(self.files.committed_path, committed.to_json())
+            if pending is not None:
+                write_atomically(self.files.pending_path, pending.to_json())
+            else:
+                self.files.pending_path.unlink(missing_ok=True)
+            self.last_version = max(p.version for p in (committed, pending) if p is not None)
+        for ordinal in step.create_pods:
+            self.cluster.add(ordinal)
+        for ordinal in step.delete_pods:
+            self.cluster.remove(ordinal)
+            self.ready.discard(ordinal)
+            self.busy.pop(ordinal, None)
+            self.latest.pop(ordinal, None)
+
+    def resync(self, now: float) -> None:
+        """The MoEService pass: the autoscaler, called as ``set_expert_replicas`` calls it."""
+        fractions = []
+        for ordinal in self.ready & set(self.cluster.servers):
+            if ordinal in self.latest and ordinal in self.busy:
+                (then, before), (at, after) = self.busy[ordinal], self.latest[ordinal]
+                if at > then:
+                    fractions.append((after - before) / (at - then))
+                self.busy[ordinal] = (at, after)
+        utilization = round(1000 * sum(fractions) / len(fractions)) if fractions else None
+        ready = len(self.ready & set(self.cluster.servers))
+        before = self.replicas
+        if self.autoscaling is not None:
+            self.replicas = self.autoscaler.recommend(
+                now, self.replicas, utilization, self.autoscaling, ready
+            )
+        self.timeline.append(
+            {"t": now, "replicas": before, "set": self.replicas, "ready": ready,
+             "processes": len(self.cluster.servers), "utilization_milli": utilization}
+        )  # fmt: skip
+
+    def is_stable(self, replicas: int) -> bool:
+        committed, pending = self.files.read()
+        return (
+            pending is None
+            and committed is not None
+            and len(committed.ordinals) == replicas
+            and set(self.cluster.servers) == set(committed.ordinals) <= self.ready
+        )
+
+    def wait_stable(self, replicas: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_stable(replicas):
+            if self.errors:
+                raise RuntimeError(f"the local operator failed: {self.errors[-1]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the pool did not settle at {replicas} servers in {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+# --- the run ------------------------------------------------------------------------------------------
+def busy_seconds(cluster: ElasticCluster) -> float:
+    """Busy seconds of every running server so far (``/v1/stats``)."""
+    return sum(json.loads(http_get(url, "/v1/stats")[1])["busy_seconds"] for url in cluster.running_urls())
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def measure(
+    cluster: ElasticCluster, url: str, rate: float, seconds: float, seed: int, vocab: int
+) -> dict[str, Any]:
+    """Constant-rate Poisson load on the pool as it is for ``seconds``: p50 / p99 TPOT of the
+    requests that arrive after the first third (the batch fills up meanwhile), failed requests,
+    and the servers' mean busy fraction over the arrivals' last two thirds."""
+    requests = poisson_requests(rate, seconds, seed, vocab)
+    warm_up = seconds / 3
+    snapshots: dict[str, tuple[float, float]] = {}
+
+    def snapshot(name: str) -> None:
+        snapshots[name] = (time.monotonic(), busy_seconds(cluster))
+
+    timers = [
+        threading.Timer(0.2 + at, snapshot, (name,)) for name, at in (("from", warm_up), ("to", seconds))
+    ]
+    for timer in timers:  # run_mode starts the arrivals 0.2 s after it is called
+        timer.start()
+    results = run_mode("continuous", True, url, requests)
+    for timer in timers:
+        timer.join()
+    (then, before), (now, after) = snapshots["from"], snapshots["to"]
+    busy = (after - before) / (now - then) / len(cluster.servers)
+    origin = results[0]["arrival"] - requests[0][0]
+    values = [v for r in results if r["arrival"] - origin >= warm_up and (v := tpot(r)) is not None]
+    return {
+        "servers": len(cluster.servers),
+        "rate_rps": rate,
+        "requests": len(results),
+        "measured": len(values),
+        "failed": sum("error" in r for r in results),
+        "tpot_p50_s": percentile(values, 0.5),
+        "tpot_p99_s": percentile(values, 0.99),
+        "busy_fraction": busy,
+        "load_average": load_average(),
+    }
+
+
+def fixed_size(sizing: list[dict[str, Any]], slo_s: float) -> tuple[int, str]:
+    """The smallest size that met ``slo_s`` at the peak with no failed request; if none did, the
+    smallest whose p99 is within 10% of the best measured. Returns (servers, the rule applied)."""
+    meeting = [r for r in sizing if r["tpot_p99_s"] <= slo_s and r["failed"] == 0]
+    if meeting:
+        return min(r["servers"] for r in meeting), "the smallest that met the SLO at the peak"
+    best = min(r["tpot_p99_s"] for r in sizing)
+    close = min(r["servers"] for r in sizing if r["tpot_p99_s"] <= 1.1 * best)
+    return close, "none met the SLO at the peak: the smallest within 10% of the best p99"
+
+
+def calibrate(
+    args: Any, operator: LocalOperator, url: str, rates: np.ndarray, vocab: int, top_k: int
+) -> tuple[float, list[dict[str, Any]], int, str]:
+    """The SLO target, the sizing runs at the peak and the fixed pool (see the module docstring)."""
+    cluster = operator.cluster
+    trough = measure(cluster, url, float(rates.min()), args.sizing_s, args.seed + 1, vocab)
+    slo_s = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else args.slo_factor * trough["tpot_p99_s"]
+    print(
+        f"SLO: p99 TPOT at the trough ({trough['rate_rps']:.2f} req/s, {args.min_servers} servers) "
+        f"{trough['tpot_p99_s'] * 1e3:.0f} ms -> target {slo_s * 1e3:.0f} ms"
+        + (" (given)" if args.slo_tpot_ms else f" (x {args.slo_factor:g})")
+        + f"; load average {trough['load_average']:.1f}",
+        flush=True,
+    )
+    sizing = [{"phase": "slo", **trough}]
+    for servers in range(args.min_servers, args.max_servers + 1):
+        operator.set_replicas(servers)
+        operator.wait_stable(servers)
+        row = measure(cluster, url, float(rates.max()), args.sizing_s, args.seed + 2, vocab)
+        committed, _ = operator.files.read()
+        assert committed is not None
+        row["layer_balance"] = layer_balance(committed, top_k, BALANCE_TOKENS)
+        row["layer_balance_round_robin"] = layer_balance(
+            initial(operator.shape, dict.fromkeys(committed.ordinals), {}), top_k, BALANCE_TOKENS
+        )
+        sizing.append({"phase": "sizing", **row})
+        meets = row["tpot_p99_s"] <= slo_s and row["failed"] == 0
+        print(
+            f"sizing at the peak ({row['rate_rps']:.2f} req/s): {servers} servers, TPOT p50 "
+            f"{row['tpot_p50_s'] * 1e3:.0f} ms p99 {row['tpot_p99_s'] * 1e3:.0f} ms, busy "
+            f"{row['busy_fraction']:.2f}, servers sharing a layer {servers * row['layer_balance']:.2f} "
+            f"(round-robin: {servers * row['layer_balance_round_robin']:.2f}), {row['failed']} failed, "
+            f"load average {row['load_average']:.1f} -> {'meets' if meets else 'misses'}",
+            flush=True,
+        )
+        if meets:
+            break
+    fixed_n, rule = fixed_size(sizing[1:], slo_s)
+    return slo_s, sizing, fixed_n, rule
+
+
+def replay(
+    cluster: ElasticCluster,
+    operator: LocalOperator,
+    url: str,
+    requests: list[Request],
+    args: Any,
+    slo_s: float,
+) -> dict[str, Any]:
+    """One arm: the trace's requests through the pool as it is (and as the operator changes it)."""
+    mark = len(operator.timeline)
+    results = run_mode("continuous", True, url, requests)
+    origin = results[0]["arrival"] - requests[0][0]
+    lifetimes = cluster.lifetimes()
+    windows = slo_windows(results, origin, args.window_s, args.duration_s, slo_s)
+    for window in windows:
+        begin = origin + window["start_s"]
+        window["servers"] = gpu_seconds(lifetimes, begin, begin + args.window_s) / args.window_s
+    return {
+        "gpu_seconds": gpu_seconds(lifetimes, origin, origin + args.duration_s),
+        "last_answer_s": max(r.get("end", 0.0) for r in results) - origin,
+        "load_average": load_average(),
+        **summarize(windows),
+        "windows": windows,
+        "timeline": [{**row, "t": row["t"] - origin} for row in operator.timeline[mark:]],
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--peak-rps", type=float, default=1.5, help="the trace's peak request rate")
+    p.add_argument("--duration-s", type=int, help="the compressed day (default 180; quick 45)")
+    p.add_argument("--sizing-s", type=float, help="seconds of load per sizing run (default 30; quick 9)")
+    p.add_argument("--window-s", type=float, default=15.0, help="SLO window")
+    p.add_argument("--slo-factor", type=float, default=2.0, help="target = factor x p99 TPOT at the trough")
+    p.add_argument("--slo-tpot-ms", type=float, help="a given target instead of the measured one")
+    p.add_argument("--min-servers", type=int, default=2)
+    p.add_argument("--max-servers", type=int, default=4)
+    p.add_argument("--replication", type=int, default=2)
+    p.add_argument("--target-utilization-milli", type=int, help="default: HEADROOM x the fixed pool's busy")
+    p.add_argument("--scale-down-window-s", type=int, default=20)
+    p.add_argument("--resync-seconds", type=float, default=5.0, help="autoscaler period (heartbeat interval)")
+    p.add_argument("--sim-expert-us", type=float, default=200.0, help="device time per expert read")
+    p.add_argument("--sim-entry-us", type=float, default=3000.0, help="device time per routed entry")
+    p.add_argument(
+        "--placement",
+        choices=("operator", "round-robin"),
+        default="operator",
+        help="scale steps place experts as the operator does, or round-robin over the new set (diagnostic)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.duration_s = args.duration_s or (45 if args.quick else 180)
+    args.sizing_s = args.sizing_s or (9.0 if args.quick else 30.0)
+    if not 1 <= args.replication <= args.min_servers <= args.max_servers:
+        p.error("need 1 <= --replication <= --min-servers <= --max-servers")
+    # One torch thread in the attention client too: OpenMP threads spinning against other work on a
+    # loaded 2-core machine made its p50 TPOT 10x worse (0.42 s against 0.04 s at 1.1 req/s).
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+    config = serving_config()
+    rates = rate_trace(args.peak_rps, args.duration_s, args.seed)
+    requests = trace_requests(rates, args.seed, config.vocab_size)
+    print(
+        f"trace: {args.duration_s} s day, {len(requests)} requests; rate peak {rates.max():.2f}, trough "
+        f"{rates.min():.2f}, mean {rates.mean():.2f} req/s (peak/trough {rates.max() / rates.min():.2f}, "
+        f"mean/peak {rates.mean() / rates.max():.2f})",
+        flush=True,
+    )
+    shape = PoolShape(tuple(config.moe_layers), config.num_experts, args.replication)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_random_checkpoint(config, Path(tmp) / "ckpt", seed=1)
+        first = initial(shape, dict.fromkeys(range(args.min_servers)), {}, version=1)
+        cluster = ElasticCluster(
+            checkpoint, first, Path(tmp) / "pool", transports=("tcp",), max_servers=args.max_servers,
+            simulated_us=(args.sim_expert_us, args.sim_entry_us),
+        )  # fmt: skip
+        with cluster:
+            round_robin = args.placement == "round-robin"
+            operator = LocalOperator(cluster, shape, args.min_servers, args.resync_seconds, round_robin)
+            operator.start()
+            client, url = start_client("continuous", checkpoint, cluster, Path(tmp))
+            try:
+                warm_up = poisson_requests(1.0, 3.0, args.seed + 1000, config.vocab_size)
+                run_mode("continuous", True, url, warm_up)
+                slo_s, sizing, fixed_n, rule = calibrate(
+                    args, operator, url, rates, config.vocab_size, config.top_k
+                )
+                busy = next(r["busy_fraction"] for r in sizing[1:] if r["servers"] == fixed_n)
+                milli = args.target_utilization_milli or max(1, math.floor(1000 * HEADROOM * busy))
+                spec = AutoscalingSpec(
+                    mode="builtin",
+                    min_replicas=args.min_servers,
+                    max_replicas=args.max_servers,
+                    target_utilization_milli=milli,
+                    scale_down_stabilization_seconds=args.scale_down_window_s,
+                )
+                print(f"fixed pool: {fixed_n} servers ({rule}); autoscaler target {milli / 1000:.3f} busy")
+                operator.set_replicas(fixed_n)
+                operator.wait_stable(fixed_n)
+                print(f"fixed arm: {args.duration_s} s, load average {load_average():.1f}", flush=True)
+                fixed = replay(cluster, operator, url, requests, args, slo_s)
+                operator.set_replicas(args.min_servers)
+                operator.wait_stable(args.min_servers)
+                operator.set_replicas(args.min_servers, spec)
+                print(f"autoscaled arm: {args.duration_s} s, load average {load_average():.1f}", flush=True)
+                ours = replay(cluster, operator, url, requests, args, slo_s)
+            finally:
+                operator.stop()
+                client.terminate()
+                client.wait(timeout=30)
+    if operator.errors:
+        raise SystemExit(f"the local operator failed: {operator.errors}")
+    report(args, rates, slo_s, sizing, (fixed_n, rule, milli), fixed, ours)
+
+
+def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any], window_s: float) -> None:
+    print(
+        f"{'window s':>9} {'req/s':>6} | {'fixed: servers':>14} {'p99 TPOT':>11} "
+        f"| {'ours: servers':>13} {'p99 TPOT':>11}"
+    )
+    for a, b in zip(fixed["windows"], ours["windows"], strict=True):
+        start = int(a["start_s"])
+        rate = float(rates[start : start + int(window_s)].mean())
+        cells = []
+        for w in (a, b):
+            p99 = "-" if w["p99_tpot_s"] is None else f"{w['p99_tpot_s'] * 1e3:.0f} ms"
+            cells.append(f"{w['servers']:14.2f} {p99 + (' !' if w['violating'] else '  '):>11}")
+        print(f"{start:>4}-{start + int(window_s):<4} {rate:6.2f} | {cells[0]} | {cells[1][1:]}")
+
+
+def report(
+    args: Any,
+    rates: np.ndarray,
+    slo_s: float,
+    sizing: list[dict[str, Any]],
+    fixed_choice: tuple[int, str, int],
+    fixed: dict[str, Any],
+    ours: dict[str, Any],
+) -> None:
+    fixed_n, rule, milli = fixed_choice
+    print(f"\nper {args.window_s:g} s window: mean servers alive, p99 TPOT (! = above {slo_s * 1e3:.0f} ms)")
+    print_windows(rates, fixed, ours, args.window_s)
+    print(
+        f"\n{'arm':>15} {'GPU-s':>7} {'violating windows':>17} {'their requests':>14} {'> SLO':>6} "
+        f"{'failed':>6} {'requests':>8} {'load avg':>8}"
+    )
+    rows = []
+    for name, arm in (
+        (f"fixed-{fixed_n}", fixed),
+        (f"autoscaled {args.min_servers}-{args.max_servers}", ours),
+    ):
+        violating = f"{arm['violating_windows']} of {len(arm['windows'])}"
+        print(
+            f"{name:>15} {arm['gpu_seconds']:7.1f} {violating:>17} "
+            f"{arm['requests_in_violating_windows']:>14} {arm['requests_over_slo']:>6} {arm['failed']:>6} "
+            f"{arm['requests']:>8} {arm['load_average']:>8.1f}"
+        )
+        rows.append({"phase": "arm", "arm": name, **arm})
+    ratio = saved(ours["gpu_seconds"], fixed["gpu_seconds"])
+    extra = ours["violating_windows"] - fixed["violating_windows"]
+    failed = ours["failed"] + fixed["failed"]
+    met = ratio >= 0.30 and extra <= 0 and failed == 0
+    oracle = oracle_saving(rates, args.min_servers, fixed_n)
+    print(
+        f"\nsaved {ratio:.1%} of the fixed pool's GPU-seconds (target >= 30%); violating windows "
+        f"{ours['violating_windows']} against {fixed['violating_windows']} (target: no more); failed {failed}"
+        f"\nan oracle (whole servers in proportion to the rate, at least {args.min_servers}, no delay) "
+        f"would save {oracle:.1%}"
+        f"\nfixed pool: {fixed_n} servers, {rule}; autoscaler target utilization {milli / 1000:.3f}"
+        f"\ntarget {'MET' if met else 'NOT MET'}",
+        flush=True,
+    )
+    settings = {
+        "phase": "settings",
+        **{k: v for k, v in vars(args).items() if k != "json_out"},
+        "slo_tpot_p99_s": slo_s,
+        "fixed_servers": fixed_n,
+        "fixed_rule": rule,
+        "target_utilization_milli": milli,
+        "oracle_saving": oracle,
+    }
+    emit(
+        "autoscale_trace",
+        [settings, *sizing, *rows],
+        {
+            "gpu_seconds_saved_vs_fixed": target(ratio, 0.30),
+            "extra_violating_windows_vs_fixed": target(extra, 0, higher_is_better=False),
+            "failed_requests": target(failed, 0, higher_is_better=False),
+        },
+        args.json_out,
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == SERVER_ENTRY:
+        serve_expert(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,120 @@
+"""The pure part of benchmarks/autoscale_trace.py: the compressed day, its requests, the GPU-seconds
+and SLO-window accounting, and the simulated device's timing (no servers, no processes)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from eaas.kernels.reference import experts_forward_reference
+from eaas.operator.planning import PoolShape, add_server, initial
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def trace() -> Iterator[ModuleType]:
+    """benchmarks/autoscale_trace.py, imported by name (its siblings are found next to it)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("autoscale_trace")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("autoscale_trace", None)
+
+
+def test_compressed_day_has_one_rate_per_second_and_the_peak_asked_for(trace: ModuleType) -> None:
+    rates = trace.rate_trace(6.0, 240, seed=0)
+    assert rates.shape == (240,)
+    assert rates.max() == pytest.approx(6.0)
+    assert 3.0 < rates.max() / rates.min() < 4.5  # the diurnal peak / trough
+    assert 120 <= int(rates.argmax()) <= 160  # the afternoon peak (14:00 is second 140)
+    assert np.array_equal(rates, trace.rate_trace(6.0, 240, seed=0))
+    assert not np.array_equal(rates, trace.rate_trace(6.0, 240, seed=1))
+
+
+def test_requests_follow_the_rates_and_repeat_with_the_seed(trace: ModuleType) -> None:
+    rates = np.array([0.0, 50.0, 5.0])
+    requests = trace.trace_requests(rates, seed=3, vocab=100)
+    assert requests == trace.trace_requests(rates, seed=3, vocab=100)
+    arrivals = [arrival for arrival, _, _ in requests]
+    assert arrivals == sorted(arrivals) and all(1.0 <= a < 3.0 for a in arrivals)
+    in_second = sum(1 for a in arrivals if a < 2.0)
+    assert 30 <= in_second <= 70 and len(requests) - in_second <= 15
+    for _, prompt, max_tokens in requests:
+        assert 8 <= len(prompt) <= 48 and all(0 <= t < 100 for t in prompt) and 8 <= max_tokens <= 64
+
+
+def test_gpu_seconds_count_each_server_from_start_to_stop_within_the_replay(trace: ModuleType) -> None:
+    lifetimes = [(0.0, None), (0.0, None), (5.0, 8.0), (-3.0, 2.0), (12.0, 20.0)]
+    # Within [1, 11]: two servers throughout (20), one from 5 to 8 (3), one until 2 (1), one never.
+    assert trace.gpu_seconds(lifetimes, 1.0, 11.0) == pytest.approx(24.0)
+    assert trace.gpu_seconds([], 0.0, 10.0) == 0.0
+    assert trace.saved(70.0, 100.0) == pytest.approx(0.30)
+
+
+def result(arrival: float, first: float, end: float, count: int) -> dict[str, float]:
+    return {"arrival": arrival, "start": arrival, "first": first, "end": end, "count": count}
+
+
+def test_slo_windows_flag_a_p99_above_the_target(trace: ModuleType) -> None:
+    origin = 100.0
+    results = [
+        result(100.5, 101.0, 101.9, 10),  # window 0: 0.1 s per token
+        result(103.0, 103.1, 103.55, 10),  # window 0: 0.05
+        result(111.0, 111.1, 113.8, 10),  # window 1: 0.3 (over)
+        result(112.0, 112.1, 112.2, 1),  # window 1: one token, no TPOT
+        {"arrival": 125.0, "error": "boom"},  # window 2: failed
+    ]
+    windows = trace.slo_windows(results, origin, window_s=10.0, duration_s=30.0, slo_s=0.2)
+    assert [w["requests"] for w in windows] == [2, 2, 1]
+    assert [w["violating"] for w in windows] == [False, True, False]
+    assert windows[0]["p99_tpot_s"] == pytest.approx(0.1) and windows[2]["p99_tpot_s"] is None
+    assert trace.summarize(windows) == {
+        "requests": 5,
+        "violating_windows": 1,
+        "requests_in_violating_windows": 2,
+        "requests_over_slo": 1,
+        "failed": 1,
+    }
+    assert trace.tpot(results[1]) == pytest.approx(0.05) and trace.tpot(results[3]) is None
+
+
+def test_simulated_device_computes_the_reference_and_takes_the_modelled_time(trace: ModuleType) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)  # [T, H]
+    w13, w2 = torch.randn(4, 2 * 16, 8), torch.randn(4, 8, 16)  # [G, 2I, H], [G, H, I]
+    group_of = torch.tensor(
+        [[0, 1], [1, -1], [2, 0], [0, 1], [1, 2], [-1, -1]]
+    )  # [T, K]: 3 groups, 8 entries
+    weight_of = torch.rand(6, 2)
+    forward = trace.simulated_backend(expert_s=0.01, entry_s=0.005)
+    started = time.perf_counter()
+    y = forward(x, group_of, weight_of, w13, w2)
+    elapsed = time.perf_counter() - started
+    assert torch.equal(y, experts_forward_reference(x, group_of, weight_of, w13, w2))
+    assert 0.07 <= elapsed < 0.5  # 3 x 10 ms + 8 x 5 ms
+
+
+def test_layer_balance_sees_a_layer_crowded_onto_few_servers(trace: ModuleType) -> None:
+    shape = PoolShape((0, 1, 2, 3), 8, 2)
+    two = initial(shape, {0: None, 1: None}, {})  # both servers host every expert
+    assert trace.layer_balance(two, top_k=2, tokens=16) > 0.8
+    grown = add_server(add_server(two, shape, 2, None, None), shape, 3, None, None)
+    spread = initial(shape, dict.fromkeys(range(4)), {})  # every layer over all four servers
+    assert trace.layer_balance(grown, 2, 16) < trace.layer_balance(spread, 2, 16) - 0.1
+
+
+def test_oracle_saving_holds_whole_servers_in_proportion_to_the_rate(trace: ModuleType) -> None:
+    rates = np.array([1.0, 2.0, 4.0, 4.0])  # needs 1, 2, 4, 4 of 4 servers; the floor makes it 2, 2, 4, 4
+    assert trace.oracle_saving(rates, min_servers=2, fixed_servers=4) == pytest.approx(1 - 12 / 16)
+    assert trace.oracle_saving(rates, min_servers=1, fixed_servers=4) == pytest.approx(1 - 11 / 16)
+    assert trace.oracle_saving(np.full(5, 3.0), 2, 4) == 0.0
