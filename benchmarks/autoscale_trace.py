@@ -687,9 +687,6 @@ def main() -> None:
     args.sizing_s = args.sizing_s or (9.0 if args.quick else 30.0)
     if not 1 <= args.replication <= args.min_servers <= args.max_servers:
         p.error("need 1 <= --replication <= --min-servers <= --max-servers")
-    # One torch thread in the attention client too: OpenMP threads spinning against other work on a
-    # loaded 2-core machine made its p50 TPOT 10x worse (0.42 s against 0.04 s at 1.1 req/s).
-    os.environ["OMP_NUM_THREADS"] = "1"
 
     config = serving_config()
     rates = rate_trace(args.peak_rps, args.duration_s, args.seed)

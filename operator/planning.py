@@ -6,8 +6,10 @@
 servers do not report per-expert load to the operator yet) a load-blind rule applies: a new
 server takes an equal share of pairs from the fullest servers (the cost-aware search, seeing the
 same load everywhere, would leave it empty), and a leaving server's pairs go to the emptiest
-servers that lack them, preferring other failure domains. Both keep R and return ``version + 1``;
-all are deterministic.
+servers that lack them, preferring other failure domains. Both balance every *layer*, not just the
+slot count: a layer's tokens wait for the busiest server hosting that layer, so a server that
+holds whole layers adds capacity to those layers only (a 2 -> 4 server pool then served its peak
+no faster). Both keep R and return ``version + 1``; all are deterministic.
 """
 
 from __future__ import annotations
@@ -125,33 +127,91 @@ def drain_server(
         return elastic.drain_server(widened, ordinal, load)
     hosted = {server.ordinal: list(current.experts_of(server.ordinal)) for server in remaining}
     domains = {server.ordinal: server.domain for server in remaining}
+    rehomed: dict[LayerExpert, int] = {}
     for pair in current.experts_of(ordinal):
         holders = [o for o, pairs in hosted.items() if pair in pairs]
         used_domains = {_domain(domains, o) for o in holders}
         candidates = [o for o in hosted if pair not in hosted[o]]
-        # Prefer a new failure domain, then the emptiest server, then the lowest ordinal.
-        target = min(candidates, key=lambda o: (_domain(domains, o) in used_domains, len(hosted[o]), o))
+        # Prefer a new failure domain, then the server with the fewest pairs of this layer, then the
+        # emptiest, then the lowest ordinal.
+        target = min(
+            candidates,
+            key=lambda o: (
+                _domain(domains, o) in used_domains,
+                _layer_count(hosted[o], pair[0]),
+                len(hosted[o]),
+                o,
+            ),
+        )
         hosted[target].append(pair)
+        rehomed[pair] = target
+    _even_out_layers(hosted, domains, rehomed)
     return _rebuild(current, shape, remaining, hosted)
+
+
+def _even_out_layers(
+    hosted: dict[int, list[LayerExpert]], domains: dict[int, str | None], rehomed: dict[LayerExpert, int]
+) -> None:
+    """Move again the just re-homed pairs (pair → the server it went to) that leave a layer uneven.
+
+    Greedy re-homing can leave a layer two or more pairs heavier on one server than on another
+    (the lighter one already held the pairs that had to move). A re-homed pair may go to any
+    server that lacks it at no extra load, so move such pairs from the heavier server of their
+    layer to a lighter one while the two differ by two or more, without putting two replicas in
+    one failure domain that were apart. Each move lowers the sum of squared per-layer counts, so
+    this ends.
+    """
+    moved = True
+    while moved:
+        moved = False
+        for pair, holder in sorted(rehomed.items()):
+            held = _layer_count(hosted[holder], pair[0])
+            others = {_domain(domains, o) for o, pairs in hosted.items() if o != holder and pair in pairs}
+            apart = _domain(domains, holder) not in others
+            lighter = [
+                o
+                for o in hosted
+                if pair not in hosted[o]
+                and _layer_count(hosted[o], pair[0]) <= held - 2
+                and (_domain(domains, o) not in others or not apart)
+            ]
+            if not lighter:
+                continue
+            target = min(lighter, key=lambda o: (_layer_count(hosted[o], pair[0]), len(hosted[o]), o))
+            hosted[holder].remove(pair)
+            hosted[target].append(pair)
+            rehomed[pair] = target
+            moved = True
 
 
 def _domain(domains: dict[int, str | None], ordinal: int) -> str:
     return domains[ordinal] or f"<server {ordinal}>"
 
 
+def _layer_count(pairs: list[LayerExpert], layer: int) -> int:
+    return sum(1 for pair in pairs if pair[0] == layer)
+
+
 def _movable_pair(
     hosted: dict[int, list[LayerExpert]], domains: dict[int, str | None], donor: int, receiver: int
 ) -> LayerExpert | None:
-    """A pair of `donor` that `receiver` lacks; prefer one whose other replicas are in other domains."""
-    best: LayerExpert | None = None
-    for pair in sorted(hosted[donor]):
-        if pair in hosted[receiver]:
-            continue
+    """The pair of `donor` to hand `receiver`, or None if it has none `receiver` lacks.
+
+    Prefer the layer where `donor` holds most more than `receiver` (so every layer gains its
+    share), then a pair whose other replicas are in other domains than `receiver`'s, then the
+    lowest pair.
+    """
+    layers = {pair[0] for pair in hosted[donor]}
+    surplus = {
+        layer: _layer_count(hosted[donor], layer) - _layer_count(hosted[receiver], layer) for layer in layers
+    }
+
+    def rank(pair: LayerExpert) -> tuple[int, bool, LayerExpert]:
         others = {_domain(domains, o) for o, pairs in hosted.items() if o != donor and pair in pairs}
-        if _domain(domains, receiver) not in others:
-            return pair
-        best = best or pair
-    return best
+        return (-surplus[pair[0]], _domain(domains, receiver) in others, pair)
+
+    candidates = [pair for pair in hosted[donor] if pair not in hosted[receiver]]
+    return min(candidates, key=rank, default=None)
 
 
 def _rebuild(

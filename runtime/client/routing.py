@@ -4,7 +4,8 @@ Built from a ``Placement`` (server ordinal → hosted (layer, expert) pairs, rep
 Replica choice is deterministic and spreads load two ways:
 
 - an expert with few tokens in the batch goes whole to one live replica, number
-  ``(layer + e + turn) mod live_replicas``, where ``turn`` counts the layer's batches: experts spread
+  ``(layer + e + turn) mod live_replicas`` of its replica list, where ``turn`` counts the layer's
+  batches: experts spread
   over servers, each expert's weights are read by one server per batch (decode is bound by
   reading weights; splitting a small group would read them twice), and over successive batches
   an expert's load is shared evenly by its replicas — what the placement planner assumes when it
@@ -12,6 +13,11 @@ Replica choice is deterministic and spreads load two ways:
   replica, and a rebalance could move load where the planner did not expect it);
 - an expert with more than ``spread_threshold`` tokens (a hot expert, or a prefill) is split:
   its t-th token goes to replica ``(t + e) mod live_replicas``, so its replicas share the compute.
+
+An expert's replica list is ordered so that, in every batch, each server gets about as many of a
+layer's whole experts as another with the same number of them (``_balanced_order``): ordered by
+ordinal, the lowest ordinal would be replica 0 of all its experts and get, in one batch, every one
+whose ``e`` has one parity (with R = 2) — all of them or none, depending on the placement.
 
 Legend: T = tokens, K = top-k, E = experts, S = servers, R = max replicas.
 """
@@ -48,7 +54,7 @@ class RoutingTable:
         self._turns: dict[int, int] = {}  # layer -> batches routed (rotates cold experts' replicas)
         for layer, per_expert in table.items():
             replicas = torch.full((self.num_experts, width), -1, dtype=torch.int64)
-            for expert, hosts in enumerate(per_expert):
+            for expert, hosts in enumerate(_balanced_order(per_expert)):
                 replicas[expert, : len(hosts)] = torch.tensor([index[o] for o in hosts], dtype=torch.int64)
             self._replicas[layer] = replicas
 
@@ -134,3 +140,26 @@ class RoutingTable:
             ids = torch.where(mine[rows], expert_ids[rows].to(torch.int64), -1)  # [T_s, K]
             shares.append(Share(int(server), rows, ids))
         return shares
+
+
+def _balanced_order(hosts_of: list[list[int]]) -> list[list[int]]:
+    """Each expert's hosts (one layer), in the order the whole-expert rotation uses them.
+
+    In a batch the rotation sends expert ``e`` (n replicas) to position ``(layer + turn + e) mod n``
+    of its list, so the host at position ``j`` gets it in the batches where ``layer + turn`` is
+    ``(j - e) mod n`` — its *phase*. Filling positions greedily with the host that has the fewest
+    experts at that phase spreads each server's experts evenly over the phases, so its share of a
+    batch stays near its share of the layer. Deterministic: every client orders alike.
+    """
+    count: dict[tuple[int, int, int], int] = {}  # (ordinal, replicas, phase) -> experts so far
+    ordered = []
+    for expert, hosts in enumerate(hosts_of):
+        n, left, order = len(hosts), sorted(hosts), []
+        for position in range(n):
+            phase = (position - expert) % n
+            host = min(left, key=lambda o: (count.get((o, n, phase), 0), o))
+            count[(host, n, phase)] = count.get((host, n, phase), 0) + 1
+            left.remove(host)
+            order.append(host)
+        ordered.append(order)
+    return ordered

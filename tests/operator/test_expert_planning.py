@@ -44,6 +44,28 @@ def test_add_server_takes_a_fair_share_and_moves_little() -> None:
     assert before.diff(after).num_moves == 12  # only the new server loads anything
 
 
+def layer_spread(result: Placement) -> int:
+    """Largest difference, over layers, between the servers holding most and fewest of that layer."""
+    matrix = result.hosting_matrix()  # [servers, L, E]
+    per_layer = matrix.sum(axis=2, dtype=int)  # [servers, L]
+    return int((per_layer.max(axis=0) - per_layer.min(axis=0)).max())
+
+
+def test_a_grown_pool_shares_every_layer_not_just_the_slot_count() -> None:
+    # A layer's tokens wait for the busiest server that hosts the layer: a new server that took
+    # whole layers would add capacity to those layers only.
+    shape = planning.PoolShape(layers=tuple(range(8)), num_experts=16, replication=2)
+    current = placement(2, shape)
+    for new in (2, 3, 4, 5):
+        current = planning.add_server(current, shape, new, None, None)
+        check_invariants(current, shape)
+        assert layer_spread(current) <= 1, f"{current.num_servers} servers"
+    for _ in range(4):  # a drain moves only the leaving server's pairs, so it may leave one more
+        current = planning.drain_server(current, shape, max(current.ordinals))
+        check_invariants(current, shape)
+        assert layer_spread(current) <= 2, f"{current.num_servers} servers"
+
+
 def test_drain_server_rehomes_its_experts_keeping_r() -> None:
     before = placement(4)
     after = planning.drain_server(before, SHAPE, 3)
@@ -80,6 +102,7 @@ def test_any_sequence_of_scaling_keeps_every_expert_served(grow: list[bool], rep
         check_invariants(current, shape)
         used = np.array(list(current.used_slots().values()))
         assert used.max() - used.min() <= max(2, used.mean() * 0.5)  # stays roughly balanced
+        assert layer_spread(current) <= 2  # and so does every layer
 
 
 # -- the step planner --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eaas.runtime.client import ExpertUnavailable, RoutingTable
-from eaas.runtime.placement import round_robin
+from eaas.runtime.placement import Placement, Server, round_robin
 
 LAYERS = [1, 2]
 EXPERTS = 8
@@ -110,3 +110,22 @@ def test_unchecked_assignment_never_raises_and_marks_unserved_entries() -> None:
             else:
                 assert server >= 0 and live[server] and table.ordinals[server] in hosts
     assert table.servers_of_layer(2) == [0, 1, 2, 3]
+
+
+def test_each_batch_gives_every_server_its_share_of_whole_experts() -> None:
+    # Server 0 holds the even experts. With replica lists ordered by ordinal it would be replica 0
+    # of all four, and the rotation (layer + turn + e) mod 2 would send it, with one token per
+    # expert, all four in one batch and none in the next (and server 1 the other way round).
+    hosted = {
+        0: [(1, 0), (1, 2), (1, 4), (1, 6)],
+        1: [(1, 0), (1, 2), (1, 5), (1, 7)],
+        2: [(1, 1), (1, 3), (1, 4), (1, 6)],
+        3: [(1, 1), (1, 3), (1, 5), (1, 7)],
+    }
+    placement = Placement([1], EXPERTS, [Server(n, 4) for n in range(4)], hosted, replication=2)
+    table = RoutingTable(placement)
+    live = torch.ones(4, dtype=torch.bool)
+    ids = torch.arange(EXPERTS)[:, None]  # [T=8, K=1]: one token per expert, all cold
+    for _ in range(4):
+        per_server = torch.bincount(table.assign(1, ids, live).reshape(-1), minlength=4)
+        assert per_server.tolist() == [2, 2, 2, 2]
