@@ -364,6 +364,24 @@ def _names(o: Observed, ordinals: range | list[int]) -> dict[int, str]:
     return {n: f"{o.pool}-{n}" for n in ordinals}
 
 
+def serving_utilization(
+    reports: dict[int, ServerReport], committed: Placement | None, pending: Placement | None
+) -> int | None:
+    """Mean busy thousandths of the servers that carry the pool's load and will go on carrying it:
+    in the committed placement and, while a change is pending, in the pending one too. A server
+    being added (not committed yet: no traffic) or drained (committed, leaving) would pull the mean
+    down and make the pool look idler than the servers that stay are. None without a report."""
+    if committed is None:
+        return None
+    serving = set(committed.ordinals) & set((pending or committed).ordinals)
+    values = [
+        r.utilization_milli
+        for n, r in reports.items()
+        if n in serving and not r.expired and r.utilization_milli is not None
+    ]
+    return round(sum(values) / len(values)) if values else None
+
+
 def live_replicas(placement: Placement, live: set[int]) -> int:
     """The fewest live replicas any (layer, expert) has (0 = some expert cannot be served)."""
     columns = [i for i, ordinal in enumerate(placement.ordinals) if ordinal in live]

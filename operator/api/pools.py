@@ -164,4 +164,5 @@ class ExpertPoolStatus(PoolStatus):
     fewest_live_replicas: int = Field(default=0, ge=0)
     """The fewest live replicas any (layer, expert) has (0: some expert cannot be served)."""
     utilization_milli: int | None = Field(default=None, ge=0, le=1000)
-    """Mean busy fraction of the servers (0-1000) from their heartbeats; absent when none report."""
+    """Mean busy fraction (0-1000) of the servers that carry the load and keep it (committed and not
+    leaving in a pending change), from their heartbeats; absent when none report."""

@@ -79,7 +79,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         new_committed, new_pending = step.publish
         ctx.kube.apply(build.placement_config_map(body, new_committed, new_pending))
         ctx.metrics.placement_changes.labels("committed" if new_pending is None else "proposed").inc()
-        committed = new_committed
+        committed, pending = new_committed, new_pending
     for ordinal in step.create_pods:
         ctx.kube.create(build.pod(body, spec, ordinal))
     for ordinal in step.delete_pods:
@@ -93,11 +93,6 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
 
     live = [n for n in pods if not pods[n].terminating]
     live_servers = {n for n in (committed.ordinals if committed else ()) if observed.is_live(n)}
-    utilization = [
-        r.utilization_milli
-        for r in observed.reports.values()
-        if not r.expired and r.utilization_milli is not None
-    ]
     status = {
         **base_status,
         "replicas": len(live),
@@ -106,7 +101,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         "servers": list(committed.ordinals) if committed else [],
         "downServers": sorted(set(committed.ordinals) - live_servers) if committed else [],
         "fewestLiveReplicas": expert_step.live_replicas(committed, live_servers) if committed else 0,
-        "utilizationMilli": round(sum(utilization) / len(utilization)) if utilization else None,
+        "utilizationMilli": expert_step.serving_utilization(observed.reports, committed, pending),
     }
     ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
 

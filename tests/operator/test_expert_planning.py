@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from eaas.operator import planning
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY
-from eaas.operator.expert_step import Observed, PodState, ServerReport, live_replicas, plan
+from eaas.operator.expert_step import (
+    Observed,
+    PodState,
+    ServerReport,
+    live_replicas,
+    plan,
+    serving_utilization,
+)
 from eaas.runtime.placement.placement import Placement, PlacementError
 
 SHAPE = planning.PoolShape(layers=(0, 1, 2), num_experts=8, replication=2)
@@ -234,6 +241,20 @@ def test_live_replicas() -> None:
     first = placement(3)
     assert live_replicas(first, {0, 1, 2}) == 2
     assert live_replicas(first, {0}) == 0
+
+
+def test_the_pool_utilization_counts_only_servers_that_carry_and_keep_the_load() -> None:
+    busy = {n: ServerReport(False, utilization_milli=milli) for n, milli in {0: 600, 1: 800, 2: 0}.items()}
+    two = placement(2)
+    growing = planning.add_server(two, SHAPE, 2, None, None)  # server 2 not committed yet: idle
+    assert serving_utilization(busy, two, growing) == 700
+    three = planning.add_server(two, SHAPE, 2, None, None)
+    draining = planning.drain_server(three, SHAPE, 2)  # server 2 committed, leaving
+    assert serving_utilization(busy, three, draining) == 700
+    assert serving_utilization(busy, three, None) == 467  # committed and staying: it counts
+    silent = busy | {1: ServerReport(True, utilization_milli=800), 0: ServerReport(False)}
+    assert serving_utilization(silent, two, None) is None  # expired and unreported do not count
+    assert serving_utilization(busy, None, None) is None
 
 
 def test_with_measured_load_the_cost_aware_operations_are_used() -> None:
