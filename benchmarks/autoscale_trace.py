@@ -20,16 +20,17 @@ started, committed once it has loaded its experts) and removed highest ordinal f
 committed without it, its experts re-homed with R kept, its process sent SIGTERM only after that
 placement is committed). Every ``--resync-seconds`` (5 s, the Lease heartbeat's default interval)
 it calls ``Autoscaler.recommend`` as ``set_expert_replicas`` does: current = the pool's replicas;
-utilization = the mean busy fraction of the servers that report one (``busy_seconds`` of
-``/v1/stats`` = ``eaas_expert_server_step_seconds_sum``, over the last period, as the heartbeat
-reports it); ready = Ready servers not stopping. Load-based rebalancing is not run (its default
-interval, 300 s, is longer than an arm). ``--placement round-robin`` (a diagnostic, not what the
-operator does) replaces every scale step's pending placement by a round-robin one over the new set
-of servers, which spreads every layer over all of them; the operator's load-blind
-``planning.add_server`` evens out the number of (layer, expert) pairs per server but not per layer,
-so a grown pool has layers on only a few servers. The sizing lines print how many servers share a
-layer's work (``layer_balance`` x servers: 2 = two servers' worth) for the committed placement and
-for a round-robin one.
+utilization = the ExpertPool's ``utilizationMilli`` (``expert_step.serving_utilization``: the mean
+over the servers that carry the load and keep it) of each server's busy fraction over the last
+10 s as its Lease reports it (``runtime.lease.Utilization`` of ``busy_seconds`` in ``/v1/stats`` =
+``eaas_expert_server_step_seconds_sum``); ready = Ready servers not stopping. Load-based
+rebalancing is not run (its default interval, 300 s, is longer than an arm). ``--placement
+round-robin`` (a diagnostic, not what the operator does) replaces every scale step's pending
+placement by a round-robin one over the new set of servers. The sizing lines print how many
+servers share a layer's work (``layer_balance`` x servers: 2 = two servers' worth) for the
+committed placement and for a round-robin one: the operator's ``planning.add_server`` once gave a
+new server whole layers (1.8 servers' worth at 2, 3 and 4 servers); it now spreads it over every
+layer, on par with round-robin.
 
 **Simulated: the accelerator.** On this 2-core machine more server processes add no compute, so
 there would be no capacity for autoscaling to buy. Every server runs the ``SIM_BACKEND`` kernel:
@@ -119,7 +120,8 @@ from eaas.operator.api.moeservice import AutoscalingSpec
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
-from eaas.runtime.local.cluster import LocalCluster, ServerProcess
+from eaas.runtime.lease import Utilization
+from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import write_random_checkpoint
 from eaas.runtime.placement import Placement
 from eaas.runtime.server.placement_watch import PlacementFiles
@@ -300,34 +302,25 @@ def write_atomically(path: Path, text: str) -> None:
 
 @dataclass
 class ElasticCluster(LocalCluster):
-    """``LocalCluster`` whose servers follow ``workdir`` as a placement directory and are added
-    (``add``) and removed (``remove``) while running. Ports of ordinals 0 .. max_servers - 1 are
-    reserved up front, so an attention client started with all of them reaches servers added later
-    (as it would through the headless Service)."""
+    """``LocalCluster`` (``follow_placement_dir``) whose servers are added (``add``) and removed
+    (``remove``) while running. Ports of ordinals 0 .. max_servers - 1 are reserved up front, so an
+    attention client started with all of them reaches servers added later (as it would through the
+    headless Service)."""
 
     max_servers: int = 4
-    simulated_us: tuple[float, float] = (0.0, 0.0)  # (per expert, per entry); (0, 0) = real compute
     ports: dict[int, tuple[int, int]] = field(default_factory=dict)  # ordinal -> (control, tcp)
     holders: dict[int, list[socket.socket]] = field(default_factory=dict)  # ports of absent servers
+    spawned: dict[int, int] = field(default_factory=dict)  # ordinal -> processes started (log names)
     started: dict[int, float] = field(default_factory=dict)  # running processes: ordinal -> start time
     finished: list[tuple[float, float]] = field(default_factory=list)  # (started, exited)
 
     def start(self) -> ElasticCluster:
-        """Reserves the ports, commits ``placement`` and starts its servers; waits until all are ready."""
+        """Reserves the ports, then starts the placement's servers; waits until all are ready."""
         for ordinal in range(self.max_servers):
             self.holders[ordinal] = [hold_port(), hold_port()]
             control, data = (int(h.getsockname()[1]) for h in self.holders[ordinal])
             self.ports[ordinal] = (control, data)
-        write_atomically(self.placement_path, self.placement.to_json())
-        try:
-            for ordinal in self.placement.ordinals:
-                self.add(ordinal)
-            deadline = time.monotonic() + self.startup_timeout_s
-            for server in self.servers.values():
-                self._wait_ready(server, deadline)
-        except BaseException:
-            self.stop()
-            raise
+        super().start()
         return self
 
     @property
@@ -335,11 +328,16 @@ class ElasticCluster(LocalCluster):
         return {n: f"http://127.0.0.1:{control}" for n, (control, _) in self.ports.items()}
 
     def add(self, ordinal: int) -> None:
+        """Starts server ``ordinal`` on its reserved ports (it becomes ready on its own)."""
         for holder in self.holders.pop(ordinal, []):
             holder.close()
         control, data = self.ports[ordinal]
-        self.servers[ordinal] = self._spawn(ordinal, control, data)
+        restarts = self.spawned.get(ordinal, 0)
+        self.servers[ordinal] = self._spawn(ordinal, control, data, restarts=restarts)
+        self.spawned[ordinal] = restarts + 1
         self.started[ordinal] = time.monotonic()
+
+    _launch = add
 
     def remove(self, ordinal: int, timeout_s: float = 10.0) -> None:
         """SIGTERM, as a deleted pod gets; returns once the process has exited."""
@@ -369,25 +367,15 @@ class ElasticCluster(LocalCluster):
             holder.close()
         self.holders.clear()
 
-    def _spawn(self, ordinal: int, control_port: int, tcp_port: int, restarts: int = 0) -> ServerProcess:
-        count = sum(1 for _ in self.workdir.glob(f"server-{ordinal}.*.log"))
-        log_path = self.workdir / f"server-{ordinal}.{count}.log"
-        ready_path = self.workdir / f"server-{ordinal}.{count}.ready.json"
-        expert_us, entry_us = self.simulated_us
-        simulated = expert_us > 0 or entry_us > 0
-        command = [
-            sys.executable, __file__, SERVER_ENTRY, str(expert_us), str(entry_us),
-            "--checkpoint", str(self.checkpoint), "--placement-dir", str(self.workdir),
-            "--ordinal", str(ordinal), "--control-port", str(control_port), "--tcp-port", str(tcp_port),
-            "--transports", ",".join(self.transports), "--max-tokens", str(self.max_tokens),
-            "--kernel-backend", SIM_BACKEND if simulated else self.kernel_backend,
-            "--threads", str(self.threads_per_server), "--ready-file", str(ready_path),
-            "--exit-with-parent", str(os.getpid()), "--log-level", self.log_level,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads_per_server)}
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return ServerProcess(ordinal, process, log_path, ready_path)
+
+def elastic_cluster(checkpoint: Path, first: Placement, workdir: Path, args: Any) -> ElasticCluster:
+    """The pool's processes: this script's simulated device unless ``--sim-*-us`` are both 0."""
+    simulated = args.sim_expert_us > 0 or args.sim_entry_us > 0
+    entry = (sys.executable, __file__, SERVER_ENTRY, str(args.sim_expert_us), str(args.sim_entry_us))
+    return ElasticCluster(
+        checkpoint, first, workdir, transports=("tcp",), max_servers=args.max_servers,
+        kernel_backend=SIM_BACKEND if simulated else "torch", server_entry=entry, follow_placement_dir=True,
+    )  # fmt: skip
 
 
 class LocalOperator:
@@ -405,8 +393,8 @@ class LocalOperator:
         self.autoscaler = Autoscaler()
         self.ready: set[int] = set()
         self.versions: dict[int, int] = {}
-        self.busy: dict[int, tuple[float, float]] = {}  # ordinal -> (time, busy seconds) at the last resync
         self.latest: dict[int, tuple[float, float]] = {}  # ordinal -> (time, busy seconds) last observed
+        self.utilization: dict[int, Utilization] = {}  # ordinal -> its busy fraction, as its Lease has it
         committed, pending = self.files.read()
         self.last_version = max((p.version for p in (committed, pending) if p is not None), default=0)
         self.timeline: list[dict[str, Any]] = []
@@ -456,7 +444,10 @@ class LocalOperator:
                 stats = json.loads(http_get(url, "/v1/stats")[1])
                 self.versions[ordinal] = int(stats["placement_version"])
                 self.latest[ordinal] = (time.monotonic(), float(stats["busy_seconds"]))
-                self.busy.setdefault(ordinal, self.latest[ordinal])
+                if ordinal not in self.utilization:
+                    self.utilization[ordinal] = Utilization(
+                        lambda o=ordinal: self.latest[o][1], clock=lambda o=ordinal: self.latest[o][0]
+                    )
                 reports[ordinal] = expert_step.ServerReport(
                     expired=False, loaded_version=self.versions[ordinal]
                 )
@@ -489,19 +480,18 @@ class LocalOperator:
         for ordinal in step.delete_pods:
             self.cluster.remove(ordinal)
             self.ready.discard(ordinal)
-            self.busy.pop(ordinal, None)
             self.latest.pop(ordinal, None)
+            self.utilization.pop(ordinal, None)
 
     def resync(self, now: float) -> None:
-        """The MoEService pass: the autoscaler, called as ``set_expert_replicas`` calls it."""
-        fractions = []
-        for ordinal in self.ready & set(self.cluster.servers):
-            if ordinal in self.latest and ordinal in self.busy:
-                (then, before), (at, after) = self.busy[ordinal], self.latest[ordinal]
-                if at > then:
-                    fractions.append((after - before) / (at - then))
-                self.busy[ordinal] = (at, after)
-        utilization = round(1000 * sum(fractions) / len(fractions)) if fractions else None
+        """The MoEService pass: the autoscaler, called as ``set_expert_replicas`` calls it, on the
+        ExpertPool's ``utilizationMilli`` (``serving_utilization`` of the Leases' busy fractions)."""
+        reports = {
+            ordinal: expert_step.ServerReport(False, utilization_milli=self.utilization[ordinal].milli())
+            for ordinal in sorted(self.ready & set(self.cluster.servers) & set(self.utilization))
+        }
+        committed, pending = self.files.read()
+        utilization = expert_step.serving_utilization(reports, committed, pending)
         ready = len(self.ready & set(self.cluster.servers))
         before = self.replicas
         if self.autoscaling is not None:
@@ -670,6 +660,7 @@ def main() -> None:
     p.add_argument("--min-servers", type=int, default=2)
     p.add_argument("--max-servers", type=int, default=4)
     p.add_argument("--replication", type=int, default=2)
+    p.add_argument("--experts", type=int, help="routed experts per layer (default: the serving model's 8)")
     p.add_argument("--target-utilization-milli", type=int, help="default: HEADROOM x the fixed pool's busy")
     p.add_argument("--scale-down-window-s", type=int, default=20)
     p.add_argument("--resync-seconds", type=float, default=5.0, help="autoscaler period (heartbeat interval)")
@@ -688,7 +679,8 @@ def main() -> None:
     if not 1 <= args.replication <= args.min_servers <= args.max_servers:
         p.error("need 1 <= --replication <= --min-servers <= --max-servers")
 
-    config = serving_config()
+    base = serving_config()
+    config = type(base).model_validate({**base.model_dump(), "num_experts": args.experts or base.num_experts})
     rates = rate_trace(args.peak_rps, args.duration_s, args.seed)
     requests = trace_requests(rates, args.seed, config.vocab_size)
     print(
@@ -701,10 +693,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_random_checkpoint(config, Path(tmp) / "ckpt", seed=1)
         first = initial(shape, dict.fromkeys(range(args.min_servers)), {}, version=1)
-        cluster = ElasticCluster(
-            checkpoint, first, Path(tmp) / "pool", transports=("tcp",), max_servers=args.max_servers,
-            simulated_us=(args.sim_expert_us, args.sim_entry_us),
-        )  # fmt: skip
+        cluster = elastic_cluster(checkpoint, first, Path(tmp) / "pool", args)
         with cluster:
             round_robin = args.placement == "round-robin"
             operator = LocalOperator(cluster, shape, args.min_servers, args.resync_seconds, round_robin)

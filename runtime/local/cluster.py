@@ -65,6 +65,12 @@ class LocalCluster:
     log_level: str = "WARNING"
     extra_args: tuple[str, ...] = ()
     data_token: str | None = None  # the slot handshake requires it (through the env, never argv)
+    # The command before the server's arguments; () = ``python -m eaas.runtime.server``.
+    server_entry: tuple[str, ...] = ()
+    # Servers follow ``workdir`` as a placement directory (``placement.json`` committed,
+    # ``pending.json`` being loaded), as pods follow the placement ConfigMap, instead of reading
+    # ``placement.json`` once.
+    follow_placement_dir: bool = False
     servers: dict[int, ServerProcess] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,7 +85,7 @@ class LocalCluster:
         self.placement_path.write_text(self.placement.to_json())
         try:
             for ordinal in self.placement.ordinals:
-                self.servers[ordinal] = self._spawn(ordinal, control_port=0, tcp_port=0)
+                self._launch(ordinal)
             deadline = time.monotonic() + self.startup_timeout_s
             for server in self.servers.values():
                 self._wait_ready(server, deadline)
@@ -98,15 +104,24 @@ class LocalCluster:
     def urls(self) -> dict[int, str]:
         return {ordinal: server.url for ordinal, server in self.servers.items()}
 
+    def _launch(self, ordinal: int) -> None:
+        """Starts server ``ordinal`` of the first placement (any free ports)."""
+        self.servers[ordinal] = self._spawn(ordinal, control_port=0, tcp_port=0)
+
     def _spawn(self, ordinal: int, control_port: int, tcp_port: int, restarts: int = 0) -> ServerProcess:
         tag = f"server-{ordinal}" + (f".restart{restarts}" if restarts else "")
         log_path = self.workdir / f"{tag}.log"
         ready_path = self.workdir / f"{tag}.ready.json"
         ready_path.unlink(missing_ok=True)
+        placement = (
+            ("--placement-dir", str(self.workdir))
+            if self.follow_placement_dir
+            else ("--placement", str(self.placement_path))
+        )
         command = [
-            sys.executable, "-m", "eaas.runtime.server",
+            *(self.server_entry or (sys.executable, "-m", "eaas.runtime.server")),
             "--checkpoint", str(self.checkpoint),
-            "--placement", str(self.placement_path),
+            *placement,
             "--ordinal", str(ordinal),
             "--control-port", str(control_port),
             "--tcp-port", str(tcp_port),
