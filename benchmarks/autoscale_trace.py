@@ -2,7 +2,8 @@
 operator's built-in autoscaler, against a fixed pool sized for the peak, in the same run.
 
 **What runs (real processes).** Expert-server processes (tcp, one thread each) host the serving
-benchmarks' random mixtral-family model (``_load.serving_config``: 4 MoE layers x 8 experts, top-2)
+benchmarks' random mixtral-family model (``_load.serving_config``: 4 MoE layers x 8 experts, top-2;
+``--experts`` changes the 8)
 with R = ``--replication`` (2), behind one ``eaas attention-client`` process (continuous batching,
 one torch thread); ``_load.run_mode`` streams the requests to it. The servers follow a placement
 directory (``--placement-dir``: ``placement.json`` committed, ``pending.json`` being loaded) as pods
