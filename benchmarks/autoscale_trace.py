@@ -3,14 +3,13 @@ operator's built-in autoscaler, against a fixed pool sized for the peak, in the 
 
 **What runs (real processes).** Expert-server processes (tcp, one thread each) host the serving
 benchmarks' random mixtral-family model (``_load.serving_config``: 4 MoE layers x 8 experts, top-2;
-``--experts`` changes the 8)
-with R = ``--replication`` (2), behind one ``eaas attention-client`` process (continuous batching,
-one torch thread); ``_load.run_mode`` streams the requests to it. The servers follow a placement
-directory (``--placement-dir``: ``placement.json`` committed, ``pending.json`` being loaded) as pods
-follow the mounted placement ConfigMap. ``LocalCluster`` starts its servers with a placement file
-read once and cannot add or remove one at run time: ``ElasticCluster`` below adds that (ports of
-every ordinal up to the maximum are reserved up front, so the client, started with all of them,
-reaches servers added later as it would through the headless Service).
+``--experts`` changes the 8) with R = ``--replication`` (2), behind one ``eaas attention-client``
+process (continuous batching, one torch thread); ``_load.run_mode`` streams the requests to it.
+The servers follow a placement directory (``placement.json`` committed, ``pending.json`` being
+loaded: ``LocalCluster``'s ``follow_placement_dir``) as pods follow the mounted placement
+ConfigMap. ``LocalCluster`` cannot add or remove a server at run time: ``ElasticCluster`` below
+adds that (ports of every ordinal up to the maximum are reserved up front, so the client, started
+with all of them, reaches servers added later as it would through the headless Service).
 
 **The operator, on its own pure code.** ``LocalOperator`` does for the pool what the operator's
 ExpertPool and MoEService reconciles do, with Kubernetes replaced by the processes: every
