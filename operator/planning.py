@@ -15,6 +15,7 @@ no faster). Both keep R and return ``version + 1``; all are deterministic.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,22 +88,20 @@ def add_server(
     if load is not None:
         capacity = shape.capacity(current.num_servers + 1)
         return elastic.add_server(current, Server(ordinal, capacity, name, domain), load)
-    hosted = {server.ordinal: list(current.experts_of(server.ordinal)) for server in current.servers}
-    hosted[ordinal] = []
+    hosting = _Hosting({server.ordinal: current.experts_of(server.ordinal) for server in current.servers})
+    hosting.add_server(ordinal)
     domains = {server.ordinal: server.domain for server in current.servers} | {ordinal: domain}
-    total = sum(len(pairs) for pairs in hosted.values())
-    target = total // len(hosted)
-    while len(hosted[ordinal]) < target:
-        donor = max((o for o in hosted if o != ordinal), key=lambda o: (len(hosted[o]), -o))
-        if len(hosted[donor]) <= len(hosted[ordinal]) + 1:
+    target = sum(len(pairs) for pairs in hosting.pairs.values()) // len(hosting.pairs)
+    while len(hosting.pairs[ordinal]) < target:
+        donor = max((o for o in hosting.pairs if o != ordinal), key=lambda o: (len(hosting.pairs[o]), -o))
+        if len(hosting.pairs[donor]) <= len(hosting.pairs[ordinal]) + 1:
             break
-        pair = _movable_pair(hosted, domains, donor, ordinal)
+        pair = _movable_pair(hosting, domains, donor, ordinal)
         if pair is None:
             break
-        hosted[donor].remove(pair)
-        hosted[ordinal].append(pair)
+        hosting.move(pair, donor, ordinal)
     servers = [*current.servers, Server(ordinal=ordinal, capacity=0, name=name, domain=domain)]
-    return _rebuild(current, shape, servers, hosted)
+    return _rebuild(current, shape, servers, hosting.lists())
 
 
 def drain_server(
@@ -125,32 +124,101 @@ def drain_server(
             current.layers, current.num_experts, servers, matrix, current.replication, current.version
         )
         return elastic.drain_server(widened, ordinal, load)
-    hosted = {server.ordinal: list(current.experts_of(server.ordinal)) for server in remaining}
+    hosting = _Hosting({server.ordinal: current.experts_of(server.ordinal) for server in remaining})
     domains = {server.ordinal: server.domain for server in remaining}
     rehomed: dict[LayerExpert, int] = {}
     for pair in current.experts_of(ordinal):
-        holders = [o for o, pairs in hosted.items() if pair in pairs]
-        used_domains = {_domain(domains, o) for o in holders}
-        candidates = [o for o in hosted if pair not in hosted[o]]
+        used_domains = {_domain(domains, o) for o in hosting.holders.get(pair, ())}
+        candidates = [o for o in hosting.pairs if pair not in hosting.pairs[o]]
         # Prefer a new failure domain, then the server with the fewest pairs of this layer, then the
         # emptiest, then the lowest ordinal.
         target = min(
             candidates,
             key=lambda o: (
                 _domain(domains, o) in used_domains,
-                _layer_count(hosted[o], pair[0]),
-                len(hosted[o]),
+                hosting.count(o, pair[0]),
+                len(hosting.pairs[o]),
                 o,
             ),
         )
-        hosted[target].append(pair)
+        hosting.add(target, pair)
         rehomed[pair] = target
-    _even_out_layers(hosted, domains, rehomed)
-    return _rebuild(current, shape, remaining, hosted)
+    _even_out_layers(hosting, domains, rehomed)
+    return _rebuild(current, shape, remaining, hosting.lists())
+
+
+def _domain(domains: dict[int, str | None], ordinal: int) -> str:
+    return domains[ordinal] or f"<server {ordinal}>"
+
+
+class _Hosting:
+    """Who hosts what while a placement change is worked out, indexed for the questions asked:
+    a server's pairs, its pairs per layer, and a pair's holders."""
+
+    def __init__(self, hosted: dict[int, Iterable[LayerExpert]]) -> None:
+        self.pairs: dict[int, set[LayerExpert]] = {}
+        self.per_layer: dict[int, dict[int, set[LayerExpert]]] = {}  # ordinal -> layer -> its pairs
+        self.holders: dict[LayerExpert, set[int]] = {}
+        for ordinal, pairs in hosted.items():
+            self.add_server(ordinal)
+            for pair in pairs:
+                self.add(ordinal, pair)
+
+    def add_server(self, ordinal: int) -> None:
+        self.pairs[ordinal] = set()
+        self.per_layer[ordinal] = {}
+
+    def count(self, ordinal: int, layer: int) -> int:
+        return len(self.per_layer[ordinal].get(layer, ()))
+
+    def add(self, ordinal: int, pair: LayerExpert) -> None:
+        self.pairs[ordinal].add(pair)
+        self.per_layer[ordinal].setdefault(pair[0], set()).add(pair)
+        self.holders.setdefault(pair, set()).add(ordinal)
+
+    def move(self, pair: LayerExpert, source: int, target: int) -> None:
+        self.pairs[source].remove(pair)
+        self.per_layer[source][pair[0]].remove(pair)
+        self.holders[pair].remove(source)
+        self.add(target, pair)
+
+    def lists(self) -> dict[int, list[LayerExpert]]:
+        return {ordinal: sorted(pairs) for ordinal, pairs in self.pairs.items()}
+
+
+def _movable_pair(
+    hosting: _Hosting, domains: dict[int, str | None], donor: int, receiver: int
+) -> LayerExpert | None:
+    """The pair of `donor` to hand `receiver`, or None if it has none `receiver` lacks.
+
+    Prefer the layers where `donor` holds most more than `receiver` (so every layer gains its
+    share), then among their pairs one whose other replicas are in other domains than
+    `receiver`'s, then the lowest pair.
+    """
+    surplus: dict[int, list[int]] = {}
+    for layer, held in hosting.per_layer[donor].items():
+        if held:
+            surplus.setdefault(len(held) - hosting.count(receiver, layer), []).append(layer)
+    receiver_domain = _domain(domains, receiver)
+
+    def clash(pair: LayerExpert) -> bool:
+        return any(_domain(domains, o) == receiver_domain for o in hosting.holders[pair] if o != donor)
+
+    for level in sorted(surplus, reverse=True):
+        fallback = None  # the lowest pair whose replica would share `receiver`'s domain
+        for layer in sorted(surplus[level]):
+            lacking = (p for p in hosting.per_layer[donor][layer] if p not in hosting.pairs[receiver])
+            for pair in sorted(lacking):
+                if not clash(pair):
+                    return pair
+                fallback = fallback or pair
+        if fallback is not None:
+            return fallback
+    return None
 
 
 def _even_out_layers(
-    hosted: dict[int, list[LayerExpert]], domains: dict[int, str | None], rehomed: dict[LayerExpert, int]
+    hosting: _Hosting, domains: dict[int, str | None], rehomed: dict[LayerExpert, int]
 ) -> None:
     """Move again the just re-homed pairs (pair → the server it went to) that leave a layer uneven.
 
@@ -165,53 +233,22 @@ def _even_out_layers(
     while moved:
         moved = False
         for pair, holder in sorted(rehomed.items()):
-            held = _layer_count(hosted[holder], pair[0])
-            others = {_domain(domains, o) for o, pairs in hosted.items() if o != holder and pair in pairs}
+            held = hosting.count(holder, pair[0])
+            others = {_domain(domains, o) for o in hosting.holders[pair] if o != holder}
             apart = _domain(domains, holder) not in others
             lighter = [
                 o
-                for o in hosted
-                if pair not in hosted[o]
-                and _layer_count(hosted[o], pair[0]) <= held - 2
+                for o in hosting.pairs
+                if pair not in hosting.pairs[o]
+                and hosting.count(o, pair[0]) <= held - 2
                 and (_domain(domains, o) not in others or not apart)
             ]
             if not lighter:
                 continue
-            target = min(lighter, key=lambda o: (_layer_count(hosted[o], pair[0]), len(hosted[o]), o))
-            hosted[holder].remove(pair)
-            hosted[target].append(pair)
+            target = min(lighter, key=lambda o: (hosting.count(o, pair[0]), len(hosting.pairs[o]), o))
+            hosting.move(pair, holder, target)
             rehomed[pair] = target
             moved = True
-
-
-def _domain(domains: dict[int, str | None], ordinal: int) -> str:
-    return domains[ordinal] or f"<server {ordinal}>"
-
-
-def _layer_count(pairs: list[LayerExpert], layer: int) -> int:
-    return sum(1 for pair in pairs if pair[0] == layer)
-
-
-def _movable_pair(
-    hosted: dict[int, list[LayerExpert]], domains: dict[int, str | None], donor: int, receiver: int
-) -> LayerExpert | None:
-    """The pair of `donor` to hand `receiver`, or None if it has none `receiver` lacks.
-
-    Prefer the layer where `donor` holds most more than `receiver` (so every layer gains its
-    share), then a pair whose other replicas are in other domains than `receiver`'s, then the
-    lowest pair.
-    """
-    layers = {pair[0] for pair in hosted[donor]}
-    surplus = {
-        layer: _layer_count(hosted[donor], layer) - _layer_count(hosted[receiver], layer) for layer in layers
-    }
-
-    def rank(pair: LayerExpert) -> tuple[int, bool, LayerExpert]:
-        others = {_domain(domains, o) for o, pairs in hosted.items() if o != donor and pair in pairs}
-        return (-surplus[pair[0]], _domain(domains, receiver) in others, pair)
-
-    candidates = [pair for pair in hosted[donor] if pair not in hosted[receiver]]
-    return min(candidates, key=rank, default=None)
 
 
 def _rebuild(
