@@ -124,6 +124,7 @@ from eaas.runtime.lease import Utilization
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import write_random_checkpoint
 from eaas.runtime.placement import Placement
+from eaas.runtime.server.daemon import DaemonLoop
 from eaas.runtime.server.placement_watch import PlacementFiles
 from eaas.runtime.transport.shm_segment import remove_segments_of
 
@@ -378,14 +379,15 @@ def elastic_cluster(checkpoint: Path, first: Placement, workdir: Path, args: Any
     )  # fmt: skip
 
 
-class LocalOperator:
+class LocalOperator(DaemonLoop):
     """The operator's ExpertPool reconcile and MoEService autoscaling over an ``ElasticCluster``
-    (see the module docstring), in a thread. ``replicas`` is the ExpertPool's ``spec.replicas``;
-    with ``autoscaling`` set the autoscaler writes it."""
+    (see the module docstring), in a daemon thread (``start()``, ``stop()``). ``replicas`` is the
+    ExpertPool's ``spec.replicas``; with ``autoscaling`` set the autoscaler writes it."""
 
     def __init__(
         self, cluster: ElasticCluster, shape: PoolShape, replicas: int, resync_s: float, round_robin: bool
     ) -> None:
+        super().__init__("local-operator")
         self.cluster, self.shape, self.replicas, self.resync_s = cluster, shape, replicas, resync_s
         self.round_robin = round_robin  # re-plan every scale step round-robin (not what the operator does)
         self.files = PlacementFiles(cluster.workdir)
@@ -400,16 +402,6 @@ class LocalOperator:
         self.timeline: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="local-operator", daemon=True)
-
-    def start(self) -> LocalOperator:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     def set_replicas(self, replicas: int, autoscaling: AutoscalingSpec | None = None) -> None:
         with self._lock:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -14,6 +19,25 @@ from eaas.operator.builders import moeservice as build_moeservice
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MANIFEST = ROOT / "manifests" / "moeservice-tiny-cpu.yaml"
+BENCHMARKS = ROOT / "benchmarks"
+
+
+@contextlib.contextmanager
+def _benchmark_module(name: str) -> Iterator[ModuleType]:
+    """benchmarks/<name>.py imported by name (its siblings ``_common``, ``_load``, ``elasticity``
+    are found next to it), forgotten again afterwards."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def import_benchmark() -> Callable[[str], contextlib.AbstractContextManager[ModuleType]]:
+    """``with import_benchmark("fault_drill") as module:`` the pure parts of a benchmark script."""
+    return _benchmark_module
 
 
 def tiny_manifest() -> dict[str, Any]:

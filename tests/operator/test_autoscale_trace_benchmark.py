@@ -3,11 +3,9 @@ and SLO-window accounting, and the simulated device's timing (no servers, no pro
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from types import ModuleType
 
 import numpy as np
@@ -18,18 +16,11 @@ from eaas.kernels.reference import experts_forward_reference
 from eaas.operator.planning import PoolShape, add_server, initial
 from eaas.runtime.placement.placement import Placement, Server
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def trace() -> Iterator[ModuleType]:
-    """benchmarks/autoscale_trace.py, imported by name (its siblings are found next to it)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("autoscale_trace")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("autoscale_trace", None)
+def trace(import_benchmark: Callable[[str], AbstractContextManager[ModuleType]]) -> Iterator[ModuleType]:
+    with import_benchmark("autoscale_trace") as module:
+        yield module
 
 
 def test_compressed_day_has_one_rate_per_second_and_the_peak_asked_for(trace: ModuleType) -> None:
@@ -121,8 +112,7 @@ def test_layer_balance_sees_a_layer_crowded_onto_few_servers(trace: ModuleType) 
     )
     assert trace.layer_balance(crowded, 2, 16) < trace.layer_balance(spread, 2, 16) - 0.1
     # The operator's load-blind add_server spreads a new server over every layer (it once handed
-    # it whole layers: 0.47 here, as crowded as `crowded`; now 0.66, against 0.75 for `spread`,
-    # whose replica pairs suit the client's rotation of whole experts best).
+    # it whole layers: 0.47 here, as crowded as `crowded`; now 0.72, against 0.75 for `spread`).
     grown = add_server(add_server(two, shape, 2, None, None), shape, 3, None, None)
     assert trace.layer_balance(grown, 2, 16) > trace.layer_balance(crowded, 2, 16) + 0.15
 

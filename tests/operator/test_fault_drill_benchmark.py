@@ -3,11 +3,9 @@ arithmetic on a small shape, the monolith's outage windows (no servers, no proce
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from types import ModuleType
 
 import numpy as np
@@ -15,19 +13,11 @@ import pytest
 
 from eaas.runtime.placement import Placement, round_robin
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def drill() -> Iterator[ModuleType]:
-    """benchmarks/fault_drill.py, imported by name (its siblings ``_common``, ``_load`` and
-    ``elasticity`` are found next to it)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("fault_drill")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("fault_drill", None)
+def drill(import_benchmark: Callable[[str], AbstractContextManager[ModuleType]]) -> Iterator[ModuleType]:
+    with import_benchmark("fault_drill") as module:
+        yield module
 
 
 def test_moe_tokens_moves_a_lost_servers_share_to_its_replicas(drill: ModuleType) -> None:
