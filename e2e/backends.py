@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from e2e.cluster import Cluster
-from e2e.controlplane import ControlPlane, FakeNodeSpec
+from e2e.controlplane import ControlPlane, FakeNodeSpec, ProcessNodeSpec
+from e2e.podnet import missing_tools
 
 BACKENDS = ("local", "kind")
 
@@ -42,6 +43,21 @@ def local_cluster() -> Iterator[Cluster]:
     keep = os.environ.get("EAAS_E2E_KEEP_DIR", "") == "1"
     with ControlPlane(nodes=nodes, keep_work_dir=keep) as plane:
         yield plane_cluster(plane)
+
+
+@contextlib.contextmanager
+def process_plane(nodes: ProcessNodeSpec) -> Iterator[ControlPlane]:
+    """A control plane whose nodes really run their pods (:mod:`e2e.podrunner`); skips the test
+    without root, fails it without the host tools. EAAS_E2E_KEEP_DIR=1 keeps its directory."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("process nodes need root (network namespaces, a bridge, nftables)")
+    if missing := missing_tools():
+        pytest.fail(f"process nodes need {', '.join(missing)}: run `make host-tools`", pytrace=False)
+    keep = os.environ.get("EAAS_E2E_KEEP_DIR", "") == "1"
+    with ControlPlane(process_nodes=nodes, keep_work_dir=keep) as plane:
+        yield plane
 
 
 def plane_cluster(plane: ControlPlane) -> Cluster:

@@ -24,6 +24,9 @@ honoured, and anything else fails loudly (an Event and a waiting reason that nam
   not being root; seccomp profiles are not applied.
 * HTTP/TCP readiness and liveness probes drive the pod's conditions; a failing liveness probe
   restarts the container; ``restartPolicy`` with a (shortened) back-off.
+* What it reports stays true: a node the node lifecycle controller marked Unknown (its Lease looked
+  too old, e.g. across an API server outage) has its status posted again, and pod conditions
+  somebody else overwrote (that controller marks such a node's pods not Ready) are patched back.
 * Deletion: SIGTERM to the container's process group, SIGKILL after the grace period, then the final
   delete with a UID precondition. Container output goes to ``<work>/pods/<ns>_<pod>_<uid>/<c>.log``.
 
@@ -256,8 +259,25 @@ class Runner:
             for name in self.settings.nodes:
                 try:
                     self._renew(name)
+                    self._reassert_ready(name)
                 except Exception as error:  # the API server may be down (a drill): try again later
                     log.warning("node lease %s: %s", name, error)
+
+    def _reassert_ready(self, name: str) -> None:
+        """Post the node's status again when the API says it is not Ready, as a kubelet does when its
+        status differs from the server's: after the node lifecycle controller marked it Unknown (its
+        Lease looked older than the grace period, e.g. while the API server was down) only the
+        node's own agent sets it Ready again; the controller then lifts its taints."""
+        node = self.core.read_node_status(name)
+        ready = next((c for c in node.status.conditions or [] if c.type == "Ready"), None)
+        if ready is None or ready.status != "True":
+            log.warning(
+                "node %s: Ready was %s (%s): posting its status again",
+                name,
+                ready and ready.status,
+                ready and ready.reason,
+            )
+            self.core.patch_node_status(name, self.node_status())
 
     def _renew(self, name: str) -> None:
         body = {
@@ -489,6 +509,7 @@ class PodWorker(threading.Thread):
         self.token_refresh_at: dict[str, float] = {}
         self.start_time = now()
         self.last_status: dict[str, Any] | None = None
+        self.patched_version = -1  # the resourceVersion our last status patch produced
         self.problem: tuple[str, str] | None = None  # (reason, message) keeping the pod from starting
 
     @property
@@ -1053,7 +1074,7 @@ class PodWorker(threading.Thread):
             status["podIPs"] = [{"ip": self.address.ip}]
         if self.problem is not None:
             status["reason"], status["message"] = self.problem
-        if status == self.last_status:
+        if status == self.last_status and not self._overwritten(status):
             return
         previous = {c["type"]: c["status"] for c in (self.last_status or {}).get("conditions", [])}
         stamped = copy.deepcopy(status)
@@ -1061,8 +1082,11 @@ class PodWorker(threading.Thread):
             if previous.get(item["type"]) != item["status"]:
                 item["lastTransitionTime"] = now()
         try:
-            self.runner.core.patch_namespaced_pod_status(self.name_, self.namespace, {"status": stamped})
+            patched = self.runner.core.patch_namespaced_pod_status(
+                self.name_, self.namespace, {"status": stamped}
+            )
             self.last_status = status
+            self.patched_version = _version(patched.metadata.resource_version)
         except ApiException as error:
             if error.status == 404:
                 self.deleted = True
@@ -1070,6 +1094,17 @@ class PodWorker(threading.Thread):
                 log.warning("pod %s/%s status: %s", self.namespace, self.name_, error)
         except Exception as error:  # API server away: try again next tick
             log.warning("pod %s/%s status: %s", self.namespace, self.name_, error)
+
+    def _overwritten(self, status: dict[str, Any]) -> bool:
+        """Whether somebody else changed the conditions this runner reports since its last patch
+        (the node lifecycle controller marks a NotReady node's pods not Ready): a kubelet's status
+        manager then patches its own view again. Only a pod newer than that patch counts; one the
+        watch delivers late does not."""
+        observed = self.pod.get("status") or {}
+        if _version(self.pod["metadata"].get("resourceVersion")) <= self.patched_version:
+            return False
+        theirs = {c.get("type"): c.get("status") for c in observed.get("conditions") or []}
+        return any(theirs.get(c["type"]) != c["status"] for c in status["conditions"])
 
     # termination --------------------------------------------------------------------------------
     def _terminate(self) -> None:
@@ -1108,6 +1143,15 @@ class PodWorker(threading.Thread):
                     time.sleep(1)
                 except Exception:
                     time.sleep(1)
+
+
+def _version(resource_version: str | None) -> int:
+    """A resourceVersion as a number (etcd's revision; opaque to clients in general, but this
+    runner only talks to the test control plane's etcd-backed API server), -1 when absent."""
+    try:
+        return int(resource_version or -1)
+    except ValueError:
+        return -1
 
 
 def _data(kind: str, obj: dict[str, Any]) -> dict[str, bytes]:

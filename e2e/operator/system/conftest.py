@@ -4,7 +4,6 @@ which this ``cluster`` overrides), a tiny checkpoint on the nodes and a MoEServi
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,23 +12,18 @@ from pathlib import Path
 import pytest
 
 from e2e.backends import plane_cluster
+from e2e.backends import process_plane as process_plane_of
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane, ProcessNodeSpec
 from e2e.operator.conftest import Release
 from e2e.operator.harness import OperatorProcess, operator_as
-from e2e.podnet import missing_tools
 
 
 # Module-scoped: the plane (and its processes) goes as soon as the drills are done, so the tests
 # after them do not share the machine with it.
 @pytest.fixture(scope="module")
 def process_plane() -> Iterator[ControlPlane]:
-    if os.geteuid() != 0:
-        pytest.skip("process nodes need root (network namespaces, a bridge, nftables)")
-    if missing := missing_tools():
-        pytest.fail(f"process nodes need {', '.join(missing)}: run `make host-tools`", pytrace=False)
-    keep = os.environ.get("EAAS_E2E_KEEP_DIR", "") == "1"
-    with ControlPlane(process_nodes=ProcessNodeSpec(count=2, gpus=4), keep_work_dir=keep) as plane:
+    with process_plane_of(ProcessNodeSpec(count=2, gpus=4)) as plane:
         yield plane
 
 

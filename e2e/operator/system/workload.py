@@ -188,20 +188,31 @@ class System:
         ).items
         return sorted(pods, key=lambda p: p.metadata.name)
 
-    def full_strength(self, servers: int) -> bool:
-        """`servers` expert pods Ready and every expert on R live servers."""
+    def full_strength(self, servers: int) -> Strength:
+        """`servers` expert pods Ready and every expert on R live servers (false, with what is
+        missing, otherwise: a wait that times out names it)."""
         status = self.expert_pool().get("status") or {}
         pods = [p for p in self.expert_pods() if p.metadata.deletion_timestamp is None]
-        ready = [
-            p
+        not_ready = {
+            p.metadata.name: next(
+                (c.reason or c.status for c in p.status.conditions or [] if c.type == "Ready"), "?"
+            )
             for p in pods
-            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-        ]
-        return (
-            len(ready) == servers
-            and not status.get("downServers")
-            and status.get("fewestLiveReplicas", 0) >= REPLICATION
-        )
+            if not ready(p)
+        }
+        missing = []
+        if len(pods) - len(not_ready) != servers:
+            missing.append(
+                f"{len(pods) - len(not_ready)} of {servers} expert pods Ready (not Ready: {not_ready})"
+            )
+        if status.get("downServers"):
+            missing.append(f"downServers {status['downServers']}")
+        if status.get("fewestLiveReplicas", 0) < REPLICATION:
+            missing.append(f"fewestLiveReplicas {status.get('fewestLiveReplicas', 0)} < {REPLICATION}")
+        if missing:
+            nodes = {n.metadata.name: _node_state(n) for n in self.cluster.core.list_node().items}
+            missing.append(f"nodes {nodes}")
+        return Strength("; ".join(missing))
 
     def attention_pods(self) -> list[Any]:
         """The attention pods not being deleted, by name."""
@@ -368,7 +379,26 @@ def _serving(system: System, servers: int) -> bool:
         c["type"] == "Ready" and c["status"] == "True"
         for c in (moe.get("status") or {}).get("conditions", [])
     )
-    return ready and system.full_strength(servers)
+    return ready and bool(system.full_strength(servers))
+
+
+@dataclass(frozen=True)
+class Strength:
+    """Whether the pool is at full strength: true when nothing is `missing`."""
+
+    missing: str
+
+    def __bool__(self) -> bool:
+        return not self.missing
+
+    def __repr__(self) -> str:
+        return self.missing or "full strength"
+
+
+def _node_state(node: Any) -> str:
+    condition = next((c for c in node.status.conditions or [] if c.type == "Ready"), None)
+    taints = [t.key for t in node.spec.taints or []]
+    return f"Ready={condition.status if condition else '?'}" + (f" taints {taints}" if taints else "")
 
 
 class ReplicaWatch:

@@ -1,0 +1,118 @@
+# mypy: disable-error-code="arg-type,union-attr"
+# (the kubernetes client takes plain dicts for bodies and types every model field as Optional.)
+"""The process runner (the stand-in for kubelet on the drills' nodes) keeps what it reports true.
+
+When the API server is away for longer than the node-monitor grace period (a drill stops it for
+30 s; on a slow machine its restart adds more), the node lifecycle controller marks the runner's
+nodes Unknown, taints them and marks their pods not Ready. Only the node's agent can undo that, as
+a kubelet does: it posts the node's status again and patches its pods' conditions back to what it
+sees. Without it every later drill finds its pods not Ready."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from e2e.backends import plane_cluster
+from e2e.backends import process_plane as process_plane_of
+from e2e.cluster import Cluster
+from e2e.controlplane import ControlPlane, ProcessNodeSpec
+from e2e.waiting import wait_until
+
+NODE = "runner-node-0"
+
+
+@pytest.fixture(scope="module")
+def process_plane() -> Iterator[ControlPlane]:
+    with process_plane_of(ProcessNodeSpec(count=1, gpus=1, name_prefix="runner-node-")) as plane:
+        yield plane
+
+
+@pytest.fixture(scope="module")
+def runner_cluster(process_plane: ControlPlane) -> Cluster:
+    return plane_cluster(process_plane)
+
+
+def _condition(conditions: list[Any] | None, kind: str) -> str | None:
+    return next((c.status for c in conditions or [] if c.type == kind), None)
+
+
+def _web_pod(name: str) -> dict[str, Any]:
+    serve = (
+        "import http.server as h; "
+        "h.ThreadingHTTPServer(('', 8080), h.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": NODE,
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {
+                    "name": "web",
+                    "image": "unused",
+                    "command": [os.path.basename(sys.executable), "-c", serve],
+                    "readinessProbe": {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1},
+                }
+            ],
+        },
+    }
+
+
+def test_the_runner_undoes_the_node_lifecycle_controllers_marks(runner_cluster: Cluster) -> None:
+    core = runner_cluster.core
+    with runner_cluster.namespace("runner") as namespace:
+        _undo_marks(core, namespace)
+
+
+def _undo_marks(core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, _web_pod("web"))
+
+    def pod_ready() -> bool:
+        return _condition(core.read_namespaced_pod("web", namespace).status.conditions, "Ready") == "True"
+
+    def node_healthy() -> bool:
+        node = core.read_node(NODE)
+        unreachable = [t for t in node.spec.taints or [] if t.key.startswith("node.kubernetes.io/")]
+        return _condition(node.status.conditions, "Ready") == "True" and not unreachable
+
+    wait_until(pod_ready, 60, "the pod Ready")
+    wait_until(node_healthy, 60, "the node Ready and untainted")
+
+    # What the node lifecycle controller writes when a node's Lease looks too old.
+    core.patch_node_status(
+        NODE,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "Unknown",
+                        "reason": "NodeStatusUnknown",
+                        "message": "Kubelet stopped posting node status.",
+                    }
+                ]
+            }
+        },
+    )
+    core.patch_namespaced_pod_status(
+        "web",
+        namespace,
+        {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}},
+    )
+    assert not pod_ready()
+
+    wait_until(pod_ready, 10, "the runner to mark its pod Ready again")
+    wait_until(node_healthy, 60, "the runner to post its node Ready again (and the taints lifted)")
+    # And it stays so: the runner does not flap with its own stale view.
+    for _ in range(10):
+        assert pod_ready()
+        time.sleep(0.5)
