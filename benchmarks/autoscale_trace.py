@@ -33,13 +33,14 @@ new server whole layers (1.8 servers' worth at 2, 3 and 4 servers); it now sprea
 layer, on par with round-robin.
 
 **Simulated: the accelerator.** On this 2-core machine more server processes add no compute, so
-there would be no capacity for autoscaling to buy. Every server runs the ``SIM_BACKEND`` kernel:
-the real expert computation (the torch reference: outputs stay right), then a sleep up to a modelled
-device time of ``--sim-expert-us`` (200) per expert whose weights the batch reads plus
-``--sim-entry-us`` (3000) per routed (token, expert) entry, prefill and decode alike (a server that
-many attention clients share computes large batches, whose time grows with their tokens). A sleep
-holds no core, so n servers have n times the device time; it counts in the busy fraction the
-autoscaler sees. ``0 0`` turns it off (CPU compute only).
+there would be no capacity for autoscaling to buy. Every server runs the ``simulated`` kernel
+backend (:mod:`eaas.kernels.simulated`): the real expert computation (the torch reference:
+outputs stay right), then a sleep up to a modelled device time of ``--sim-expert-us`` (200) per
+expert whose weights the batch reads plus ``--sim-entry-us`` (3000) per routed (token, expert)
+entry, prefill and decode alike (a server that many attention clients share computes large
+batches, whose time grows with their tokens). A sleep holds no core, so n servers have n times the
+device time; it counts in the busy fraction the autoscaler sees. ``0 0`` turns it off (CPU compute
+only).
 
 **The trace.** ``elasticity.diurnal_trace``'s ``peaked`` day (``1 + 0.6 cos + 0.2 cos 2x``, peak at
 14:00, AR(1) noise of 3%, seeded; with seed 0 and 180 s, peak / trough 3.3, mean / peak 0.55)
@@ -97,11 +98,9 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.client import HTTPConnection
 from pathlib import Path
@@ -113,8 +112,6 @@ from _common import emit, parser, target
 from _load import OUTPUT_LEN, PROMPT_LEN, percentile, run_mode, serving_config, start_client
 from elasticity import DAY_S, HEADROOM, diurnal_trace
 
-from eaas.kernels import register_backend
-from eaas.kernels.reference import experts_forward_reference
 from eaas.operator import expert_step
 from eaas.operator.api.moeservice import AutoscalingSpec
 from eaas.operator.autoscaler import Autoscaler
@@ -128,8 +125,6 @@ from eaas.runtime.server.daemon import DaemonLoop
 from eaas.runtime.server.placement_watch import PlacementFiles
 from eaas.runtime.transport.shm_segment import remove_segments_of
 
-SERVER_ENTRY = "--as-expert-server"  # argv[1] of this script when it runs an expert server
-SIM_BACKEND = "simulated"
 TICK_S = 0.5  # the local operator's reconcile period (the real one reacts to events within ~1 s)
 TEMPLATE = "local"  # every server runs the same pod template
 BALANCE_TOKENS = 16  # decode batch for ``layer_balance`` (about the batch at the peak)
@@ -242,38 +237,6 @@ def layer_balance(placement: Placement, top_k: int, tokens: int, seed: int = 0, 
     return sum(ratios) / len(ratios)
 
 
-# --- a simulated accelerator, inside each expert-server process -------------------------------------
-def simulated_backend(expert_s: float, entry_s: float) -> Callable[..., torch.Tensor]:
-    """The reference expert compute, stretched by sleeping to ``expert_s`` per distinct group (an
-    expert's weights read once) plus ``entry_s`` per routed entry. group_of: int [T, K], -1 = none."""
-
-    def forward(
-        x: torch.Tensor,
-        group_of: torch.Tensor,
-        weight_of: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        **kw: Any,
-    ) -> torch.Tensor:  # [T, H]
-        started = time.perf_counter()
-        y = experts_forward_reference(x, group_of, weight_of, w13, w2, **kw)
-        routed = group_of[group_of >= 0]  # [N]
-        modelled = expert_s * torch.unique(routed).numel() + entry_s * routed.numel()
-        time.sleep(max(0.0, modelled - (time.perf_counter() - started)))
-        return y
-
-    return forward
-
-
-def serve_expert(argv: list[str]) -> None:
-    """``autoscale_trace.py --as-expert-server EXPERT_US ENTRY_US <eaas expert-server args>``."""
-    from eaas.runtime.server.cli import expert_server
-
-    expert_us, entry_us, *server_args = argv
-    register_backend(SIM_BACKEND, simulated_backend(float(expert_us) * 1e-6, float(entry_us) * 1e-6))
-    expert_server.main(args=server_args, prog_name="eaas expert-server")
-
-
 # --- the pool: processes that follow a placement directory, started and stopped while running -------
 def hold_port(port: int = 0) -> socket.socket:
     """A bound (not listening) socket that keeps ``port`` (0: a free one) from other processes."""
@@ -372,10 +335,10 @@ class ElasticCluster(LocalCluster):
 def elastic_cluster(checkpoint: Path, first: Placement, workdir: Path, args: Any) -> ElasticCluster:
     """The pool's processes: this script's simulated device unless ``--sim-*-us`` are both 0."""
     simulated = args.sim_expert_us > 0 or args.sim_entry_us > 0
-    entry = (sys.executable, __file__, SERVER_ENTRY, str(args.sim_expert_us), str(args.sim_entry_us))
+    backend = f"simulated:{args.sim_expert_us:g}:{args.sim_entry_us:g}" if simulated else "torch"
     return ElasticCluster(
         checkpoint, first, workdir, transports=("tcp",), max_servers=args.max_servers,
-        kernel_backend=SIM_BACKEND if simulated else "torch", server_entry=entry, follow_placement_dir=True,
+        kernel_backend=backend, follow_placement_dir=True,
     )  # fmt: skip
 
 
@@ -804,7 +767,4 @@ def report(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == SERVER_ENTRY:
-        serve_expert(sys.argv[2:])
-    else:
-        main()
+    main()

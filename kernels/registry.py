@@ -10,12 +10,17 @@ Built-in backends:
 
 ``triton`` and ``grouped_mm`` live in their own modules and are imported on first use, so
 ``import eaas.kernels`` never imports Triton.
+
+Backends with arguments in their name, built on first use:
+
+- ``simulated:EXPERT_US:ENTRY_US``: the ``torch`` computation stretched to a modelled device time
+  (:mod:`eaas.kernels.simulated`); for capacity tests on machines without GPUs, never for serving.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -46,6 +51,8 @@ _LAZY_BACKENDS: dict[str, str] = {
     "triton": "eaas.kernels.triton_backend:experts_forward_triton",
     "grouped_mm": "eaas.kernels.grouped_mm_backend:experts_forward_grouped_mm",
 }
+# Built on first use from the arguments after the first ":" of the name: prefix -> "module:factory".
+_FACTORIES: dict[str, str] = {"simulated": "eaas.kernels.simulated:from_arguments"}
 
 
 def register_backend(name: str, fn: ExpertsForward) -> None:
@@ -55,14 +62,24 @@ def register_backend(name: str, fn: ExpertsForward) -> None:
 
 
 def available_backends() -> list[str]:
-    """Names that :func:`get_backend` accepts (a listed backend may still refuse a device)."""
-    return sorted({*_BACKENDS, *_LAZY_BACKENDS})
+    """Names that :func:`get_backend` accepts (a listed backend may still refuse a device); a
+    backend with arguments is listed as ``<prefix>:...``."""
+    return sorted({*(n for n in _BACKENDS if n.partition(":")[0] not in _FACTORIES), *_LAZY_BACKENDS}) + [
+        f"{prefix}:..." for prefix in sorted(_FACTORIES)
+    ]
+
+
+def _load(reference: str) -> Any:
+    module_name, attribute = reference.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 def get_backend(name: str) -> ExpertsForward:
     if name not in _BACKENDS and name in _LAZY_BACKENDS:
-        module_name, attribute = _LAZY_BACKENDS[name].split(":")
-        _BACKENDS[name] = getattr(importlib.import_module(module_name), attribute)
+        _BACKENDS[name] = _load(_LAZY_BACKENDS[name])
+    prefix, _, arguments = name.partition(":")
+    if name not in _BACKENDS and prefix in _FACTORIES:
+        _BACKENDS[name] = _load(_FACTORIES[prefix])(arguments)  # ValueError names a bad argument
     try:
         return _BACKENDS[name]
     except KeyError:

@@ -23,6 +23,9 @@ from eaas.operator.api.common import (
     conditions_field,
 )
 
+# The kernel backends a pod may name (eaas.kernels.registry; simulated takes two numbers).
+KERNEL_BACKEND = r"^(torch|triton|grouped_mm|simulated:[0-9]+(\.[0-9]+)?:[0-9]+(\.[0-9]+)?)?$"
+
 
 class SecretKeySelector(CRDModel):
     """One key of a Secret in the object's namespace."""
@@ -57,6 +60,12 @@ class ExpertPoolTemplate(PodSettings):
             field_path=".replicationFactor",
             check=lambda p: p.replication_factor <= p.replicas,
         ),
+        Rule(
+            "self.kernelBackend != 'triton' || self.gpusPerPod == 1",
+            "kernelBackend triton needs gpusPerPod = 1 (on CPU it runs only under the Triton interpreter)",
+            field_path=".kernelBackend",
+            check=lambda p: p.kernel_backend != "triton" or p.gpus_per_pod == 1,
+        ),
     )
 
     replicas: int = Field(default=2, ge=1, le=4096)
@@ -72,6 +81,11 @@ class ExpertPoolTemplate(PodSettings):
     expert_slots_per_server: int = Field(default=0, ge=0, le=1048576)
     """(layer, expert) weights one server can hold; 0 = as many as the placement needs
     (``ceil(R * MoE layers * experts / replicas)``)."""
+    kernel_backend: str = Field(default="", max_length=64, pattern=KERNEL_BACKEND)
+    """Expert compute: empty = ``triton`` on GPU servers, ``torch`` on CPU servers; or ``torch``,
+    ``triton``, ``grouped_mm`` (``torch._grouped_mm``). ``simulated:EXPERT_US:ENTRY_US`` computes
+    as ``torch``, then sleeps to a modelled device time (microseconds per expert read plus per
+    routed token): capacity and autoscaling tests on machines without GPUs, never serving."""
 
 
 def capacity_rule(prefix: str) -> Rule:

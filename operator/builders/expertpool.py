@@ -101,9 +101,9 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         naming.ENV_PORT: spec.port,
         naming.ENV_DATA_PORT: spec.data_port,
         naming.ENV_EXPERT_SERVICE: f"{name}.{namespace}.svc",
-        # A GPU pod keeps its experts on its GPU and computes with the Triton kernels.
+        # A GPU pod keeps its experts on its GPU and computes with the Triton kernels (by default).
         naming.ENV_DEVICE: "cuda" if spec.gpus_per_pod else "cpu",
-        naming.ENV_KERNEL_BACKEND: "triton" if spec.gpus_per_pod else "torch",
+        naming.ENV_KERNEL_BACKEND: spec.kernel_backend or ("triton" if spec.gpus_per_pod else "torch"),
     }
     container = {
         "name": CONTAINER,

@@ -65,8 +65,6 @@ class LocalCluster:
     log_level: str = "WARNING"
     extra_args: tuple[str, ...] = ()
     data_token: str | None = None  # the slot handshake requires it (through the env, never argv)
-    # The command before the server's arguments; () = ``python -m eaas.runtime.server``.
-    server_entry: tuple[str, ...] = ()
     # Servers follow ``workdir`` as a placement directory (``placement.json`` committed,
     # ``pending.json`` being loaded), as pods follow the placement ConfigMap, instead of reading
     # ``placement.json`` once.
@@ -119,7 +117,7 @@ class LocalCluster:
             else ("--placement", str(self.placement_path))
         )
         command = [
-            *(self.server_entry or (sys.executable, "-m", "eaas.runtime.server")),
+            sys.executable, "-m", "eaas.runtime.server",
             "--checkpoint", str(self.checkpoint),
             *placement,
             "--ordinal", str(ordinal),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from kernel_cases import make_case
 
 from eaas.kernels import available_backends, experts_forward, get_backend, register_backend
 from eaas.kernels.checks import check_expert_inputs
+from eaas.kernels.reference import experts_forward_reference
 
 
 def test_builtin_backends_are_listed() -> None:
@@ -40,6 +42,33 @@ def test_registered_backend_is_dispatched_to() -> None:
     )
     assert calls == [3] and torch.equal(y, 2 * x)
     assert "test-doubled" in available_backends()
+
+
+def test_simulated_device_computes_the_reference_and_takes_the_modelled_time() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)  # [T, H]
+    w13, w2 = torch.randn(4, 2 * 16, 8), torch.randn(4, 8, 16)  # [G, 2I, H], [G, H, I]
+    group_of = torch.tensor(
+        [[0, 1], [1, -1], [2, 0], [0, 1], [1, 2], [-1, -1]]
+    )  # [T, K]: 3 groups, 8 entries
+    weight_of = torch.rand(6, 2)
+    forward = get_backend("simulated:10000:5000")
+    assert get_backend("simulated:10000:5000") is forward  # built once
+    forward(x, group_of, weight_of, w13, w2)  # the first call also pays for torch's warm-up
+    started = time.perf_counter()
+    y = experts_forward(x, group_of, weight_of, w13, w2, backend="simulated:10000:5000")
+    elapsed = time.perf_counter() - started
+    assert torch.equal(y, experts_forward_reference(x, group_of, weight_of, w13, w2))
+    assert 0.07 <= elapsed < 0.5  # 3 x 10 ms + 8 x 5 ms
+    assert "simulated:..." in available_backends()
+
+
+@pytest.mark.parametrize(
+    "name", ["simulated", "simulated:1", "simulated:a:b", "simulated:-1:0", "simulated:1:2:3"]
+)
+def test_simulated_device_with_bad_arguments_says_what_it_expects(name: str) -> None:
+    with pytest.raises(ValueError, match=r"expected simulated:EXPERT_US:ENTRY_US \(microseconds >= 0\)"):
+        get_backend(name)
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

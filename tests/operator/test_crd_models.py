@@ -89,6 +89,9 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
         ),
         ({"autoscaling.mode": "builtin", "autoscaling.maxReplicas": 2}, "expertPool.replicas must be within"),
         ({"expertPool.image": ""}, "spec.expertPool.image: String should have at least 1 character"),
+        ({"expertPool.kernelBackend": "cuda"}, "spec.expertPool.kernelBackend: String should match pattern"),
+        ({"expertPool.kernelBackend": "simulated:1"}, "spec.expertPool.kernelBackend: String should match"),
+        ({"expertPool.kernelBackend": "triton"}, "spec.expertPool.kernelBackend: kernelBackend triton needs"),
     ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(changes: dict[str, Any], expected: str) -> None:

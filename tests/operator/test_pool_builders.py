@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from eaas.kernels import get_backend
 from eaas.operator import naming
 from eaas.operator.api import AttentionPoolSpec, ExpertPoolSpec, MoEServiceSpec
 from eaas.operator.api.moeservice import NetworkPolicySpec
@@ -101,6 +102,17 @@ def test_gpu_expert_pod_requests_exactly_one_gpu(
     env = env_of(container)
     assert (env[naming.ENV_DEVICE], env[naming.ENV_KERNEL_BACKEND]) == ("cuda", "triton")
     assert resources["requests"]["cpu"] == "250m"
+
+
+@pytest.mark.parametrize(("gpus", "backend"), [(1, "grouped_mm"), (0, "simulated:200:3000"), (0, "torch")])
+def test_expert_pod_runs_the_kernel_backend_the_spec_names(
+    pool_body: dict[str, Any], pool_spec: ExpertPoolSpec, gpus: int, backend: str
+) -> None:
+    spec = pool_spec.model_copy(update={"gpus_per_pod": gpus, "kernel_backend": backend})
+    container = expertpool.pod(pool_body, spec, 0)["spec"]["containers"][0]
+    assert env_of(container)[naming.ENV_KERNEL_BACKEND] == backend
+    assert expertpool.template_hash(spec) != expertpool.template_hash(pool_spec)  # the pods are replaced
+    get_backend(backend)  # a name the pattern admits is one the server accepts
 
 
 def test_single_node_transports_co_locate_pods(pool_body: dict[str, Any], pool_spec: ExpertPoolSpec) -> None:
