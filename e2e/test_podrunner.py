@@ -103,12 +103,13 @@ def _undo_marks(core: client.CoreV1Api, namespace: str) -> None:
             }
         },
     )
-    core.patch_namespaced_pod_status(
+    marked = core.patch_namespaced_pod_status(
         "web",
         namespace,
         {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}},
     )
-    assert not pod_ready()
+    assert _condition(marked.status.conditions, "Ready") == "False"  # the mark landed (the runner may
+    # already be undoing it: reading the pod again here could race with it)
 
     wait_until(pod_ready, 10, "the runner to mark its pod Ready again")
     wait_until(node_healthy, 60, "the runner to post its node Ready again (and the taints lifted)")

@@ -5,12 +5,11 @@ Replica choice is deterministic and spreads load two ways:
 
 - an expert with few tokens in the batch goes whole to one live replica, number
   ``(layer + e + turn) mod live_replicas`` of its replica list, where ``turn`` counts the layer's
-  batches: experts spread
-  over servers, each expert's weights are read by one server per batch (decode is bound by
-  reading weights; splitting a small group would read them twice), and over successive batches
-  an expert's load is shared evenly by its replicas — what the placement planner assumes when it
-  weighs a server's load (without the turn, each cold expert's whole load would stay on one
-  replica, and a rebalance could move load where the planner did not expect it);
+  batches: experts spread over servers, each expert's weights are read by one server per batch
+  (decode is bound by reading weights; splitting a small group would read them twice), and over
+  successive batches an expert's load is shared evenly by its replicas — what the placement
+  planner assumes when it weighs a server's load (without the turn, each cold expert's whole load
+  would stay on one replica, and a rebalance could move load where the planner did not expect it);
 - an expert with more than ``spread_threshold`` tokens (a hot expert, or a prefill) is split:
   its t-th token goes to replica ``(t + e) mod live_replicas``, so its replicas share the compute.
 
