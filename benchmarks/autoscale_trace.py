@@ -3,8 +3,10 @@ operator's built-in autoscaler, against a fixed pool sized for the peak, in the 
 
 **What runs (real processes).** Expert-server processes (tcp, one thread each) host the serving
 benchmarks' random mixtral-family model (``_load.serving_config``: 4 MoE layers x 8 experts, top-2;
-``--experts`` changes the 8) with R = ``--replication`` (2), behind one ``eaas attention-client``
-process (continuous batching, one torch thread); ``_load.run_mode`` streams the requests to it.
+``--experts`` and ``--top-k`` change them, DeepSeek-style fine-grained experts being e.g. 64 and 8:
+``model_config`` then narrows each expert so a token's expert FLOPs stay the same) with R =
+``--replication`` (2), behind one ``eaas attention-client`` process (continuous batching, one torch
+thread); ``_load.run_mode`` streams the requests to it.
 The servers follow a placement directory (``placement.json`` committed, ``pending.json`` being
 loaded: ``LocalCluster``'s ``follow_placement_dir``) as pods follow the mounted placement
 ConfigMap. ``LocalCluster`` cannot add or remove a server at run time: ``ElasticCluster`` below
@@ -119,7 +121,7 @@ from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
 from eaas.runtime.lease import Utilization
 from eaas.runtime.local.cluster import LocalCluster
-from eaas.runtime.model import write_random_checkpoint
+from eaas.runtime.model import MoEConfig, write_random_checkpoint
 from eaas.runtime.placement import Placement
 from eaas.runtime.server.daemon import DaemonLoop
 from eaas.runtime.server.placement_watch import PlacementFiles
@@ -235,6 +237,18 @@ def layer_balance(placement: Placement, top_k: int, tokens: int, seed: int = 0, 
             work = torch.bincount(table.assign(layer, ids, live).reshape(-1), minlength=len(live))  # [S]
             ratios.append(float(work.float().mean() / work.max()))
     return sum(ratios) / len(ratios)
+
+
+def model_config(base: MoEConfig, experts: int | None, top_k: int | None) -> MoEConfig:
+    """``base`` with ``experts`` routed experts per layer, ``top_k`` per token; with a larger top-k
+    each expert is narrower (intermediate size x base top-k / top-k), so a token's expert FLOPs,
+    like its simulated device time per entry x top-k, stay what the base model's are."""
+    top_k = top_k or base.top_k
+    intermediate = base.expert_intermediate_size * base.top_k // top_k
+    return type(base).model_validate(
+        {**base.model_dump(), "num_experts": experts or base.num_experts, "top_k": top_k,
+         "expert_intermediate_size": intermediate}
+    )  # fmt: skip
 
 
 # --- the pool: processes that follow a placement directory, started and stopped while running -------
@@ -616,6 +630,7 @@ def main() -> None:
     p.add_argument("--max-servers", type=int, default=4)
     p.add_argument("--replication", type=int, default=2)
     p.add_argument("--experts", type=int, help="routed experts per layer (default: the serving model's 8)")
+    p.add_argument("--top-k", type=int, help="experts per token (default: the serving model's 2)")
     p.add_argument("--target-utilization-milli", type=int, help="default: HEADROOM x the fixed pool's busy")
     p.add_argument("--scale-down-window-s", type=int, default=20)
     p.add_argument("--resync-seconds", type=float, default=5.0, help="autoscaler period (heartbeat interval)")
@@ -635,7 +650,7 @@ def main() -> None:
         p.error("need 1 <= --replication <= --min-servers <= --max-servers")
 
     base = serving_config()
-    config = type(base).model_validate({**base.model_dump(), "num_experts": args.experts or base.num_experts})
+    config = model_config(base, args.experts, args.top_k)
     rates = rate_trace(args.peak_rps, args.duration_s, args.seed)
     requests = trace_requests(rates, args.seed, config.vocab_size)
     print(

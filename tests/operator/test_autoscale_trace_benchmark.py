@@ -102,3 +102,14 @@ def test_oracle_saving_holds_whole_servers_in_proportion_to_the_rate(trace: Modu
     assert trace.oracle_saving(rates, min_servers=2, fixed_servers=4) == pytest.approx(1 - 12 / 16)
     assert trace.oracle_saving(rates, min_servers=1, fixed_servers=4) == pytest.approx(1 - 11 / 16)
     assert trace.oracle_saving(np.full(5, 3.0), 2, 4) == 0.0
+
+
+def test_finer_experts_keep_a_tokens_expert_flops(trace: ModuleType) -> None:
+    from _load import serving_config
+
+    base = serving_config()
+    fine = trace.model_config(base, experts=64, top_k=8)
+    assert (fine.num_experts, fine.top_k) == (64, 8)
+    assert fine.top_k * fine.expert_intermediate_size == base.top_k * base.expert_intermediate_size
+    assert fine.hidden_size == base.hidden_size and fine.num_layers == base.num_layers
+    assert trace.model_config(base, None, None) == base
