@@ -8,7 +8,8 @@ from typing import Self
 
 class DaemonLoop:
     """``start()`` runs ``_run`` in a daemon thread named ``name``; ``stop()`` sets ``_stop`` and
-    joins the thread (unless called from it)."""
+    joins the thread (unless called from it). As a context manager it starts on entry and stops on
+    exit."""
 
     def __init__(self, name: str) -> None:
         self._stop = threading.Event()
@@ -20,6 +21,12 @@ class DaemonLoop:
     def start(self) -> Self:
         self._thread.start()
         return self
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         self._stop.set()

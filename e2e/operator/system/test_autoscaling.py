@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +53,7 @@ from e2e.operator.system.workload import (
     deploy,
 )
 from e2e.waiting import wait_until
+from eaas.runtime.server.daemon import DaemonLoop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -103,27 +103,18 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("autoscaling")
 
 
-class Timeline:
+class Timeline(DaemonLoop):
     """Samples, every second: requests in flight, the metric the HPA reads (per pod), the pool's
     replicas (spec, Ready), the committed placement and who last wrote ``spec.replicas``."""
 
     def __init__(self, system: System, stack: MetricsStack, loads: list[Load]) -> None:
+        super().__init__("timeline")
         self.system, self.stack, self.loads = system, stack, loads
         self.started = time.monotonic()
         self.samples: list[dict[str, Any]] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Timeline:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=30)
 
     def _run(self) -> None:
-        while not self.stopping.wait(1.0):
+        while not self._stop.wait(1.0):
             with contextlib.suppress(Exception):  # an API hiccup: skip this sample
                 self.samples.append(self.sample())
 

@@ -37,6 +37,7 @@ from e2e.operator.test_operator_lifecycle import (
 from e2e.waiting import wait_until
 from eaas.runtime.model import load_reference, load_tokenizer
 from eaas.runtime.placement import Placement
+from eaas.runtime.server.daemon import DaemonLoop
 
 API_KEY = "sk-e2e"
 PROMPTS = ["experts as a service", "the pool scales", "one GPU at a time", "no request is lost"]
@@ -401,27 +402,18 @@ def _node_state(node: Any) -> str:
     return f"Ready={condition.status if condition else '?'}" + (f" taints {taints}" if taints else "")
 
 
-class ReplicaWatch:
+class ReplicaWatch(DaemonLoop):
     """Samples, every 0.2 s, the committed placement and which placed servers are Ready: the
     fewest Ready replicas of any expert, and the sequence of committed placements. A server
     counts as Ready when its pod was Ready in the read before or after the ConfigMap's (a commit
     between the two reads is then never mistaken for a lost replica)."""
 
     def __init__(self, system: System) -> None:
+        super().__init__("replica-watch")
         self.system = system
         self.fewest: list[tuple[float, int, int]] = []  # (time, version, fewest Ready replicas)
         self.commits: list[tuple[int, tuple[int, ...]]] = []  # (version, ordinals), as they change
         self.commit_times: list[float] = []  # when each of `commits` was first seen
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ReplicaWatch:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=30)
 
     def _ready_ordinals(self) -> set[int]:
         return {
@@ -431,7 +423,7 @@ class ReplicaWatch:
         }
 
     def _run(self) -> None:
-        while not self.stopping.wait(0.2):
+        while not self._stop.wait(0.2):
             with contextlib.suppress(Exception):  # an API hiccup: skip this sample
                 before = self._ready_ordinals()
                 placement, _ = self.system.placement()
