@@ -105,9 +105,7 @@ def test_oracle_saving_holds_whole_servers_in_proportion_to_the_rate(trace: Modu
 
 
 def test_finer_experts_keep_a_tokens_expert_flops(trace: ModuleType) -> None:
-    from _load import serving_config
-
-    base = serving_config()
+    base = trace.serving_config()  # the benchmark's own import of _load's model
     fine = trace.model_config(base, experts=64, top_k=8)
     assert (fine.num_experts, fine.top_k) == (64, 8)
     assert fine.top_k * fine.expert_intermediate_size == base.top_k * base.expert_intermediate_size
