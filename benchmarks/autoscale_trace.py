@@ -119,7 +119,7 @@ from eaas.operator.api.moeservice import AutoscalingSpec
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
-from eaas.runtime.lease import Utilization
+from eaas.runtime.lease import UTILIZATION_WINDOW_S, Utilization
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import MoEConfig, write_random_checkpoint
 from eaas.runtime.placement import Placement
@@ -218,6 +218,63 @@ def oracle_saving(rates: np.ndarray, min_servers: int, fixed_servers: int) -> fl
     ``min_servers``, started and stopped instantly. rates: [S] req/s."""
     needed = np.clip(np.ceil(fixed_servers * rates / rates.max() - 1e-9), min_servers, fixed_servers)  # [S]
     return float(1.0 - needed.mean() / fixed_servers)
+
+
+def controller_ceiling(
+    rates: np.ndarray,
+    min_servers: int,
+    max_servers: int,
+    fixed_servers: int,
+    headroom: float = HEADROOM,
+    scale_down_window_s: int = 20,
+    resync_s: float = 5.0,
+    metric_window_s: float = UTILIZATION_WINDOW_S,
+) -> float:
+    """The most the built-in autoscaler with these settings could save against ``fixed_servers``
+    on ``rates`` [S] req/s: its own ``Autoscaler.recommend`` every ``resync_s``, fed an ideal metric
+    (busy exactly in proportion to the load per server, the fixed pool at the peak being 1 /
+    ``headroom`` of the target, as the rate's mean over the Lease's ``metric_window_s``) and servers
+    that start and stop at once. Below ``oracle_saving`` by the target's headroom, whole servers,
+    the 10% tolerance and the scale-down window; what is left between it and a run is the metric
+    and the servers' start-up."""
+    peak_busy = min_servers / fixed_servers  # the fixed pool's busy at the peak: the floor reads 1 there
+    spec = AutoscalingSpec(
+        mode="builtin",
+        min_replicas=min_servers,
+        max_replicas=max_servers,
+        target_utilization_milli=max(1, math.floor(1000 * headroom * peak_busy)),
+        scale_down_stabilization_seconds=scale_down_window_s,
+    )
+    autoscaler, current, next_at, used = Autoscaler(), min_servers, 0.0, 0.0
+    window = max(1, round(metric_window_s))
+    for second in range(len(rates)):
+        if second >= next_at:
+            recent = float(rates[max(0, second - window + 1) : second + 1].mean())
+            milli = round(1000 * peak_busy * fixed_servers / current * recent / float(rates.max()))
+            current = autoscaler.recommend(float(second), current, milli, spec)
+            next_at += resync_s
+        used += current
+    return 1.0 - used / (len(rates) * fixed_servers)
+
+
+def ceiling_table(peak_rps: float, seed: int, headroom: float, min_servers: int) -> None:
+    """``controller_ceiling`` over day lengths, fixed pool sizes and scale-down windows (no processes)."""
+    sizes, windows = (4, 6, 8, 16, 64), (0, 10, 20)
+    print(
+        f"GPU-seconds the built-in autoscaler could save at most (ideal metric, instant servers, floor "
+        f"{min_servers}, target {headroom:g} x the fixed pool's busy at the peak, max = fixed), against"
+        f" a fixed pool of n; oracle_saving in brackets"
+    )
+    print(f"{'day s':>6} {'window s':>8} | " + " | ".join(f"{f'n = {n}':>14}" for n in sizes))
+    for duration in (180, 360, 720):
+        rates = rate_trace(peak_rps, duration, seed)
+        for window_s in windows:
+            cells = [
+                f"{controller_ceiling(rates, min_servers, n, n, headroom, window_s):6.1%} "
+                f"({oracle_saving(rates, min_servers, n):5.1%})"
+                for n in sizes
+            ]
+            print(f"{duration:>6} {window_s:>8} | " + " | ".join(f"{c:>14}" for c in cells))
 
 
 def layer_balance(placement: Placement, top_k: int, tokens: int, seed: int = 0, trials: int = 50) -> float:
@@ -378,6 +435,8 @@ class LocalOperator(DaemonLoop):
         self.last_version = max((p.version for p in (committed, pending) if p is not None), default=0)
         self.timeline: list[dict[str, Any]] = []
         self.errors: list[str] = []
+        self.client_url: str | None = None  # the attention client (its expert wait per step: the timeline)
+        self._waited: tuple[float, int] | None = None
         self._lock = threading.Lock()
 
     def set_replicas(self, replicas: int, autoscaling: AutoscalingSpec | None = None) -> None:
@@ -467,9 +526,13 @@ class LocalOperator(DaemonLoop):
             self.replicas = self.autoscaler.recommend(
                 now, self.replicas, utilization, self.autoscaling, ready
             )
+        waited = expert_wait(self.client_url) if self.client_url else None
+        wait = per_step(self._waited, waited) if self._waited and waited else None
+        self._waited = waited
         self.timeline.append(
             {"t": now, "replicas": before, "set": self.replicas, "ready": ready,
-             "processes": len(self.cluster.servers), "utilization_milli": utilization}
+             "processes": len(self.cluster.servers), "utilization_milli": utilization,
+             "expert_wait_per_step_s": wait}
         )  # fmt: skip
 
     def is_stable(self, replicas: int) -> bool:
@@ -497,6 +560,23 @@ def busy_seconds(cluster: ElasticCluster) -> float:
     return sum(json.loads(http_get(url, "/v1/stats")[1])["busy_seconds"] for url in cluster.running_urls())
 
 
+def expert_wait(client_url: str) -> tuple[float, int]:
+    """The attention client's ``eaas_attention_step_expert_seconds``: (sum in seconds, steps)."""
+    text = http_get(client_url, "/metrics")[1].decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("eaas_attention_step_expert_seconds_sum", "eaas_attention_step_expert_seconds_count"):
+            values[name.rsplit("_", 1)[1]] = float(value)
+    return values["sum"], int(values["count"])
+
+
+def per_step(before: tuple[float, int], after: tuple[float, int]) -> float | None:
+    """Mean expert seconds per step between two ``expert_wait`` readings (None: no step)."""
+    steps = after[1] - before[1]
+    return (after[0] - before[0]) / steps if steps > 0 else None
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -506,13 +586,14 @@ def measure(
 ) -> dict[str, Any]:
     """Constant-rate Poisson load on the pool as it is for ``seconds``: p50 / p99 TPOT of the
     requests that arrive after the first third (the batch fills up meanwhile), failed requests,
-    and the servers' mean busy fraction over the arrivals' last two thirds."""
+    and, over the arrivals' last two thirds, the servers' mean busy fraction and the client's
+    expert seconds per decoder step (``eaas_attention_step_expert_seconds``)."""
     requests = poisson_requests(rate, seconds, seed, vocab)
     warm_up = seconds / 3
-    snapshots: dict[str, tuple[float, float]] = {}
+    snapshots: dict[str, tuple[float, float, tuple[float, int]]] = {}
 
     def snapshot(name: str) -> None:
-        snapshots[name] = (time.monotonic(), busy_seconds(cluster))
+        snapshots[name] = (time.monotonic(), busy_seconds(cluster), expert_wait(url))
 
     timers = [
         threading.Timer(0.2 + at, snapshot, (name,)) for name, at in (("from", warm_up), ("to", seconds))
@@ -522,7 +603,7 @@ def measure(
     results = run_mode("continuous", True, url, requests)
     for timer in timers:
         timer.join()
-    (then, before), (now, after) = snapshots["from"], snapshots["to"]
+    (then, before, waited_before), (now, after, waited_after) = snapshots["from"], snapshots["to"]
     busy = (after - before) / (now - then) / len(cluster.servers)
     origin = results[0]["arrival"] - requests[0][0]
     values = [v for r in results if r["arrival"] - origin >= warm_up and (v := tpot(r)) is not None]
@@ -535,8 +616,13 @@ def measure(
         "tpot_p50_s": percentile(values, 0.5),
         "tpot_p99_s": percentile(values, 0.99),
         "busy_fraction": busy,
+        "expert_wait_per_step_s": per_step(waited_before, waited_after),
         "load_average": load_average(),
     }
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def fixed_size(sizing: list[dict[str, Any]], slo_s: float) -> tuple[int, str]:
@@ -561,6 +647,7 @@ def calibrate(
         f"SLO: p99 TPOT at the trough ({trough['rate_rps']:.2f} req/s, {args.min_servers} servers) "
         f"{trough['tpot_p99_s'] * 1e3:.0f} ms -> target {slo_s * 1e3:.0f} ms"
         + (" (given)" if args.slo_tpot_ms else f" (x {args.slo_factor:g})")
+        + f"; busy {trough['busy_fraction']:.2f}, expert wait per step {ms(trough['expert_wait_per_step_s'])}"
         + f"; load average {trough['load_average']:.1f}",
         flush=True,
     )
@@ -580,7 +667,8 @@ def calibrate(
         print(
             f"sizing at the peak ({row['rate_rps']:.2f} req/s): {servers} servers, TPOT p50 "
             f"{row['tpot_p50_s'] * 1e3:.0f} ms p99 {row['tpot_p99_s'] * 1e3:.0f} ms, busy "
-            f"{row['busy_fraction']:.2f}, servers sharing a layer {servers * row['layer_balance']:.2f} "
+            f"{row['busy_fraction']:.2f}, expert wait per step {ms(row['expert_wait_per_step_s'])}, "
+            f"servers sharing a layer {servers * row['layer_balance']:.2f} "
             f"(round-robin: {servers * row['layer_balance_round_robin']:.2f}), {row['failed']} failed, "
             f"load average {row['load_average']:.1f} -> {'meets' if meets else 'misses'}",
             flush=True,
@@ -605,9 +693,14 @@ def replay(
     origin = results[0]["arrival"] - requests[0][0]
     lifetimes = cluster.lifetimes()
     windows = slo_windows(results, origin, args.window_s, args.duration_s, slo_s)
+    readings = operator.timeline[mark:]
     for window in windows:
         begin = origin + window["start_s"]
         window["servers"] = gpu_seconds(lifetimes, begin, begin + args.window_s) / args.window_s
+        within = [row for row in readings if begin <= row["t"] < begin + args.window_s]
+        for key in ("utilization_milli", "expert_wait_per_step_s"):
+            values = [row[key] for row in within if row[key] is not None]
+            window[key] = sum(values) / len(values) if values else None
     return {
         "gpu_seconds": gpu_seconds(lifetimes, origin, origin + args.duration_s),
         "last_answer_s": max(r.get("end", 0.0) for r in results) - origin,
@@ -643,7 +736,15 @@ def main() -> None:
         help="scale steps place experts as the operator does, or round-robin over the new set (diagnostic)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="only print controller_ceiling over day lengths, pool sizes and windows (no processes)",
+    )
     args = p.parse_args()
+    if args.ceilings:
+        ceiling_table(args.peak_rps, args.seed, HEADROOM, args.min_servers)
+        return
     args.duration_s = args.duration_s or (45 if args.quick else 180)
     args.sizing_s = args.sizing_s or (9.0 if args.quick else 30.0)
     if not 1 <= args.replication <= args.min_servers <= args.max_servers:
@@ -669,6 +770,7 @@ def main() -> None:
             operator = LocalOperator(cluster, shape, args.min_servers, args.resync_seconds, round_robin)
             operator.start()
             client, url = start_client("continuous", checkpoint, cluster, Path(tmp))
+            operator.client_url = url
             try:
                 warm_up = poisson_requests(1.0, 3.0, args.seed + 1000, config.vocab_size)
                 run_mode("continuous", True, url, warm_up)
@@ -700,13 +802,13 @@ def main() -> None:
                 client.wait(timeout=30)
     if operator.errors:
         raise SystemExit(f"the local operator failed: {operator.errors}")
-    report(args, rates, slo_s, sizing, (fixed_n, rule, milli), fixed, ours)
+    report(args, rates, slo_s, sizing, (fixed_n, rule, milli, milli / 1000 / busy), fixed, ours)
 
 
 def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any], window_s: float) -> None:
     print(
-        f"{'window s':>9} {'req/s':>6} | {'fixed: servers':>14} {'p99 TPOT':>11} "
-        f"| {'ours: servers':>13} {'p99 TPOT':>11}"
+        f"{'window s':>9} {'req/s':>6} | {'fixed: servers':>14} {'p99 TPOT':>11} {'busy':>5} {'wait':>8} "
+        f"| {'ours: servers':>13} {'p99 TPOT':>11} {'busy':>5} {'wait':>8}"
     )
     for a, b in zip(fixed["windows"], ours["windows"], strict=True):
         start = int(a["start_s"])
@@ -714,7 +816,11 @@ def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any]
         cells = []
         for w in (a, b):
             p99 = "-" if w["p99_tpot_s"] is None else f"{w['p99_tpot_s'] * 1e3:.0f} ms"
-            cells.append(f"{w['servers']:14.2f} {p99 + (' !' if w['violating'] else '  '):>11}")
+            busy = "-" if w["utilization_milli"] is None else f"{w['utilization_milli'] / 1000:.2f}"
+            cells.append(
+                f"{w['servers']:14.2f} {p99 + (' !' if w['violating'] else '  '):>11} {busy:>5} "
+                f"{ms(w['expert_wait_per_step_s']):>8}"
+            )
         print(f"{start:>4}-{start + int(window_s):<4} {rate:6.2f} | {cells[0]} | {cells[1][1:]}")
 
 
@@ -723,11 +829,11 @@ def report(
     rates: np.ndarray,
     slo_s: float,
     sizing: list[dict[str, Any]],
-    fixed_choice: tuple[int, str, int],
+    fixed_choice: tuple[int, str, int, float],
     fixed: dict[str, Any],
     ours: dict[str, Any],
 ) -> None:
-    fixed_n, rule, milli = fixed_choice
+    fixed_n, rule, milli, headroom = fixed_choice
     print(f"\nper {args.window_s:g} s window: mean servers alive, p99 TPOT (! = above {slo_s * 1e3:.0f} ms)")
     print_windows(rates, fixed, ours, args.window_s)
     print(
@@ -751,11 +857,16 @@ def report(
     failed = ours["failed"] + fixed["failed"]
     met = ratio >= 0.30 and extra <= 0 and failed == 0
     oracle = oracle_saving(rates, args.min_servers, fixed_n)
+    ceiling = controller_ceiling(
+        rates, args.min_servers, args.max_servers, fixed_n, headroom,
+        args.scale_down_window_s, args.resync_seconds,
+    )  # fmt: skip
     print(
         f"\nsaved {ratio:.1%} of the fixed pool's GPU-seconds (target >= 30%); violating windows "
         f"{ours['violating_windows']} against {fixed['violating_windows']} (target: no more); failed {failed}"
         f"\nan oracle (whole servers in proportion to the rate, at least {args.min_servers}, no delay) "
-        f"would save {oracle:.1%}"
+        f"would save {oracle:.1%}; the built-in autoscaler with these settings, fed an ideal metric "
+        f"and starting servers at once, {ceiling:.1%}"
         f"\nfixed pool: {fixed_n} servers, {rule}; autoscaler target utilization {milli / 1000:.3f}"
         f"\ntarget {'MET' if met else 'NOT MET'}",
         flush=True,
@@ -768,6 +879,7 @@ def report(
         "fixed_rule": rule,
         "target_utilization_milli": milli,
         "oracle_saving": oracle,
+        "controller_ceiling": ceiling,
     }
     emit(
         "autoscale_trace",

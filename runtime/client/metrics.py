@@ -55,6 +55,13 @@ class AttentionMetrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.step_expert_seconds = Histogram(
+            "eaas_attention_step_expert_seconds",
+            "Time one decoder step (continuous batching) spent in its MoE layers' expert calls: sending "
+            "to the expert servers, waiting for their answers, combining them (what the pool adds to a step)",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "eaas_attention_queue_seconds",
             "Time a sequence waited before its first step",

@@ -107,6 +107,7 @@ class ClientCounters:
     resent_entries: int = 0
     rejoins: int = 0
     probes: int = 0  # liveness probes of servers slower than their usual round trip
+    expert_seconds: float = 0.0  # wall time in MoE layers' expert calls: dispatch, wait, combine, failover
 
 
 class RemoteExperts:
@@ -211,6 +212,15 @@ class RemoteExperts:
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Routed-expert output [T, H] for x [T, H], expert ids [T, K], router weights [T, K]."""
+        started = time.monotonic()
+        try:
+            return self._call(layer, x, expert_ids, weights)
+        finally:
+            self.counters.expert_seconds += time.monotonic() - started
+
+    def _call(
+        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         self._apply_rejoins()
         # Partial sums accumulate in float32 where x is; routing is decided on the host.
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -133,6 +133,8 @@ class AttentionService:
         self.placement_error = "no placement read yet"
         self._placement_text: str | None = None
         self._next: tuple[Placement, RemoteExperts] | None = None  # prepared, swapped in by the worker
+        # the experts of the last step and their expert seconds then (``_on_step``)
+        self._stepped: tuple[RemoteExperts | None, float] = (None, 0.0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.metrics = AttentionMetrics()
@@ -147,7 +149,7 @@ class AttentionService:
                 o.max_queue,
                 on_idle=self._housekeeping,
                 on_error=_api_error,
-                on_step=self.metrics.batch_sequences.observe,
+                on_step=self._on_step,
             )
             self.completions = Completions(
                 self.worker,
@@ -250,6 +252,18 @@ class AttentionService:
             stale, self._next = self._next, (placement, experts)
         if stale is not None:
             stale[1].close()
+
+    def _on_step(self, sequences: int) -> None:
+        """After each decoder step (worker thread): its batch and the time it spent on the experts.
+        Experts are swapped only between steps, and a new ``RemoteExperts`` counts from 0."""
+        self.metrics.batch_sequences.observe(sequences)
+        experts = self.experts
+        if experts is None:
+            return
+        last, before = self._stepped
+        total = experts.counters.expert_seconds
+        self.metrics.step_expert_seconds.observe(total - (before if experts is last else 0.0))
+        self._stepped = (experts, total)
 
     def _housekeeping(self) -> None:
         """On the worker thread between batches: swap in a new placement, apply server rejoins."""

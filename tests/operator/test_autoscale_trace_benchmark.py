@@ -104,6 +104,25 @@ def test_oracle_saving_holds_whole_servers_in_proportion_to_the_rate(trace: Modu
     assert trace.oracle_saving(np.full(5, 3.0), 2, 4) == 0.0
 
 
+def test_controller_ceiling_runs_the_autoscaler_on_an_ideal_metric(trace: ModuleType) -> None:
+    # Always at the peak: the pool is raised to the fixed size at the first reading, nothing saved.
+    assert trace.controller_ceiling(np.full(60, 1.5), 2, 6, 6) == 0.0
+    # Half a day at the peak, half at a quarter of it: what is saved is the second half, less the
+    # metric's 10 s window and the scale-down window; never more than the oracle's third.
+    step = np.r_[np.full(120, 1.5), np.full(120, 0.375)]
+    oracle = trace.oracle_saving(step, 2, 6)
+    assert oracle == pytest.approx((1 - 2 / 6) / 2)
+    at_once = trace.controller_ceiling(step, 2, 6, 6, scale_down_window_s=0)
+    windowed = trace.controller_ceiling(step, 2, 6, 6, scale_down_window_s=20)
+    assert 0.25 < at_once <= oracle and 0.2 < windowed < at_once
+    # Allowed 8 servers, the target's headroom takes them at the peak: 2 more for half the day.
+    beyond = trace.controller_ceiling(step, 2, 8, 6, scale_down_window_s=0)
+    assert beyond == pytest.approx(at_once - 2 * 120 / (6 * 240), abs=0.01)
+    # The compressed day against 6 servers: below the oracle (headroom, whole servers, windows).
+    day = trace.rate_trace(1.5, 180, seed=0)
+    assert 0.2 < trace.controller_ceiling(day, 2, 6, 6) < trace.oracle_saving(day, 2, 6) - 0.05
+
+
 def test_finer_experts_keep_a_tokens_expert_flops(trace: ModuleType) -> None:
     base = trace.serving_config()  # the benchmark's own import of _load's model
     fine = trace.model_config(base, experts=64, top_k=8)

@@ -156,6 +156,10 @@ def test_concurrent_completions_equal_the_reference_and_share_batches(
     steps = metric(text, "eaas_attention_batch_sequences_count")
     single = metric(text, 'eaas_attention_batch_sequences_bucket{le="1.0"}')
     assert single < steps  # some steps ran several sequences together
+    # Every step says how long it spent on the expert servers; together less than the requests took.
+    assert metric(text, "eaas_attention_step_expert_seconds_count") == steps
+    spent = metric(text, "eaas_attention_step_expert_seconds_sum")
+    assert 0 < spent < metric(text, "eaas_attention_request_seconds_sum")
 
 
 def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder) -> None:
