@@ -75,8 +75,13 @@ minimum); they run one after the other, fixed first.
 has exited, within the replay's ``--duration-s``), violating windows, the requests in them,
 requests whose own TPOT is above the target, failed requests; saved = 1 - ours / fixed; and, for
 scale, what an oracle could save on this trace (``oracle_saving``: no autoscaler saves more than the
-trace's shape and the floor of ``--min-servers`` allow; 32% against 4 servers here). Targets (the
-issue): saved >= 30% with no more violating windows than the fixed pool, and no failed request.
+trace's shape and the floor of ``--min-servers`` allow; 32% against 4 servers here) and what the
+built-in autoscaler with the run's settings could save at most (``controller_ceiling``: its own
+``recommend`` fed an ideal metric, servers starting at once; 24% against 4 servers). Beside the
+busy fraction, sizing and each window show the attention client's expert wait per decoder step
+(``eaas_attention_step_expert_seconds``: what the pool adds to a step). ``--ceilings`` prints only
+``controller_ceiling`` over day lengths, pool sizes and scale-down windows. Targets (the issue):
+saved >= 30% with no more violating windows than the fixed pool, and no failed request.
 
 **Known limits.** The machine is shared and has 2 cores: the client's CPU time, which no number of
 servers changes, is part of every TPOT and moves with other load, so absolute times mean little,
