@@ -68,8 +68,11 @@ belongs to full days and GPU servers that take minutes to start; server start-up
 changes are not compressed with the day, so neither is the window). Its target utilization, as a
 user would set it after a load test: ``elasticity.HEADROOM`` (0.85) x the busy fraction the fixed
 pool had at the peak (the busiest it may be while meeting the SLO), unless
-``--target-utilization-milli``. Both arms start the replay with their pool settled (ours at the
-minimum); they run one after the other, fixed first.
+``--target-utilization-milli``. With ``--metric expert-wait`` it scales as ``spec.autoscaling.metric:
+expertWait`` does, on the attention client's expert time per decoder step (``runtime.lease.ExpertWait``
+of its ``eaas_attention_step_expert_seconds``, as its Lease carries it), target HEADROOM x the
+fixed pool's at the peak unless ``--target-expert-wait-ms``. Both arms start the replay with their
+pool settled (ours at the minimum); they run one after the other, fixed first.
 
 **Reported** per arm: GPU-seconds (over servers, the time from starting a server's process until it
 has exited, within the replay's ``--duration-s``), violating windows, the requests in them,
@@ -124,7 +127,7 @@ from eaas.operator.api.moeservice import AutoscalingSpec
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
-from eaas.runtime.lease import UTILIZATION_WINDOW_S, Utilization
+from eaas.runtime.lease import UTILIZATION_WINDOW_S, ExpertWait, Utilization
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import MoEConfig, write_random_checkpoint
 from eaas.runtime.placement import Placement
@@ -440,8 +443,10 @@ class LocalOperator(DaemonLoop):
         self.last_version = max((p.version for p in (committed, pending) if p is not None), default=0)
         self.timeline: list[dict[str, Any]] = []
         self.errors: list[str] = []
-        self.client_url: str | None = None  # the attention client (its expert wait per step: the timeline)
-        self._waited: tuple[float, int] | None = None
+        self.client_url: str | None = (
+            None  # the attention client: its expert wait per step, as its Lease has it
+        )
+        self.expert_wait: ExpertWait | None = None
         self._lock = threading.Lock()
 
     def set_replicas(self, replicas: int, autoscaling: AutoscalingSpec | None = None) -> None:
@@ -518,7 +523,9 @@ class LocalOperator(DaemonLoop):
 
     def resync(self, now: float) -> None:
         """The MoEService pass: the autoscaler, called as ``set_expert_replicas`` calls it, on the
-        ExpertPool's ``utilizationMilli`` (``serving_utilization`` of the Leases' busy fractions)."""
+        ExpertPool's ``utilizationMilli`` (``serving_utilization`` of the Leases' busy fractions)
+        or, with ``metric: expertWait``, on the client's expert wait per step (``ExpertWait`` of
+        its ``eaas_attention_step_expert_seconds``, as its Lease computes it)."""
         reports = {
             ordinal: expert_step.ServerReport(False, utilization_milli=self.utilization[ordinal].milli())
             for ordinal in sorted(self.ready & set(self.cluster.servers) & set(self.utilization))
@@ -526,18 +533,17 @@ class LocalOperator(DaemonLoop):
         committed, pending = self.files.read()
         utilization = expert_step.serving_utilization(reports, committed, pending)
         ready = len(self.ready & set(self.cluster.servers))
+        if self.expert_wait is None and self.client_url is not None:
+            self.expert_wait = ExpertWait(lambda url=self.client_url: expert_wait(url))
+        wait = self.expert_wait.micros() if self.expert_wait is not None else None
         before = self.replicas
         if self.autoscaling is not None:
-            self.replicas = self.autoscaler.recommend(
-                now, self.replicas, utilization, self.autoscaling, ready
-            )
-        waited = expert_wait(self.client_url) if self.client_url else None
-        wait = per_step(self._waited, waited) if self._waited and waited else None
-        self._waited = waited
+            value = wait if self.autoscaling.metric == "expertWait" else utilization
+            self.replicas = self.autoscaler.recommend(now, self.replicas, value, self.autoscaling, ready)
         self.timeline.append(
             {"t": now, "replicas": before, "set": self.replicas, "ready": ready,
              "processes": len(self.cluster.servers), "utilization_milli": utilization,
-             "expert_wait_per_step_s": wait}
+             "expert_wait_per_step_s": wait / 1e6 if wait is not None else None}
         )  # fmt: skip
 
     def is_stable(self, replicas: int) -> bool:
@@ -729,7 +735,16 @@ def main() -> None:
     p.add_argument("--replication", type=int, default=2)
     p.add_argument("--experts", type=int, help="routed experts per layer (default: the serving model's 8)")
     p.add_argument("--top-k", type=int, help="experts per token (default: the serving model's 2)")
+    p.add_argument(
+        "--metric",
+        choices=("busy", "expert-wait"),
+        default="busy",
+        help="what the autoscaler scales on (spec.autoscaling.metric busy or expertWait)",
+    )
     p.add_argument("--target-utilization-milli", type=int, help="default: HEADROOM x the fixed pool's busy")
+    p.add_argument(
+        "--target-expert-wait-ms", type=int, help="default: HEADROOM x the fixed pool's expert wait per step"
+    )
     p.add_argument("--scale-down-window-s", type=int, default=20)
     p.add_argument("--resync-seconds", type=float, default=5.0, help="autoscaler period (heartbeat interval)")
     p.add_argument("--sim-expert-us", type=float, default=200.0, help="device time per expert read")
@@ -782,16 +797,9 @@ def main() -> None:
                 slo_s, sizing, fixed_n, rule = calibrate(
                     args, operator, url, rates, config.vocab_size, config.top_k
                 )
-                busy = next(r["busy_fraction"] for r in sizing[1:] if r["servers"] == fixed_n)
-                milli = args.target_utilization_milli or max(1, math.floor(1000 * HEADROOM * busy))
-                spec = AutoscalingSpec(
-                    mode="builtin",
-                    min_replicas=args.min_servers,
-                    max_replicas=args.max_servers,
-                    target_utilization_milli=milli,
-                    scale_down_stabilization_seconds=args.scale_down_window_s,
-                )
-                print(f"fixed pool: {fixed_n} servers ({rule}); autoscaler target {milli / 1000:.3f} busy")
+                at_peak = next(r for r in sizing[1:] if r["servers"] == fixed_n)
+                spec, aim, headroom = autoscaling(args, at_peak)
+                print(f"fixed pool: {fixed_n} servers ({rule}); autoscaler target {aim}")
                 operator.set_replicas(fixed_n)
                 operator.wait_stable(fixed_n)
                 print(f"fixed arm: {args.duration_s} s, load average {load_average():.1f}", flush=True)
@@ -807,7 +815,28 @@ def main() -> None:
                 client.wait(timeout=30)
     if operator.errors:
         raise SystemExit(f"the local operator failed: {operator.errors}")
-    report(args, rates, slo_s, sizing, (fixed_n, rule, milli, milli / 1000 / busy), fixed, ours)
+    report(args, rates, slo_s, sizing, (fixed_n, rule, spec, aim, headroom), fixed, ours)
+
+
+def autoscaling(args: Any, at_peak: dict[str, Any]) -> tuple[AutoscalingSpec, str, float]:
+    """The autoscaler's spec, as a user would set it after the load test: ``HEADROOM`` x what the
+    fixed pool read at the peak (its busy fraction, or its expert wait per step with ``--metric
+    expert-wait``) unless a target is given; with the target as text and the headroom it leaves."""
+    common = {
+        "mode": "builtin",
+        "min_replicas": args.min_servers,
+        "max_replicas": args.max_servers,
+        "scale_down_stabilization_seconds": args.scale_down_window_s,
+    }
+    if args.metric == "expert-wait":
+        wait_ms = 1e3 * at_peak["expert_wait_per_step_s"]
+        millis = args.target_expert_wait_ms or max(1, math.floor(HEADROOM * wait_ms))
+        spec = AutoscalingSpec(**common, metric="expertWait", target_expert_wait_millis=millis)
+        return spec, f"{millis} ms expert wait per step (the fixed pool's {wait_ms:.1f} ms)", millis / wait_ms
+    busy = at_peak["busy_fraction"]
+    milli = args.target_utilization_milli or max(1, math.floor(1000 * HEADROOM * busy))
+    spec = AutoscalingSpec(**common, target_utilization_milli=milli)
+    return spec, f"{milli / 1000:.3f} busy (the fixed pool's {busy:.3f})", milli / 1000 / busy
 
 
 def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any], window_s: float) -> None:
@@ -834,11 +863,11 @@ def report(
     rates: np.ndarray,
     slo_s: float,
     sizing: list[dict[str, Any]],
-    fixed_choice: tuple[int, str, int, float],
+    fixed_choice: tuple[int, str, AutoscalingSpec, str, float],
     fixed: dict[str, Any],
     ours: dict[str, Any],
 ) -> None:
-    fixed_n, rule, milli, headroom = fixed_choice
+    fixed_n, rule, spec, aim, headroom = fixed_choice
     print(f"\nper {args.window_s:g} s window: mean servers alive, p99 TPOT (! = above {slo_s * 1e3:.0f} ms)")
     print_windows(rates, fixed, ours, args.window_s)
     print(
@@ -872,7 +901,7 @@ def report(
         f"\nan oracle (whole servers in proportion to the rate, at least {args.min_servers}, no delay) "
         f"would save {oracle:.1%}; the built-in autoscaler with these settings, fed an ideal metric "
         f"and starting servers at once, {ceiling:.1%}"
-        f"\nfixed pool: {fixed_n} servers, {rule}; autoscaler target utilization {milli / 1000:.3f}"
+        f"\nfixed pool: {fixed_n} servers, {rule}; autoscaler target {aim}"
         f"\ntarget {'MET' if met else 'NOT MET'}",
         flush=True,
     )
@@ -882,7 +911,7 @@ def report(
         "slo_tpot_p99_s": slo_s,
         "fixed_servers": fixed_n,
         "fixed_rule": rule,
-        "target_utilization_milli": milli,
+        "autoscaling": spec.to_k8s(),
         "oracle_saving": oracle,
         "controller_ceiling": ceiling,
     }

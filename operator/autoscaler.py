@@ -1,7 +1,8 @@
 """The built-in autoscaler of an ExpertPool (``spec.autoscaling.mode: builtin``), pure logic.
 
-It follows the HorizontalPodAutoscaler's algorithm on one metric, the servers' mean busy
-fraction: ``desired = ceil(current * utilization / target)``, nothing within a 10% tolerance,
+It follows the HorizontalPodAutoscaler's algorithm on one metric (``spec.autoscaling.metric``):
+the servers' mean busy fraction, or the attention clients' mean expert time per decoder step:
+``desired = ceil(current * value / target)``, nothing within a 10% tolerance,
 clamped to [min, max]; scale up to the lowest and down to the highest recommendation of the
 respective stabilisation window. Servers still starting (``ready < current``) report no load yet:
 as the HPA does with unready pods, they count as idle when deciding a scale-up (so a scale-up
@@ -21,9 +22,17 @@ from eaas.operator.api.moeservice import AutoscalingSpec
 TOLERANCE = 0.1
 
 
-def raw_recommendation(current: int, utilization_milli: int, spec: AutoscalingSpec) -> int:
-    """Replicas that would bring the mean utilisation to the target, clamped to [min, max]."""
-    ratio = utilization_milli / spec.target_utilization_milli
+def target(spec: AutoscalingSpec) -> int:
+    """The metric's target in the units it is read in: busy thousandths, or expert wait in us."""
+    if spec.metric == "expertWait":
+        assert spec.target_expert_wait_millis is not None  # the CRD's rule
+        return spec.target_expert_wait_millis * 1000
+    return spec.target_utilization_milli
+
+
+def raw_recommendation(current: int, value: int, spec: AutoscalingSpec) -> int:
+    """Replicas that would bring the metric to its target, clamped to [min, max]."""
+    ratio = value / target(spec)
     desired = current if abs(ratio - 1.0) <= TOLERANCE else math.ceil(current * ratio)
     return min(max(desired, spec.min_replicas), spec.max_replicas)
 
@@ -40,21 +49,22 @@ class Autoscaler:
         self,
         now: float,
         current: int,
-        utilization_milli: int | None,
+        value: int | None,
         spec: AutoscalingSpec,
         ready: int | None = None,
     ) -> int:
         """The replicas to set now (`current` when nothing should change). `now` is in seconds;
-        `utilization_milli` is the mean over the `ready` servers (None: all `current` are)."""
+        `value` is the metric (``target``'s units) with the `ready` servers serving (None: all
+        `current` are)."""
         if self.started is None:
             self.started = now
-        if utilization_milli is None:  # no server reports load: keep what we have, within bounds
+        if value is None:  # nothing reports load: keep what we have, within bounds
             return min(max(current, spec.min_replicas), spec.max_replicas)
         if ready is not None and 0 <= ready < current:  # some still starting: they count as idle
-            as_idle = utilization_milli * ready // current
+            as_idle = value * ready // current  # their share of the load taken, once they serve
             recommendation = max(raw_recommendation(current, as_idle, spec), current)
         else:
-            recommendation = raw_recommendation(current, utilization_milli, spec)
+            recommendation = raw_recommendation(current, value, spec)
         self.history.append((now, recommendation))
         horizon = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         while self.history and self.history[0][0] < now - horizon:

@@ -32,6 +32,8 @@ TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"
 PLACEMENT_VERSION_ANNOTATION = f"{GROUP}/placement-version"
 LOADED_VERSION_ANNOTATION = f"{GROUP}/loaded-placement-version"
 UTILIZATION_ANNOTATION = f"{GROUP}/utilization-milli"
+# An attention client's mean expert time per decoder step over the last 10 s, in microseconds
+EXPERT_WAIT_ANNOTATION = f"{GROUP}/expert-wait-micros"
 
 # Placement ConfigMap keys and mount ------------------------------------------------------------
 PLACEMENT_KEY = "placement.json"  # the committed placement: what clients route by

@@ -8,7 +8,9 @@ clients' Leases with one selector each. It is annotated with the newest placemen
 process serves (an expert server: whose experts it has loaded, and the operator commits a pending
 placement only when every server in it reports that version; an attention client: the one it
 routes by) and its busy fraction over the last interval in thousandths (what the built-in
-autoscaler averages). API errors are logged and retried with backoff (0.5 s doubling, at most the
+autoscaler averages); an attention client also gives its expert time per decoder step over the
+last 10 s (``expert-wait-micros``: what the built-in autoscaler averages with ``metric:
+expertWait``). API errors are logged and retried with backoff (0.5 s doubling, at most the
 interval); they never stop the serving.
 
 RBAC the pod's ServiceAccount needs in its namespace: ``coordination.k8s.io`` ``leases``
@@ -194,8 +196,10 @@ def lease_body(
     loaded_version: int,
     utilization_milli: int,
     previous: dict[str, Any] | None = None,
+    expert_wait_micros: int | None = None,
 ) -> dict[str, Any]:
-    """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one."""
+    """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one.
+    An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`)."""
     lease: dict[str, Any] = json.loads(json.dumps(previous)) if previous else {}
     lease["apiVersion"] = "coordination.k8s.io/v1"
     lease["kind"] = "Lease"
@@ -210,6 +214,8 @@ def lease_body(
         contract.LOADED_VERSION_ANNOTATION: str(loaded_version),
         contract.UTILIZATION_ANNOTATION: str(utilization_milli),
     }
+    if expert_wait_micros is not None:
+        metadata["annotations"][contract.EXPERT_WAIT_ANNOTATION] = str(expert_wait_micros)
     if settings.pod_uid:  # owned by this pod (a Lease left by an earlier pod of the name is taken over)
         metadata["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Pod", "name": settings.pod_name, "uid": settings.pod_uid}
@@ -230,11 +236,32 @@ def lease_body(
 UTILIZATION_WINDOW_S = 10.0
 
 
-class Utilization:
+class _Window:
+    """Readings of monotonically growing counters, kept over the last `window_s` seconds: the
+    oldest within the window (or the newest before it, when the readings are further apart) is
+    what a rate or a mean is taken from, as a Prometheus rate over a window."""
+
+    def __init__(self, read: Callable[[], tuple[float, ...]], window_s: float, clock: Callable[[], float]):
+        self._read = read
+        self._window_s = window_s
+        self._clock = clock
+        self._readings: deque[tuple[float, tuple[float, ...]]] = deque([(clock(), read())])
+
+    def _slide(self) -> tuple[float, tuple[float, ...], float, tuple[float, ...]]:
+        """Reads now: (then, the counters then, now, the counters now)."""
+        now, values = self._clock(), self._read()
+        self._readings.append((now, values))
+        while len(self._readings) > 2 and self._readings[1][0] <= now - self._window_s:
+            self._readings.popleft()
+        then, before = self._readings[0]
+        return then, before, now, values
+
+
+class Utilization(_Window):
     """Busy fraction of a monotonically growing busy-seconds counter over the last `window_s`
-    seconds (the readings of the calls to :meth:`milli`), as a Prometheus rate over a window:
-    one heartbeat's interval alone is too short a sample of a bursty load (the built-in autoscaler
-    would act on noise), and the adapter's rule for the HPA reads the same quantity over a window."""
+    seconds (the readings of the calls to :meth:`milli`): one heartbeat's interval alone is too
+    short a sample of a bursty load (the built-in autoscaler would act on noise), and the
+    adapter's rule for the HPA reads the same quantity over a window."""
 
     def __init__(
         self,
@@ -242,22 +269,35 @@ class Utilization:
         window_s: float = UTILIZATION_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._busy_seconds = busy_seconds
-        self._window_s = window_s
-        self._clock = clock
-        self._readings: deque[tuple[float, float]] = deque([(clock(), busy_seconds())])
+        super().__init__(lambda: (busy_seconds(),), window_s, clock)
 
     def milli(self) -> int:
-        """Busy thousandths (0-1000) from the oldest reading within the window (or the newest
-        before it, when the calls are further apart) to now."""
-        now, busy = self._clock(), self._busy_seconds()
-        self._readings.append((now, busy))
-        while len(self._readings) > 2 and self._readings[1][0] <= now - self._window_s:
-            self._readings.popleft()
-        then, busy_then = self._readings[0]
+        """Busy thousandths (0-1000) over the window."""
+        then, (busy_then,), now, (busy,) = self._slide()
         if now <= then:
             return 0
         return max(0, min(1000, round(1000 * (busy - busy_then) / (now - then))))
+
+
+class ExpertWait(_Window):
+    """An attention client's mean expert time per decoder step (``eaas_attention_step_expert_seconds``)
+    over the last `window_s` seconds, from its running totals (seconds, steps). No step in the
+    window reads 0: an idle client asks nothing of the pool."""
+
+    def __init__(
+        self,
+        totals: Callable[[], tuple[float, int]],
+        window_s: float = UTILIZATION_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(totals, window_s, clock)
+
+    def micros(self) -> int:
+        """Mean microseconds per step over the window."""
+        _, (seconds_then, steps_then), _, (seconds, steps) = self._slide()
+        if steps <= steps_then:
+            return 0
+        return max(0, round(1e6 * (seconds - seconds_then) / (steps - steps_then)))
 
 
 class Heartbeat(DaemonLoop):
@@ -268,10 +308,13 @@ class Heartbeat(DaemonLoop):
         settings: LeaseSettings,
         loaded_version: Callable[[], int],
         busy_seconds: Callable[[], float],
+        expert_wait: Callable[[], tuple[float, int]] | None = None,
     ) -> None:
+        """`expert_wait`: an attention client's running (expert seconds, decoder steps)."""
         self.settings = settings
         self._loaded_version = loaded_version
         self._utilization = Utilization(busy_seconds)
+        self._expert_wait = ExpertWait(expert_wait) if expert_wait is not None else None
         self._api: Any = None
         self._lease: dict[str, Any] | None = None  # as last read or written (carries resourceVersion)
         self.renewals = 0
@@ -305,6 +348,7 @@ class Heartbeat(DaemonLoop):
         name, namespace = self.settings.pod_name, self.settings.namespace
         timeout = max(1.0, min(self.settings.interval_s, 10.0))
         version, milli = self._loaded_version(), self._utilization.milli()
+        wait = self._expert_wait.micros() if self._expert_wait is not None else None
         for attempt in range(2):
             if self._lease is None:
                 try:
@@ -314,14 +358,14 @@ class Heartbeat(DaemonLoop):
                 except ApiException as error:
                     if error.status != 404:
                         raise
-                    body = lease_body(self.settings, datetime.now(UTC), version, milli)
+                    body = lease_body(self.settings, datetime.now(UTC), version, milli, None, wait)
                     self._lease = response_json(
                         api.create_namespaced_lease(namespace, body, **raw_options(timeout))
                     )
                     self.renewals += 1
                     log.info("heartbeat: created Lease %s/%s", namespace, name)
                     return
-            body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease)
+            body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease, wait)
             try:
                 self._lease = response_json(
                     api.replace_namespaced_lease(name, namespace, body, **raw_options(timeout))

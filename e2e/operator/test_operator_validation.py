@@ -50,6 +50,12 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "minReplicas must be <= maxReplicas",
     ),
     (
+        "waittarget",
+        {"autoscaling.metric": "expertWait"},
+        "spec.autoscaling.targetExpertWaitMillis: Invalid value",
+        "metric expertWait needs targetExpertWaitMillis",
+    ),
+    (
         "apikeys",
         {"attentionPool.apiKeysSecret": {"name": "Not_A_Secret"}},
         "spec.attentionPool.apiKeysSecret.name: Invalid value",

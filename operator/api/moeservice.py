@@ -20,6 +20,7 @@ from eaas.operator.api.common import (
 from eaas.operator.api.pools import AttentionPoolTemplate, ExpertPoolTemplate, capacity_rule
 
 AutoscalingMode = Literal["off", "builtin", "external"]
+AutoscalingMetric = Literal["busy", "expertWait"]
 
 
 class NetworkPolicySpec(CRDModel):
@@ -48,19 +49,35 @@ class AutoscalingSpec(CRDModel):
             field_path=".minReplicas",
             check=lambda a: a.min_replicas <= a.max_replicas,
         ),
+        Rule(
+            "self.metric != 'expertWait' || has(self.targetExpertWaitMillis)",
+            "metric expertWait needs targetExpertWaitMillis",
+            field_path=".targetExpertWaitMillis",
+            check=lambda a: a.metric != "expertWait" or a.target_expert_wait_millis is not None,
+        ),
     )
 
     mode: AutoscalingMode = "off"
     """``off``: replicas follow ``spec.expertPool.replicas`` of this MoEService.
-    ``builtin``: the operator scales on the servers' utilisation, within [minReplicas, maxReplicas].
+    ``builtin``: the operator scales on ``metric``, within [minReplicas, maxReplicas].
     ``external``: an HPA, KEDA or ``kubectl scale`` owns the ExpertPool's ``/scale``; the MoEService
     sets replicas only when it creates the pool."""
     min_replicas: int = Field(default=2, ge=1, le=4096)
     """Fewest expert servers (builtin mode)."""
     max_replicas: int = Field(default=16, ge=1, le=4096)
     """Most expert servers (builtin mode)."""
+    metric: AutoscalingMetric = "busy"
+    """What the builtin autoscaler holds at its target. ``busy``: the expert servers' mean busy
+    fraction (their Leases; the same metric the chart's adapter rule serves an HPA).
+    ``expertWait``: the attention clients' mean time per decoder step spent on the expert
+    servers (their Leases; the part of the time per output token that more servers shorten),
+    for a target derived from a time-per-token objective. HPA and KEDA (mode external) scale on
+    what they are given."""
     target_utilization_milli: int = Field(default=700, ge=1, le=1000)
     """Mean busy fraction the builtin autoscaler aims for, in thousandths (700 = 70%)."""
+    target_expert_wait_millis: int | None = Field(default=None, ge=1, le=60000)
+    """With ``metric: expertWait``: the expert time per decoder step to aim for, in milliseconds
+    (for example 0.85 x what a step may spend on the experts while meeting the time per token)."""
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
     """Builtin: scale up to the lowest recommendation of this window (0 = at once)."""
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)

@@ -169,10 +169,7 @@ def server_reports(
         ordinal = naming.ordinal_of(pool, lease["metadata"]["name"])
         if ordinal is None:
             continue
-        spec = lease.get("spec") or {}
-        renewed = _timestamp(spec.get("renewTime") or spec.get("acquireTime"))
-        duration = spec.get("leaseDurationSeconds") or 0
-        expired = renewed is None or now > renewed + duration
+        expired = lease_expired(lease, now)
         annotations = lease["metadata"].get("annotations") or {}
         owners = [
             r.get("uid") for r in lease["metadata"].get("ownerReferences") or [] if r.get("kind") == "Pod"
@@ -184,6 +181,24 @@ def server_reports(
             owner_uid=owners[0] if owners else None,
         )
     return reports
+
+
+def lease_expired(lease: Mapping[str, Any], now: float) -> bool:
+    """Not renewed within its duration (``now``: Unix seconds)."""
+    spec = lease.get("spec") or {}
+    renewed = _timestamp(spec.get("renewTime") or spec.get("acquireTime"))
+    return renewed is None or now > renewed + (spec.get("leaseDurationSeconds") or 0)
+
+
+def clients_expert_wait(leases: Sequence[Mapping[str, Any]], now: float) -> int | None:
+    """Mean expert wait per decoder step (us) of the attention clients whose Leases are live and
+    carry one (``metric: expertWait``); None when none does."""
+    values = []
+    for lease in leases:
+        value = _int((lease["metadata"].get("annotations") or {}).get(naming.EXPERT_WAIT_ANNOTATION))
+        if value is not None and value >= 0 and not lease_expired(lease, now):
+            values.append(value)
+    return round(sum(values) / len(values)) if values else None
 
 
 def _timestamp(value: str | None) -> float | None:

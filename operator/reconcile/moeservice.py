@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from eaas.operator import naming
 from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
 from eaas.operator.api.moeservice import MoEServiceSpec
 from eaas.operator.autoscaler import Autoscaler
@@ -23,6 +24,7 @@ from eaas.operator.builders.common import (
 from eaas.operator.builders.network import network_policies
 from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
+from eaas.operator.reconcile.expertpool import clients_expert_wait
 from eaas.operator.status import aggregate, invalid_spec
 from eaas.runtime.contract import GROUP
 
@@ -146,13 +148,16 @@ def set_expert_replicas(
     if key in ctx.rival_writers:
         ctx.rival_writers.discard(key)
         ctx.post_event(body, "Normal", "AutoscalerConflictResolved", f"the operator scales {key[1]} again")
+    reading = ""
     if writer == "moeservice":
         desired = spec.expert_pool.replicas
     else:
         autoscaler = ctx.autoscalers.setdefault(key, Autoscaler())
         status = pool.get("status") or {}
-        utilization, ready = status.get("utilizationMilli"), status.get("readyReplicas")
-        desired = autoscaler.recommend(time.monotonic(), current, utilization, spec.autoscaling, ready)
+        value, reading = autoscaling_metric(ctx, body, spec, status)
+        desired = autoscaler.recommend(
+            time.monotonic(), current, value, spec.autoscaling, status.get("readyReplicas")
+        )
     if desired == current:
         return
     ctx.kube.merge_patch(
@@ -165,8 +170,35 @@ def set_expert_replicas(
         body,
         "Normal",
         reason,
-        f"{metadata['name']}: {current} -> {desired} expert servers (writer: {writer})",
+        f"{metadata['name']}: {current} -> {desired} expert servers (writer: {writer}{reading})",
     )
+
+
+def autoscaling_metric(
+    ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, pool_status: Mapping[str, Any]
+) -> tuple[int | None, str]:
+    """The built-in autoscaler's input in ``autoscaler.target``'s units, and how it reads for an
+    Event. ``busy``: the ExpertPool's ``utilizationMilli``; ``expertWait``: the mean over this
+    MoEService's live attention clients' Leases (None, so the size holds, when none reports one
+    or they cannot be listed)."""
+    scaling = spec.autoscaling
+    if scaling.metric == "busy":
+        milli = pool_status.get("utilizationMilli")
+        shown = f", busy {milli / 1000:.2f}" if milli is not None else ", no busy fraction reported"
+        return milli, f"{shown}, target {scaling.target_utilization_milli / 1000:.2f}"
+    metadata = body["metadata"]
+    selector = {naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT, naming.SERVICE_LABEL: metadata["name"]}
+    try:
+        micros = clients_expert_wait(ctx.kube.list("Lease", metadata["namespace"], selector), time.time())
+    except KubeError as error:
+        logger.warning("cannot list the attention clients' Leases of %s: %s", metadata["name"], error)
+        micros = None
+    shown = (
+        f", expert wait {micros / 1000:.1f} ms per step"
+        if micros is not None
+        else ", no expert wait reported"
+    )
+    return micros, f"{shown}, target {scaling.target_expert_wait_millis} ms"
 
 
 def rival_autoscaler(ctx: Context, namespace: str, pool: str) -> str | None:

@@ -255,6 +255,7 @@ def attention_client(
             heartbeat,
             lambda: service.placement.version if service.placement else 0,
             lambda: service.worker.busy_seconds if service.worker else 0.0,
+            lambda: service.expert_wait,
         )
         if heartbeat
         else None

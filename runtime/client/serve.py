@@ -135,6 +135,7 @@ class AttentionService:
         self._next: tuple[Placement, RemoteExperts] | None = None  # prepared, swapped in by the worker
         # the experts of the last step and their expert seconds then (``_on_step``)
         self._stepped: tuple[RemoteExperts | None, float] = (None, 0.0)
+        self.expert_wait: tuple[float, int] = (0.0, 0)  # every step's expert seconds, and steps (the Lease)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.metrics = AttentionMetrics()
@@ -262,8 +263,11 @@ class AttentionService:
             return
         last, before = self._stepped
         total = experts.counters.expert_seconds
-        self.metrics.step_expert_seconds.observe(total - (before if experts is last else 0.0))
+        spent = total - (before if experts is last else 0.0)
+        self.metrics.step_expert_seconds.observe(spent)
         self._stepped = (experts, total)
+        seconds, steps = self.expert_wait
+        self.expert_wait = (seconds + spent, steps + 1)  # one tuple: a reader never sees half of it
 
     def _housekeeping(self) -> None:
         """On the worker thread between batches: swap in a new placement, apply server rejoins."""

@@ -88,6 +88,11 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
             "minReplicas must be >= expertPool.replicationFactor",
         ),
         ({"autoscaling.mode": "builtin", "autoscaling.maxReplicas": 2}, "expertPool.replicas must be within"),
+        (
+            {"autoscaling.metric": "expertWait"},
+            "spec.autoscaling.targetExpertWaitMillis: metric expertWait needs targetExpertWaitMillis",
+        ),
+        ({"autoscaling.metric": "tokens"}, "spec.autoscaling.metric: Input should be 'busy' or 'expertWait'"),
         ({"expertPool.image": ""}, "spec.expertPool.image: String should have at least 1 character"),
         ({"expertPool.kernelBackend": "cuda"}, "spec.expertPool.kernelBackend: String should match pattern"),
         ({"expertPool.kernelBackend": "simulated:1"}, "spec.expertPool.kernelBackend: String should match"),

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from eaas.operator.api import AutoscalingSpec, Condition, MoEServiceSpec
-from eaas.operator.autoscaler import Autoscaler, raw_recommendation
+from eaas.operator.autoscaler import Autoscaler, raw_recommendation, target
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, Observation, merge
 from eaas.operator.handlers import backoff
 from eaas.operator.kube import KubeError
@@ -209,3 +209,85 @@ def test_the_operator_never_fights_an_hpa_over_replicas(
     set_expert_replicas(context, manifest, spec, pool)
     assert kube.scaled == [5]
     assert [reason for _, reason, _ in events[1:]] == ["AutoscalerConflictResolved", "ScaledUp"]
+
+
+WAIT = SCALING.model_copy(update={"metric": "expertWait", "target_expert_wait_millis": 50})
+
+
+def test_expert_wait_scales_on_the_time_a_step_spends_on_the_pool() -> None:
+    """Same formula, in the metric's units: microseconds of expert time per decoder step."""
+    assert target(WAIT) == 50_000 and target(SCALING) == 500
+    assert raw_recommendation(4, 100_000, WAIT) == 8  # 100 ms a step against 50: twice the servers
+    assert raw_recommendation(4, 54_000, WAIT) == 4  # within the 10% tolerance
+    assert raw_recommendation(4, 10_000, WAIT) == 2
+    assert Autoscaler().recommend(0.0, 4, 100_000, WAIT, ready=4) == 8
+
+
+def _lease(name: str, wait: str | None, renewed: str = "2099-01-01T00:00:00.000000Z") -> dict[str, Any]:
+    annotations = {} if wait is None else {"eaas.io/expert-wait-micros": wait}
+    return {
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {"renewTime": renewed, "leaseDurationSeconds": 15},
+    }
+
+
+class WaitKube(ScaleKube):
+    """Also lists the attention clients' Leases."""
+
+    def __init__(self, leases: list[dict[str, Any]] | KubeError) -> None:
+        super().__init__([])
+        self.leases = leases
+        self.selectors: list[dict[str, str]] = []
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        if kind != "Lease":
+            return super().list(kind, namespace, selector)
+        self.selectors.append(selector)
+        if isinstance(self.leases, KubeError):
+            raise self.leases
+        return self.leases
+
+
+@pytest.mark.parametrize(
+    ("leases", "writes", "reads"),
+    [
+        # two live clients at 90 and 110 ms a step against 50: 4 -> 8 servers
+        ([_lease("a", "90000"), _lease("b", "110000")], [8], "expert wait 100.0 ms per step, target 50 ms"),
+        # an expired Lease, one without the annotation and garbage are left out
+        (
+            [_lease("a", "80000"), _lease("old", "900000", "2020-01-01T00:00:00Z"), _lease("c", None),
+             _lease("d", "fast"), _lease("e", "-5")],
+            [7],
+            "expert wait 80.0 ms per step",
+        ),
+        ([], [], ""),  # nothing reported: the size holds
+        (KubeError(403, "Forbidden", "no grant", "list"), [], ""),
+    ],
+)  # fmt: skip
+def test_builtin_expert_wait_reads_the_attention_clients_leases(
+    leases: list[dict[str, Any]] | KubeError, writes: list[int], reads: str, moes_body: dict[str, Any]
+) -> None:
+    manifest = moes_body
+    manifest["spec"]["expertPool"]["replicas"] = 4
+    manifest["spec"]["autoscaling"] = {
+        "mode": "builtin", "minReplicas": 2, "maxReplicas": 10, "metric": "expertWait",
+        "targetExpertWaitMillis": 50,
+    }  # fmt: skip
+    spec = MoEServiceSpec.from_k8s(manifest["spec"])
+    kube = WaitKube(leases)
+    events: list[tuple[str, str, str]] = []
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    context.post_event = lambda obj, kind, reason, message: events.append((kind, reason, message))
+    pool = {
+        "metadata": {"namespace": "ns", "name": "tiny-experts"},
+        "spec": {"replicas": 4},
+        "status": {"readyReplicas": 4, "utilizationMilli": 100},  # idle by busy: not what is read
+    }
+    set_expert_replicas(context, manifest, spec, pool)
+    assert kube.scaled == writes
+    assert kube.selectors == [
+        {"app.kubernetes.io/component": "attention-client", "eaas.io/moeservice": "tiny"}
+    ]
+    if writes:
+        ((_, reason, message),) = events
+        assert reason == "ScaledUp" and reads in message

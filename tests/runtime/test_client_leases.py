@@ -233,3 +233,36 @@ def test_utilization_is_the_busy_fraction_over_a_window_not_one_heartbeat() -> N
     assert all(450 <= r <= 550 for r in readings[9:]), readings  # a full window: about half
     now[0] += 60.0  # heartbeats far apart (the API server was away): the whole gap counts
     assert utilization.milli() == 0
+
+
+def test_expert_wait_is_the_mean_per_step_over_a_window() -> None:
+    """What an attention client's decoder steps spent on the expert servers, per step, over the
+    last 10 s, as its Lease carries it for the built-in autoscaler (``metric: expertWait``)."""
+    from eaas.runtime.lease import ExpertWait
+
+    now, total = [0.0], [(0.0, 0)]
+    wait = ExpertWait(lambda: total[0], window_s=10.0, clock=lambda: now[0])
+    assert wait.micros() == 0  # no step yet: nothing asked of the experts
+    readings = []
+    for second in range(1, 31):  # 10 steps a second: 20 ms each on the experts, then 40 ms from 10 s
+        now[0] = float(second)
+        seconds, steps = total[0]
+        total[0] = (seconds + 10 * (0.02 if second <= 10 else 0.04), steps + 10)
+        readings.append(wait.micros())
+    assert readings[:10] == [20_000] * 10
+    assert 20_000 < readings[14] < 40_000  # the window holds both
+    assert readings[-1] == 40_000  # a full window at 40 ms
+    now[0] += 60.0  # no step since: idle, not the last steps' wait
+    assert wait.micros() == 0
+
+
+def test_attention_leases_carry_the_expert_wait_when_measured() -> None:
+    settings = LeaseSettings(
+        "m-attention-abc", "ns", "m-attention", 1, 3, component=contract.ATTENTION_COMPONENT
+    )
+    measured = lease_body(settings, datetime.now(UTC), 3, 0, expert_wait_micros=61_500)
+    assert measured["metadata"]["annotations"][contract.EXPERT_WAIT_ANNOTATION] == "61500"
+    assert (
+        contract.EXPERT_WAIT_ANNOTATION
+        not in lease_body(settings, datetime.now(UTC), 3, 0)["metadata"]["annotations"]
+    )
