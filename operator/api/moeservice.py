@@ -71,8 +71,9 @@ class AutoscalingSpec(CRDModel):
     fraction (their Leases; the same metric the chart's adapter rule serves an HPA).
     ``expertWait``: the attention clients' mean time per decoder step spent on the expert
     servers (their Leases; the part of the time per output token that more servers shorten),
-    for a target derived from a time-per-token objective. HPA and KEDA (mode external) scale on
-    what they are given."""
+    for a target derived from a time-per-token objective; experimental: it falls as servers are
+    added only where the servers' compute dominates it (docs/operations.md). HPA and KEDA (mode
+    external) scale on what they are given."""
     target_utilization_milli: int = Field(default=700, ge=1, le=1000)
     """Mean busy fraction the builtin autoscaler aims for, in thousandths (700 = 70%)."""
     target_expert_wait_millis: int | None = Field(default=None, ge=1, le=60000)
