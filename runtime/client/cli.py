@@ -255,7 +255,8 @@ def attention_client(
             heartbeat,
             lambda: service.placement.version if service.placement else 0,
             lambda: service.worker.busy_seconds if service.worker else 0.0,
-            lambda: service.expert_wait,
+            # measured per decoder step: continuous batching only (else no annotation: the size holds)
+            (lambda: service.expert_wait) if service.worker is not None else None,
         )
         if heartbeat
         else None
