@@ -137,6 +137,7 @@ def test_lease_is_created_renewed_and_reports_the_loaded_placement(
     annotations = lease["metadata"]["annotations"]
     assert annotations[naming.LOADED_VERSION_ANNOTATION] == "1"
     assert 0 <= int(annotations[naming.UTILIZATION_ANNOTATION]) <= 1000
+    assert annotations[naming.TOKEN_RATE_ANNOTATION] == "0"  # nothing routed to it yet
 
     first = lease["spec"]["renewTime"]
     renewed = wait_for(
@@ -145,6 +146,7 @@ def test_lease_is_created_renewed_and_reports_the_loaded_placement(
     )
     seen = server_reports(POOL, [renewed], time.time())[0]
     assert not seen.expired and seen.loaded_version == 1 and seen.utilization_milli is not None
+    assert seen.tokens_per_second == 0
 
     # A pending placement that moves experts: the Lease reports it once the experts are loaded.
     config = preset("mixtral")

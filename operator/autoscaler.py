@@ -1,7 +1,8 @@
 """The built-in autoscaler of an ExpertPool (``spec.autoscaling.mode: builtin``), pure logic.
 
 It follows the HorizontalPodAutoscaler's algorithm on one metric (``spec.autoscaling.metric``):
-the servers' mean busy fraction, or the attention clients' mean expert time per decoder step:
+the servers' mean busy fraction, the attention clients' mean expert time per decoder step, or
+the servers' mean routed tokens per second:
 ``desired = ceil(current * value / target)``, nothing within a 10% tolerance,
 clamped to [min, max]; scale up to the lowest and down to the highest recommendation of the
 respective stabilisation window. Servers still starting (``ready < current``) report no load yet:
@@ -23,10 +24,14 @@ TOLERANCE = 0.1
 
 
 def target(spec: AutoscalingSpec) -> int:
-    """The metric's target in the units it is read in: busy thousandths, or expert wait in us."""
+    """The metric's target in the units it is read in: busy thousandths, expert wait in us, or
+    routed tokens per second per server."""
     if spec.metric == "expertWait":
         assert spec.target_expert_wait_millis is not None  # the CRD's rule
         return spec.target_expert_wait_millis * 1000
+    if spec.metric == "tokenRate":
+        assert spec.target_tokens_per_second is not None  # the CRD's rule
+        return spec.target_tokens_per_second
     return spec.target_utilization_milli
 
 

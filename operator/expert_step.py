@@ -63,6 +63,7 @@ class ServerReport:
     expired: bool
     loaded_version: int | None = None
     utilization_milli: int | None = None
+    tokens_per_second: int | None = None
     owner_uid: str | None = None  # the pod the Lease belongs to (None: not recorded)
 
 
@@ -365,19 +366,23 @@ def _names(o: Observed, ordinals: range | list[int]) -> dict[int, str]:
 
 
 def serving_utilization(
-    reports: dict[int, ServerReport], committed: Placement | None, pending: Placement | None
+    reports: dict[int, ServerReport],
+    committed: Placement | None,
+    pending: Placement | None,
+    reading: str = "utilization_milli",
 ) -> int | None:
-    """Mean busy thousandths of the servers that carry the pool's load and will go on carrying it:
-    in the committed placement and, while a change is pending, in the pending one too. A server
-    being added (not committed yet: no traffic) or drained (committed, leaving) would pull the mean
-    down and make the pool look idler than the servers that stay are. None without a report."""
+    """Mean busy thousandths (or another of the reports' ``reading``s: ``tokens_per_second``) of
+    the servers that carry the pool's load and will go on carrying it: in the committed placement
+    and, while a change is pending, in the pending one too. A server being added (not committed
+    yet: no traffic) or drained (committed, leaving) would pull the mean down and make the pool
+    look idler than the servers that stay are. None without a report."""
     if committed is None:
         return None
     serving = set(committed.ordinals) & set((pending or committed).ordinals)
     values = [
-        r.utilization_milli
+        value
         for n, r in reports.items()
-        if n in serving and not r.expired and r.utilization_milli is not None
+        if n in serving and not r.expired and (value := getattr(r, reading)) is not None
     ]
     return round(sum(values) / len(values)) if values else None
 

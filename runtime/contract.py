@@ -34,6 +34,8 @@ LOADED_VERSION_ANNOTATION = f"{GROUP}/loaded-placement-version"
 UTILIZATION_ANNOTATION = f"{GROUP}/utilization-milli"
 # An attention client's mean expert time per decoder step over the last 10 s, in microseconds
 EXPERT_WAIT_ANNOTATION = f"{GROUP}/expert-wait-micros"
+# An expert server's routed (token, expert) entries per second over the last 10 s
+TOKEN_RATE_ANNOTATION = f"{GROUP}/tokens-per-second"
 
 # Placement ConfigMap keys and mount ------------------------------------------------------------
 PLACEMENT_KEY = "placement.json"  # the committed placement: what clients route by

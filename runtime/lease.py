@@ -197,9 +197,11 @@ def lease_body(
     utilization_milli: int,
     previous: dict[str, Any] | None = None,
     expert_wait_micros: int | None = None,
+    tokens_per_second: int | None = None,
 ) -> dict[str, Any]:
     """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one.
-    An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`)."""
+    An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`), an expert
+    server its routed ``tokens_per_second`` (:class:`TokenRate`)."""
     lease: dict[str, Any] = json.loads(json.dumps(previous)) if previous else {}
     lease["apiVersion"] = "coordination.k8s.io/v1"
     lease["kind"] = "Lease"
@@ -216,6 +218,8 @@ def lease_body(
     }
     if expert_wait_micros is not None:
         metadata["annotations"][contract.EXPERT_WAIT_ANNOTATION] = str(expert_wait_micros)
+    if tokens_per_second is not None:
+        metadata["annotations"][contract.TOKEN_RATE_ANNOTATION] = str(tokens_per_second)
     if settings.pod_uid:  # owned by this pod (a Lease left by an earlier pod of the name is taken over)
         metadata["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Pod", "name": settings.pod_name, "uid": settings.pod_uid}
@@ -257,26 +261,44 @@ class _Window:
         return then, before, now, values
 
 
-class Utilization(_Window):
-    """Busy fraction of a monotonically growing busy-seconds counter over the last `window_s`
-    seconds (the readings of the calls to :meth:`milli`): one heartbeat's interval alone is too
-    short a sample of a bursty load (the built-in autoscaler would act on noise), and the
-    adapter's rule for the HPA reads the same quantity over a window."""
+class _Rate(_Window):
+    """Rate per second of one monotonically growing counter over the last `window_s` seconds (the
+    readings of the calls to :meth:`rate`)."""
 
     def __init__(
         self,
-        busy_seconds: Callable[[], float],
+        counter: Callable[[], float],
         window_s: float = UTILIZATION_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(lambda: (busy_seconds(),), window_s, clock)
+        super().__init__(lambda: (counter(),), window_s, clock)
+
+    def rate(self) -> float:
+        """Growth per second over the window (0 before a second reading, never negative)."""
+        then, (before,), now, (after,) = self._slide()
+        return max(0.0, (after - before) / (now - then)) if now > then else 0.0
+
+
+class Utilization(_Rate):
+    """Busy fraction of a monotonically growing busy-seconds counter over the last `window_s`
+    seconds: one heartbeat's interval alone is too short a sample of a bursty load (the built-in
+    autoscaler would act on noise), and the adapter's rule for the HPA reads the same quantity
+    over a window."""
 
     def milli(self) -> int:
         """Busy thousandths (0-1000) over the window."""
-        then, (busy_then,), now, (busy,) = self._slide()
-        if now <= then:
-            return 0
-        return max(0, min(1000, round(1000 * (busy - busy_then) / (now - then))))
+        return min(1000, round(1000 * self.rate()))
+
+
+class TokenRate(_Rate):
+    """Routed tokens per second of a monotonically growing count of (token, expert) entries a
+    server computed (``total_tokens`` of ``/v1/stats``), over the last `window_s` seconds: the
+    load itself, in proportion to the work a server is given, so it falls as 1 / servers when one
+    is added, whatever the fixed costs of a batch."""
+
+    def per_second(self) -> int:
+        """Whole tokens per second over the window (0 before a second reading)."""
+        return round(self.rate())
 
 
 class ExpertWait(_Window):
@@ -309,12 +331,15 @@ class Heartbeat(DaemonLoop):
         loaded_version: Callable[[], int],
         busy_seconds: Callable[[], float],
         expert_wait: Callable[[], tuple[float, int]] | None = None,
+        routed_tokens: Callable[[], float] | None = None,
     ) -> None:
-        """`expert_wait`: an attention client's running (expert seconds, decoder steps)."""
+        """`expert_wait`: an attention client's running (expert seconds, decoder steps);
+        `routed_tokens`: an expert server's running count of (token, expert) entries computed."""
         self.settings = settings
         self._loaded_version = loaded_version
         self._utilization = Utilization(busy_seconds)
         self._expert_wait = ExpertWait(expert_wait) if expert_wait is not None else None
+        self._token_rate = TokenRate(routed_tokens) if routed_tokens is not None else None
         self._api: Any = None
         self._lease: dict[str, Any] | None = None  # as last read or written (carries resourceVersion)
         self.renewals = 0
@@ -349,6 +374,7 @@ class Heartbeat(DaemonLoop):
         timeout = max(1.0, min(self.settings.interval_s, 10.0))
         version, milli = self._loaded_version(), self._utilization.milli()
         wait = self._expert_wait.micros() if self._expert_wait is not None else None
+        tokens = self._token_rate.per_second() if self._token_rate is not None else None
         for attempt in range(2):
             if self._lease is None:
                 try:
@@ -358,14 +384,14 @@ class Heartbeat(DaemonLoop):
                 except ApiException as error:
                     if error.status != 404:
                         raise
-                    body = lease_body(self.settings, datetime.now(UTC), version, milli, None, wait)
+                    body = lease_body(self.settings, datetime.now(UTC), version, milli, None, wait, tokens)
                     self._lease = response_json(
                         api.create_namespaced_lease(namespace, body, **raw_options(timeout))
                     )
                     self.renewals += 1
                     log.info("heartbeat: created Lease %s/%s", namespace, name)
                     return
-            body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease, wait)
+            body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease, wait, tokens)
             try:
                 self._lease = response_json(
                     api.replace_namespaced_lease(name, namespace, body, **raw_options(timeout))

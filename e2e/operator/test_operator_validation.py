@@ -56,6 +56,12 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "metric expertWait needs targetExpertWaitMillis",
     ),
     (
+        "tokentarget",
+        {"autoscaling.metric": "tokenRate"},
+        "spec.autoscaling.targetTokensPerSecond: Invalid value",
+        "metric tokenRate needs targetTokensPerSecond",
+    ),
+    (
         "apikeys",
         {"attentionPool.apiKeysSecret": {"name": "Not_A_Secret"}},
         "spec.attentionPool.apiKeysSecret.name: Invalid value",

@@ -180,3 +180,6 @@ class ExpertPoolStatus(PoolStatus):
     utilization_milli: int | None = Field(default=None, ge=0, le=1000)
     """Mean busy fraction (0-1000) of the servers that carry the load and keep it (committed and not
     leaving in a pending change), from their heartbeats; absent when none report."""
+    tokens_per_second: int | None = Field(default=None, ge=0)
+    """Mean routed (token, expert) entries per second over the same servers, from their heartbeats
+    (each over its last 10 s); absent when none report."""

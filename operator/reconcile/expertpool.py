@@ -102,6 +102,9 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         "downServers": sorted(set(committed.ordinals) - live_servers) if committed else [],
         "fewestLiveReplicas": expert_step.live_replicas(committed, live_servers) if committed else 0,
         "utilizationMilli": expert_step.serving_utilization(observed.reports, committed, pending),
+        "tokensPerSecond": expert_step.serving_utilization(
+            observed.reports, committed, pending, "tokens_per_second"
+        ),
     }
     ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
 
@@ -178,6 +181,7 @@ def server_reports(
             expired=expired,
             loaded_version=_int(annotations.get(naming.LOADED_VERSION_ANNOTATION)),
             utilization_milli=_int(annotations.get(naming.UTILIZATION_ANNOTATION)),
+            tokens_per_second=_int(annotations.get(naming.TOKEN_RATE_ANNOTATION)),
             owner_uid=owners[0] if owners else None,
         )
     return reports

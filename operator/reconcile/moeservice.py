@@ -178,14 +178,18 @@ def autoscaling_metric(
     ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, pool_status: Mapping[str, Any]
 ) -> tuple[int | None, str]:
     """The built-in autoscaler's input in ``autoscaler.target``'s units, and how it reads for an
-    Event. ``busy``: the ExpertPool's ``utilizationMilli``; ``expertWait``: the mean over this
-    MoEService's live attention clients' Leases (None, so the size holds, when none reports one
-    or they cannot be listed)."""
+    Event. ``busy``: the ExpertPool's ``utilizationMilli``; ``tokenRate``: its ``tokensPerSecond``;
+    ``expertWait``: the mean over this MoEService's live attention clients' Leases (None, so the
+    size holds, when none reports one or they cannot be listed)."""
     scaling = spec.autoscaling
     if scaling.metric == "busy":
         milli = pool_status.get("utilizationMilli")
         shown = f", busy {milli / 1000:.2f}" if milli is not None else ", no busy fraction reported"
         return milli, f"{shown}, target {scaling.target_utilization_milli / 1000:.2f}"
+    if scaling.metric == "tokenRate":
+        rate = pool_status.get("tokensPerSecond")
+        shown = f", {rate} tokens/s per server" if rate is not None else ", no token rate reported"
+        return rate, f"{shown}, target {scaling.target_tokens_per_second}"
     metadata = body["metadata"]
     selector = {naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT, naming.SERVICE_LABEL: metadata["name"]}
     try:

@@ -192,7 +192,12 @@ def expert_server(
         companions.append(PlacementWatcher(server, files, placement_poll_seconds).start())
     if heartbeat is not None:
         companions.append(
-            Heartbeat(heartbeat, lambda: server.placement_version, lambda: server.loop.busy_seconds).start()
+            Heartbeat(
+                heartbeat,
+                lambda: server.placement_version,
+                lambda: server.loop.busy_seconds,
+                routed_tokens=server.load.total,
+            ).start()
         )
         if heartbeat.service:  # its attention clients' Leases: free the slots of those that expired
             watch = ClientLeaseWatch(

@@ -28,6 +28,11 @@ class LoadCounter:
         with self._lock:
             self._tokens[layer].index_add_(0, ids.clamp(min=0), valid)
 
+    def total(self) -> int:
+        """(token, expert) entries counted since start, over every layer and expert."""
+        with self._lock:
+            return int(self._tokens.sum())
+
     def snapshot(self) -> torch.Tensor:
         """A copy of the counts [L, E] (in host memory)."""
         with self._lock:

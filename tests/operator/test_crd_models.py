@@ -92,7 +92,14 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
             {"autoscaling.metric": "expertWait"},
             "spec.autoscaling.targetExpertWaitMillis: metric expertWait needs targetExpertWaitMillis",
         ),
-        ({"autoscaling.metric": "tokens"}, "spec.autoscaling.metric: Input should be 'busy' or 'expertWait'"),
+        (
+            {"autoscaling.metric": "tokenRate"},
+            "spec.autoscaling.targetTokensPerSecond: metric tokenRate needs targetTokensPerSecond",
+        ),
+        (
+            {"autoscaling.metric": "tokens"},
+            "spec.autoscaling.metric: Input should be 'busy', 'expertWait' or 'tokenRate'",
+        ),
         ({"expertPool.image": ""}, "spec.expertPool.image: String should have at least 1 character"),
         ({"expertPool.kernelBackend": "cuda"}, "spec.expertPool.kernelBackend: String should match pattern"),
         ({"expertPool.kernelBackend": "simulated:1"}, "spec.expertPool.kernelBackend: String should match"),
@@ -153,9 +160,13 @@ def test_autoscaler_manifests_target_the_tiny_expert_pool_on_a_real_metric() -> 
     assert hpa["spec"]["minReplicas"] >= tiny.expert_pool.replication_factor
     assert keda["spec"]["minReplicaCount"] >= tiny.expert_pool.replication_factor
     assert tiny.autoscaling.mode == "external"  # the HPA/KEDA is then the one writer of replicas
-    (rule,) = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    rule, tokens = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
     assert "eaas_expert_server_step_seconds_sum" in rule["seriesQuery"]
     assert rule["name"]["as"] == hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    counters = {m.name for m in ServerMetrics().registry.collect() if m.type == "counter"}
+    assert "eaas_expert_server_expert_tokens" in counters  # its rate: metric tokenRate's quantity
+    assert "eaas_expert_server_expert_tokens_total" in tokens["seriesQuery"]
+    assert tokens["name"]["as"] == "eaas_expert_server_tokens_per_second"
     assert "eaas_expert_server_step_seconds_sum" in keda["spec"]["triggers"][0]["metadata"]["query"]
     # Both aim at the built-in autoscaler's default busy fraction.
     target = hpa["spec"]["metrics"][0]["pods"]["target"]

@@ -256,6 +256,8 @@ def test_the_pool_utilization_counts_only_servers_that_carry_and_keep_the_load()
     silent = busy | {1: ServerReport(True, utilization_milli=800), 0: ServerReport(False)}
     assert serving_utilization(silent, two, None) is None  # expired and unreported do not count
     assert serving_utilization(busy, None, None) is None
+    tokens = {n: ServerReport(False, tokens_per_second=t) for n, t in {0: 300, 1: 500}.items()}
+    assert serving_utilization(tokens, two, None, "tokens_per_second") == 400  # the same mean, of tokens
 
 
 def test_with_measured_load_the_cost_aware_operations_are_used() -> None:

@@ -223,6 +223,58 @@ def test_expert_wait_scales_on_the_time_a_step_spends_on_the_pool() -> None:
     assert Autoscaler().recommend(0.0, 4, 100_000, WAIT, ready=4) == 8
 
 
+def _builtin_pass(
+    kube: ScaleKube, manifest: dict[str, Any], scaling: dict[str, Any], pool_status: dict[str, Any]
+) -> list[tuple[str, str, str]]:
+    """One ``set_expert_replicas`` pass of a builtin autoscaler (2-10 servers, at 4) with these
+    metric settings, its ExpertPool's status as given; the Events it posted."""
+    manifest["spec"]["expertPool"]["replicas"] = 4
+    manifest["spec"]["autoscaling"] = {"mode": "builtin", "minReplicas": 2, "maxReplicas": 10, **scaling}
+    spec = MoEServiceSpec.from_k8s(manifest["spec"])
+    events: list[tuple[str, str, str]] = []
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    context.post_event = lambda obj, kind, reason, message: events.append((kind, reason, message))
+    pool = {
+        "metadata": {"namespace": "ns", "name": "tiny-experts"},
+        "spec": {"replicas": 4},
+        "status": pool_status,
+    }
+    set_expert_replicas(context, manifest, spec, pool)
+    return events
+
+
+TOKENS = SCALING.model_copy(update={"metric": "tokenRate", "target_tokens_per_second": 400})
+
+
+def test_token_rate_scales_on_the_servers_routed_tokens() -> None:
+    """Same formula, on the ExpertPool's mean routed tokens per second per server: the load
+    itself, so the servers needed are the pool's total over the target."""
+    assert target(TOKENS) == 400
+    assert raw_recommendation(4, 800, TOKENS) == 8  # 3200 tokens/s in all: 8 servers of 400
+    assert raw_recommendation(4, 430, TOKENS) == 4  # within the 10% tolerance
+    assert raw_recommendation(4, 150, TOKENS) == 2  # 600 in all: 2 (the floor)
+
+
+@pytest.mark.parametrize(
+    ("status", "writes", "reads"),
+    [
+        # 900 tokens/s per server against 400 (busy reads idle, and is not what is read): 4 -> 9
+        ({"readyReplicas": 4, "tokensPerSecond": 900, "utilizationMilli": 100}, [9], "900 tokens/s"),
+        ({"readyReplicas": 4, "utilizationMilli": 900}, [], ""),  # no token rate reported: the size holds
+    ],
+)
+def test_builtin_token_rate_reads_the_expert_pool_status(
+    status: dict[str, Any], writes: list[int], reads: str, moes_body: dict[str, Any]
+) -> None:
+    kube = ScaleKube([])
+    scaling = {"metric": "tokenRate", "targetTokensPerSecond": 400}
+    events = _builtin_pass(kube, moes_body, scaling, status)
+    assert kube.scaled == writes
+    if writes:
+        ((_, reason, message),) = events
+        assert reason == "ScaledUp" and reads in message and "target 400" in message
+
+
 def _lease(name: str, wait: str | None, renewed: str = "2099-01-01T00:00:00.000000Z") -> dict[str, Any]:
     annotations = {} if wait is None else {"eaas.io/expert-wait-micros": wait}
     return {
@@ -267,23 +319,10 @@ class WaitKube(ScaleKube):
 def test_builtin_expert_wait_reads_the_attention_clients_leases(
     leases: list[dict[str, Any]] | KubeError, writes: list[int], reads: str, moes_body: dict[str, Any]
 ) -> None:
-    manifest = moes_body
-    manifest["spec"]["expertPool"]["replicas"] = 4
-    manifest["spec"]["autoscaling"] = {
-        "mode": "builtin", "minReplicas": 2, "maxReplicas": 10, "metric": "expertWait",
-        "targetExpertWaitMillis": 50,
-    }  # fmt: skip
-    spec = MoEServiceSpec.from_k8s(manifest["spec"])
     kube = WaitKube(leases)
-    events: list[tuple[str, str, str]] = []
-    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
-    context.post_event = lambda obj, kind, reason, message: events.append((kind, reason, message))
-    pool = {
-        "metadata": {"namespace": "ns", "name": "tiny-experts"},
-        "spec": {"replicas": 4},
-        "status": {"readyReplicas": 4, "utilizationMilli": 100},  # idle by busy: not what is read
-    }
-    set_expert_replicas(context, manifest, spec, pool)
+    scaling = {"metric": "expertWait", "targetExpertWaitMillis": 50}
+    idle = {"readyReplicas": 4, "utilizationMilli": 100}  # idle by busy: not what is read
+    events = _builtin_pass(kube, moes_body, scaling, idle)
     assert kube.scaled == writes
     assert kube.selectors == [
         {"app.kubernetes.io/component": "attention-client", "eaas.io/moeservice": "tiny"}

@@ -266,3 +266,33 @@ def test_attention_leases_carry_the_expert_wait_when_measured() -> None:
         contract.EXPERT_WAIT_ANNOTATION
         not in lease_body(settings, datetime.now(UTC), 3, 0)["metadata"]["annotations"]
     )
+
+
+def test_token_rate_is_routed_entries_per_second_over_a_window() -> None:
+    """An expert server's load as its Lease carries it for ``metric: tokenRate``: (token, expert)
+    entries per second over the last 10 s, however long its batches took."""
+    from eaas.runtime.lease import TokenRate
+
+    now, tokens = [0.0], [0.0]
+    rate = TokenRate(lambda: tokens[0], window_s=10.0, clock=lambda: now[0])
+    assert rate.per_second() == 0  # one reading: no rate yet
+    readings = []
+    for second in range(1, 31):  # 1 s heartbeats: 300 entries a second, then 600 from 10 s
+        now[0] = float(second)
+        tokens[0] += 300.0 if second <= 10 else 600.0
+        readings.append(rate.per_second())
+    assert readings[:10] == [300] * 10
+    assert 300 < readings[14] < 600  # the window holds both
+    assert readings[-1] == 600
+    now[0] += 60.0  # idle since: the whole gap counts
+    assert rate.per_second() == 0
+
+
+def test_expert_server_leases_carry_the_token_rate_when_measured() -> None:
+    settings = LeaseSettings("m-experts-0", "ns", "m-experts", 1, 3)
+    measured = lease_body(settings, datetime.now(UTC), 3, 500, tokens_per_second=1234)
+    assert measured["metadata"]["annotations"][contract.TOKEN_RATE_ANNOTATION] == "1234"
+    assert (
+        contract.TOKEN_RATE_ANNOTATION
+        not in lease_body(settings, datetime.now(UTC), 3, 500)["metadata"]["annotations"]
+    )

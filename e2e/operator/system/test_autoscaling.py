@@ -61,6 +61,7 @@ from eaas.runtime.server.daemon import DaemonLoop
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 METRIC = "eaas_expert_server_busy_ratio"
+TOKEN_METRIC = "eaas_expert_server_tokens_per_second"  # the adapter's second rule (metric tokenRate)
 MIN_SERVERS = REPLICATION
 MAX_SERVERS = 4
 HEAVY_WORKERS = 6  # concurrent streams at the peak
@@ -249,22 +250,30 @@ def calibration(system: System, stack: MetricsStack) -> int:
     with Load(system.url, system.model, workers=HEAVY_WORKERS, limit=2000, max_seconds=120) as load:
         wait_until(lambda: load.completed_since(0) >= HEAVY_WORKERS, 120, "heavy load running")
         time.sleep(12)  # past the adapter's rate window
-        readings, waits = [], []
+        readings, waits, tokens, leased = [], [], [], []
         for _ in range(8):
             metric: dict[str, float] = {}
+            served: dict[str, float] = {}
             with contextlib.suppress(subprocess.CalledProcessError):  # not served yet
                 metric = stack.pods_metric(system.namespace, METRIC)
+                served = stack.pods_metric(system.namespace, TOKEN_METRIC)
             if len(metric) == MIN_SERVERS:
                 readings.append(sum(metric.values()) / len(metric))
+            if len(served) == MIN_SERVERS:
+                tokens.append(sum(served.values()) / len(served))
+            leased = servers_token_rate(system)  # what the Leases carry for the built-in autoscaler
             if (wait := clients_expert_wait(system)) is not None:
                 waits.append(wait)
             time.sleep(1)
     system.check(load.outcomes)
     assert readings, "custom.metrics.k8s.io served no busy fraction for the expert servers under load"
+    assert tokens and min(tokens) > 0, f"no token rate served under load for an HPA: {tokens}"
+    assert len(leased) == MIN_SERVERS and min(leased) > 0, f"no token rate on the servers' Leases: {leased}"
     busy = sum(readings) / len(readings)
     target = max(1, round(1000 * busy * MIN_SERVERS / (MIN_SERVERS + 1.5)))
     print(f"\ncalibration: heavy load ({HEAVY_WORKERS} streams) keeps {MIN_SERVERS} servers {busy:.3f} busy; "
-          f"target {target}m")  # fmt: skip
+          f"target {target}m; tokens per second per server {sum(tokens) / len(tokens):.0f} (adapter), "
+          f"{leased} (Leases)")  # fmt: skip
     _calibrated["target"] = target
     _calibrated["busy_at_r"] = busy
     if waits:  # the same for the attention clients' expert wait per step (drill A5)
@@ -275,6 +284,19 @@ def calibration(system: System, stack: MetricsStack) -> int:
         print(f"calibration: expert wait {_calibrated['wait_at_r']:.1f} ms per step on {MIN_SERVERS} "
               f"servers; target {_calibrated['wait_target']} ms")  # fmt: skip
     return target
+
+
+def servers_token_rate(system: System) -> list[int]:
+    """The routed tokens per second each expert server's Lease carries (``metric: tokenRate``)."""
+    listed = system.cluster.kubectl(
+        "get", "leases", "-n", system.namespace, "-o", "json",
+        "-l", f"{contract.COMPONENT_LABEL}={contract.EXPERT_COMPONENT}",
+    )  # fmt: skip
+    return [
+        int(value)
+        for lease in json.loads(listed.stdout)["items"]
+        if (value := (lease["metadata"].get("annotations") or {}).get(contract.TOKEN_RATE_ANNOTATION))
+    ]
 
 
 def clients_expert_wait(system: System) -> float | None:
