@@ -71,8 +71,13 @@ pool had at the peak (the busiest it may be while meeting the SLO), unless
 ``--target-utilization-milli``. With ``--metric expert-wait`` it scales as ``spec.autoscaling.metric:
 expertWait`` does, on the attention client's expert time per decoder step (``runtime.lease.ExpertWait``
 of its ``eaas_attention_step_expert_seconds``, as its Lease carries it), target HEADROOM x the
-fixed pool's at the peak unless ``--target-expert-wait-ms``. Both arms start the replay with their
-pool settled (ours at the minimum); they run one after the other, fixed first.
+fixed pool's at the peak unless ``--target-expert-wait-ms``. With ``--metric token-rate`` it scales
+as ``metric: tokenRate`` does, on the servers' routed (token, expert) entries per second
+(``runtime.lease.TokenRate`` of ``total_tokens`` in ``/v1/stats``, averaged as
+``ExpertPool.status.tokensPerSecond`` is), target ``--headroom`` x the fixed pool's at the peak
+(0.9 = 1 / (1 + the 10% tolerance) keeps it from running busier than the tested pool).
+``--headroom`` (default HEADROOM) applies to every metric and to ``--ceilings``. Both arms start
+the replay with their pool settled (ours at the minimum); they run one after the other, fixed first.
 
 **Reported** per arm: GPU-seconds (over servers, the time from starting a server's process until it
 has exited, within the replay's ``--duration-s``), violating windows, the requests in them,
@@ -127,7 +132,7 @@ from eaas.operator.api.moeservice import AutoscalingSpec
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
-from eaas.runtime.lease import UTILIZATION_WINDOW_S, ExpertWait, Utilization
+from eaas.runtime.lease import UTILIZATION_WINDOW_S, ExpertWait, TokenRate, Utilization
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import MoEConfig, write_random_checkpoint
 from eaas.runtime.placement import Placement
@@ -437,8 +442,9 @@ class LocalOperator(DaemonLoop):
         self.autoscaler = Autoscaler()
         self.ready: set[int] = set()
         self.versions: dict[int, int] = {}
-        self.latest: dict[int, tuple[float, float]] = {}  # ordinal -> (time, busy seconds) last observed
+        self.latest: dict[int, tuple[float, float, float]] = {}  # ordinal -> (time, busy s, tokens) last seen
         self.utilization: dict[int, Utilization] = {}  # ordinal -> its busy fraction, as its Lease has it
+        self.token_rate: dict[int, TokenRate] = {}  # ordinal -> its routed tokens per second
         committed, pending = self.files.read()
         self.last_version = max((p.version for p in (committed, pending) if p is not None), default=0)
         self.timeline: list[dict[str, Any]] = []
@@ -481,10 +487,17 @@ class LocalOperator(DaemonLoop):
             if ordinal in self.ready:
                 stats = json.loads(http_get(url, "/v1/stats")[1])
                 self.versions[ordinal] = int(stats["placement_version"])
-                self.latest[ordinal] = (time.monotonic(), float(stats["busy_seconds"]))
+                self.latest[ordinal] = (
+                    time.monotonic(),
+                    float(stats["busy_seconds"]),
+                    float(stats["total_tokens"]),
+                )
                 if ordinal not in self.utilization:
                     self.utilization[ordinal] = Utilization(
                         lambda o=ordinal: self.latest[o][1], clock=lambda o=ordinal: self.latest[o][0]
+                    )
+                    self.token_rate[ordinal] = TokenRate(
+                        lambda o=ordinal: self.latest[o][2], clock=lambda o=ordinal: self.latest[o][0]
                     )
                 reports[ordinal] = expert_step.ServerReport(
                     expired=False, loaded_version=self.versions[ordinal]
@@ -520,6 +533,7 @@ class LocalOperator(DaemonLoop):
             self.ready.discard(ordinal)
             self.latest.pop(ordinal, None)
             self.utilization.pop(ordinal, None)
+            self.token_rate.pop(ordinal, None)
 
     def resync(self, now: float) -> None:
         """The MoEService pass: the autoscaler, called as ``set_expert_replicas`` calls it, on the
@@ -532,17 +546,23 @@ class LocalOperator(DaemonLoop):
         }
         committed, pending = self.files.read()
         utilization = expert_step.serving_utilization(reports, committed, pending)
+        token_reports = {
+            ordinal: expert_step.ServerReport(False, tokens_per_second=self.token_rate[ordinal].per_second())
+            for ordinal in reports
+        }
+        tokens = expert_step.serving_utilization(token_reports, committed, pending, "tokens_per_second")
         ready = len(self.ready & set(self.cluster.servers))
         if self.expert_wait is None and self.client_url is not None:
             self.expert_wait = ExpertWait(lambda url=self.client_url: expert_wait(url))
         wait = self.expert_wait.micros() if self.expert_wait is not None else None
         before = self.replicas
         if self.autoscaling is not None:
-            value = wait if self.autoscaling.metric == "expertWait" else utilization
+            value = {"expertWait": wait, "tokenRate": tokens}.get(self.autoscaling.metric, utilization)
             self.replicas = self.autoscaler.recommend(now, self.replicas, value, self.autoscaling, ready)
         self.timeline.append(
             {"t": now, "replicas": before, "set": self.replicas, "ready": ready,
              "processes": len(self.cluster.servers), "utilization_milli": utilization,
+             "tokens_per_server_s": tokens,
              "expert_wait_per_step_s": wait / 1e6 if wait is not None else None}
         )  # fmt: skip
 
@@ -566,9 +586,10 @@ class LocalOperator(DaemonLoop):
 
 
 # --- the run ------------------------------------------------------------------------------------------
-def busy_seconds(cluster: ElasticCluster) -> float:
-    """Busy seconds of every running server so far (``/v1/stats``)."""
-    return sum(json.loads(http_get(url, "/v1/stats")[1])["busy_seconds"] for url in cluster.running_urls())
+def busy_seconds(cluster: ElasticCluster) -> tuple[float, float]:
+    """Busy seconds and routed tokens of every running server so far (``/v1/stats``)."""
+    stats = [json.loads(http_get(url, "/v1/stats")[1]) for url in cluster.running_urls()]
+    return sum(s["busy_seconds"] for s in stats), sum(s["total_tokens"] for s in stats)
 
 
 def expert_wait(client_url: str) -> tuple[float, int]:
@@ -601,7 +622,7 @@ def measure(
     expert seconds per decoder step (``eaas_attention_step_expert_seconds``)."""
     requests = poisson_requests(rate, seconds, seed, vocab)
     warm_up = seconds / 3
-    snapshots: dict[str, tuple[float, float, tuple[float, int]]] = {}
+    snapshots: dict[str, tuple[float, tuple[float, float], tuple[float, int]]] = {}
 
     def snapshot(name: str) -> None:
         snapshots[name] = (time.monotonic(), busy_seconds(cluster), expert_wait(url))
@@ -615,7 +636,8 @@ def measure(
     for timer in timers:
         timer.join()
     (then, before, waited_before), (now, after, waited_after) = snapshots["from"], snapshots["to"]
-    busy = (after - before) / (now - then) / len(cluster.servers)
+    busy = (after[0] - before[0]) / (now - then) / len(cluster.servers)
+    tokens = (after[1] - before[1]) / (now - then) / len(cluster.servers)
     origin = results[0]["arrival"] - requests[0][0]
     values = [v for r in results if r["arrival"] - origin >= warm_up and (v := tpot(r)) is not None]
     return {
@@ -627,6 +649,7 @@ def measure(
         "tpot_p50_s": percentile(values, 0.5),
         "tpot_p99_s": percentile(values, 0.99),
         "busy_fraction": busy,
+        "tokens_per_server_s": tokens,
         "expert_wait_per_step_s": per_step(waited_before, waited_after),
         "load_average": load_average(),
     }
@@ -658,7 +681,8 @@ def calibrate(
         f"SLO: p99 TPOT at the trough ({trough['rate_rps']:.2f} req/s, {args.min_servers} servers) "
         f"{trough['tpot_p99_s'] * 1e3:.0f} ms -> target {slo_s * 1e3:.0f} ms"
         + (" (given)" if args.slo_tpot_ms else f" (x {args.slo_factor:g})")
-        + f"; busy {trough['busy_fraction']:.2f}, expert wait per step {ms(trough['expert_wait_per_step_s'])}"
+        + f"; busy {trough['busy_fraction']:.2f}, {trough['tokens_per_server_s']:.0f} tokens/s per server"
+        + f", expert wait per step {ms(trough['expert_wait_per_step_s'])}"
         + f"; load average {trough['load_average']:.1f}",
         flush=True,
     )
@@ -678,7 +702,8 @@ def calibrate(
         print(
             f"sizing at the peak ({row['rate_rps']:.2f} req/s): {servers} servers, TPOT p50 "
             f"{row['tpot_p50_s'] * 1e3:.0f} ms p99 {row['tpot_p99_s'] * 1e3:.0f} ms, busy "
-            f"{row['busy_fraction']:.2f}, expert wait per step {ms(row['expert_wait_per_step_s'])}, "
+            f"{row['busy_fraction']:.2f}, {row['tokens_per_server_s']:.0f} tokens/s per server, "
+            f"expert wait per step {ms(row['expert_wait_per_step_s'])}, "
             f"servers sharing a layer {servers * row['layer_balance']:.2f} "
             f"(round-robin: {servers * row['layer_balance_round_robin']:.2f}), {row['failed']} failed, "
             f"load average {row['load_average']:.1f} -> {'meets' if meets else 'misses'}",
@@ -709,7 +734,7 @@ def replay(
         begin = origin + window["start_s"]
         window["servers"] = gpu_seconds(lifetimes, begin, begin + args.window_s) / args.window_s
         within = [row for row in readings if begin <= row["t"] < begin + args.window_s]
-        for key in ("utilization_milli", "expert_wait_per_step_s"):
+        for key in ("utilization_milli", "expert_wait_per_step_s", "tokens_per_server_s"):
             values = [row[key] for row in within if row[key] is not None]
             window[key] = sum(values) / len(values) if values else None
     return {
@@ -737,7 +762,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, help="experts per token (default: the serving model's 2)")
     p.add_argument(
         "--metric",
-        choices=("busy", "expert-wait"),
+        choices=("busy", "expert-wait", "token-rate"),
         default="busy",
         help="what the autoscaler scales on (spec.autoscaling.metric busy or expertWait)",
     )
@@ -745,6 +770,7 @@ def main() -> None:
     p.add_argument(
         "--target-expert-wait-ms", type=int, help="default: HEADROOM x the fixed pool's expert wait per step"
     )
+    p.add_argument("--headroom", type=float, default=HEADROOM, help="target: this x the fixed pool's reading")
     p.add_argument("--scale-down-window-s", type=int, default=20)
     p.add_argument("--resync-seconds", type=float, default=5.0, help="autoscaler period (heartbeat interval)")
     p.add_argument("--sim-expert-us", type=float, default=200.0, help="device time per expert read")
@@ -763,7 +789,7 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.ceilings:
-        ceiling_table(args.peak_rps, args.seed, HEADROOM, args.min_servers)
+        ceiling_table(args.peak_rps, args.seed, args.headroom, args.min_servers)
         return
     args.duration_s = args.duration_s or (45 if args.quick else 180)
     args.sizing_s = args.sizing_s or (9.0 if args.quick else 30.0)
@@ -828,13 +854,18 @@ def autoscaling(args: Any, at_peak: dict[str, Any]) -> tuple[AutoscalingSpec, st
         "max_replicas": args.max_servers,
         "scale_down_stabilization_seconds": args.scale_down_window_s,
     }
+    if args.metric == "token-rate":
+        rate = at_peak["tokens_per_server_s"]
+        per_s = max(1, math.floor(args.headroom * rate))
+        spec = AutoscalingSpec(**common, metric="tokenRate", target_tokens_per_second=per_s)
+        return spec, f"{per_s} tokens/s per server (the fixed pool's {rate:.1f})", per_s / rate
     if args.metric == "expert-wait":
         wait_ms = 1e3 * at_peak["expert_wait_per_step_s"]
-        millis = args.target_expert_wait_ms or max(1, math.floor(HEADROOM * wait_ms))
+        millis = args.target_expert_wait_ms or max(1, math.floor(args.headroom * wait_ms))
         spec = AutoscalingSpec(**common, metric="expertWait", target_expert_wait_millis=millis)
         return spec, f"{millis} ms expert wait per step (the fixed pool's {wait_ms:.1f} ms)", millis / wait_ms
     busy = at_peak["busy_fraction"]
-    milli = args.target_utilization_milli or max(1, math.floor(1000 * HEADROOM * busy))
+    milli = args.target_utilization_milli or max(1, math.floor(1000 * args.headroom * busy))
     spec = AutoscalingSpec(**common, target_utilization_milli=milli)
     return spec, f"{milli / 1000:.3f} busy (the fixed pool's {busy:.3f})", milli / 1000 / busy
 
@@ -842,7 +873,7 @@ def autoscaling(args: Any, at_peak: dict[str, Any]) -> tuple[AutoscalingSpec, st
 def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any], window_s: float) -> None:
     print(
         f"{'window s':>9} {'req/s':>6} | {'fixed: servers':>14} {'p99 TPOT':>11} {'busy':>5} {'wait':>8} "
-        f"| {'ours: servers':>13} {'p99 TPOT':>11} {'busy':>5} {'wait':>8}"
+        f"{'tok/s':>6} | {'ours: servers':>13} {'p99 TPOT':>11} {'busy':>5} {'wait':>8} {'tok/s':>6}"
     )
     for a, b in zip(fixed["windows"], ours["windows"], strict=True):
         start = int(a["start_s"])
@@ -851,9 +882,10 @@ def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any]
         for w in (a, b):
             p99 = "-" if w["p99_tpot_s"] is None else f"{w['p99_tpot_s'] * 1e3:.0f} ms"
             busy = "-" if w["utilization_milli"] is None else f"{w['utilization_milli'] / 1000:.2f}"
+            tokens = "-" if w["tokens_per_server_s"] is None else f"{w['tokens_per_server_s']:.0f}"
             cells.append(
                 f"{w['servers']:14.2f} {p99 + (' !' if w['violating'] else '  '):>11} {busy:>5} "
-                f"{ms(w['expert_wait_per_step_s']):>8}"
+                f"{ms(w['expert_wait_per_step_s']):>8} {tokens:>6}"
             )
         print(f"{start:>4}-{start + int(window_s):<4} {rate:6.2f} | {cells[0]} | {cells[1][1:]}")
 

@@ -3,6 +3,7 @@ and SLO-window accounting, and the simulated device's timing (no servers, no pro
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from types import ModuleType
@@ -130,3 +131,15 @@ def test_finer_experts_keep_a_tokens_expert_flops(trace: ModuleType) -> None:
     assert fine.top_k * fine.expert_intermediate_size == base.top_k * base.expert_intermediate_size
     assert fine.hidden_size == base.hidden_size and fine.num_layers == base.num_layers
     assert trace.model_config(base, None, None) == base
+
+
+def test_the_token_rate_target_is_the_headroom_of_the_fixed_pools_rate(trace: ModuleType) -> None:
+    """``--metric token-rate``: the spec a user would write after the load test, as the operator
+    reads it (``metric: tokenRate``), at ``--headroom`` x what a server of the fixed pool carried."""
+    args = argparse.Namespace(
+        min_servers=2, max_servers=6, scale_down_window_s=10, metric="token-rate", headroom=0.9
+    )
+    spec, aim, headroom = trace.autoscaling(args, {"tokens_per_server_s": 410.5})
+    assert spec.metric == "tokenRate" and spec.target_tokens_per_second == 369
+    assert (spec.min_replicas, spec.max_replicas, spec.scale_down_stabilization_seconds) == (2, 6, 10)
+    assert "369 tokens/s per server" in aim and abs(headroom - 369 / 410.5) < 1e-9
