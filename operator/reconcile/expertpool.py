@@ -180,8 +180,8 @@ def server_reports(
         reports[ordinal] = expert_step.ServerReport(
             expired=expired,
             loaded_version=_int(annotations.get(naming.LOADED_VERSION_ANNOTATION)),
-            utilization_milli=_int(annotations.get(naming.UTILIZATION_ANNOTATION)),
-            tokens_per_second=_int(annotations.get(naming.TOKEN_RATE_ANNOTATION)),
+            utilization_milli=_within(_int(annotations.get(naming.UTILIZATION_ANNOTATION)), 1000),
+            tokens_per_second=_within(_int(annotations.get(naming.TOKEN_RATE_ANNOTATION))),
             owner_uid=owners[0] if owners else None,
         )
     return reports
@@ -212,6 +212,14 @@ def _timestamp(value: str | None) -> float | None:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+def _within(value: int | None, most: int | None = None) -> int | None:
+    """A reading as the status may hold it: None when negative or above `most` (a garbled or
+    foreign annotation must not make the ExpertPool's status write fail validation)."""
+    if value is None or value < 0 or (most is not None and value > most):
+        return None
+    return value
 
 
 def _int(value: str | None) -> int | None:

@@ -275,6 +275,25 @@ def test_builtin_token_rate_reads_the_expert_pool_status(
         assert reason == "ScaledUp" and reads in message and "target 400" in message
 
 
+def test_server_leases_with_garbled_load_readings_report_none() -> None:
+    """A Lease's load annotations become the ExpertPool's status: a value the status schema
+    refuses (negative, a busy fraction above 1000, not a number) is left out, not written."""
+    from eaas.operator.reconcile.expertpool import server_reports
+
+    def lease(ordinal: int, busy: str, tokens: str) -> dict[str, Any]:
+        annotations = {"eaas.io/utilization-milli": busy, "eaas.io/tokens-per-second": tokens}
+        return {
+            "metadata": {"name": f"tiny-experts-{ordinal}", "annotations": annotations},
+            "spec": {"renewTime": "2099-01-01T00:00:00.000000Z", "leaseDurationSeconds": 15},
+        }
+
+    leases = [lease(0, "640", "1200"), lease(1, "5000", "-3"), lease(2, "-1", "many")]
+    reports = server_reports("tiny-experts", leases, 0.0)
+    assert [(r.utilization_milli, r.tokens_per_second) for r in reports.values()] == [
+        (640, 1200), (None, None), (None, None)
+    ]  # fmt: skip
+
+
 def _lease(name: str, wait: str | None, renewed: str = "2099-01-01T00:00:00.000000Z") -> dict[str, Any]:
     annotations = {} if wait is None else {"eaas.io/expert-wait-micros": wait}
     return {
