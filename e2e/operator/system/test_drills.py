@@ -506,7 +506,8 @@ def test_skewed_load_is_rebalanced(system: System) -> None:
     assert after < before
 
 
-LIVE_STATUS = ("utilizationMilli",)  # the servers' busy fraction: follows the load, not the operator
+# the servers' busy fraction and routed tokens per second: they follow the load, not the operator
+LIVE_STATUS = ("utilizationMilli", "tokensPerSecond")
 
 
 def owned_state(system: System) -> dict[str, Any]:
