@@ -541,16 +541,16 @@ class LocalOperator(DaemonLoop):
         or, with ``metric: expertWait``, on the client's expert wait per step (``ExpertWait`` of
         its ``eaas_attention_step_expert_seconds``, as its Lease computes it)."""
         reports = {
-            ordinal: expert_step.ServerReport(False, utilization_milli=self.utilization[ordinal].milli())
+            ordinal: expert_step.ServerReport(
+                False,
+                utilization_milli=self.utilization[ordinal].milli(),
+                tokens_per_second=self.token_rate[ordinal].per_second(),
+            )
             for ordinal in sorted(self.ready & set(self.cluster.servers) & set(self.utilization))
         }
         committed, pending = self.files.read()
         utilization = expert_step.serving_utilization(reports, committed, pending)
-        token_reports = {
-            ordinal: expert_step.ServerReport(False, tokens_per_second=self.token_rate[ordinal].per_second())
-            for ordinal in reports
-        }
-        tokens = expert_step.serving_utilization(token_reports, committed, pending, "tokens_per_second")
+        tokens = expert_step.serving_utilization(reports, committed, pending, "tokens_per_second")
         ready = len(self.ready & set(self.cluster.servers))
         if self.expert_wait is None and self.client_url is not None:
             self.expert_wait = ExpertWait(lambda url=self.client_url: expert_wait(url))
@@ -586,7 +586,7 @@ class LocalOperator(DaemonLoop):
 
 
 # --- the run ------------------------------------------------------------------------------------------
-def busy_seconds(cluster: ElasticCluster) -> tuple[float, float]:
+def server_totals(cluster: ElasticCluster) -> tuple[float, float]:
     """Busy seconds and routed tokens of every running server so far (``/v1/stats``)."""
     stats = [json.loads(http_get(url, "/v1/stats")[1]) for url in cluster.running_urls()]
     return sum(s["busy_seconds"] for s in stats), sum(s["total_tokens"] for s in stats)
@@ -625,7 +625,7 @@ def measure(
     snapshots: dict[str, tuple[float, tuple[float, float], tuple[float, int]]] = {}
 
     def snapshot(name: str) -> None:
-        snapshots[name] = (time.monotonic(), busy_seconds(cluster), expert_wait(url))
+        snapshots[name] = (time.monotonic(), server_totals(cluster), expert_wait(url))
 
     timers = [
         threading.Timer(0.2 + at, snapshot, (name,)) for name, at in (("from", warm_up), ("to", seconds))
@@ -764,7 +764,7 @@ def main() -> None:
         "--metric",
         choices=("busy", "expert-wait", "token-rate"),
         default="busy",
-        help="what the autoscaler scales on (spec.autoscaling.metric busy or expertWait)",
+        help="what the autoscaler scales on (spec.autoscaling.metric busy, expertWait or tokenRate)",
     )
     p.add_argument("--target-utilization-milli", type=int, help="default: HEADROOM x the fixed pool's busy")
     p.add_argument(

@@ -35,6 +35,7 @@ clients route by) and, during a change, the pending one (what servers load):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -369,7 +370,7 @@ def serving_utilization(
     reports: dict[int, ServerReport],
     committed: Placement | None,
     pending: Placement | None,
-    reading: str = "utilization_milli",
+    reading: Literal["utilization_milli", "tokens_per_second"] = "utilization_milli",
 ) -> int | None:
     """Mean busy thousandths (or another of the reports' ``reading``s: ``tokens_per_second``) of
     the servers that carry the pool's load and will go on carrying it: in the committed placement
