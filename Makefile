@@ -18,7 +18,7 @@ help:
 $(DEPS_STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[test]' $(EDITABLE)
+	$(PY) -m pip install -q -e '.[test,nixl]' $(EDITABLE)
 	@touch $@
 
 # Cheap re-link so new modules appear in the editable tree.

@@ -122,20 +122,41 @@ class ServerConnection:
 
     def open(self) -> tuple[Channel, dict[str, Any]]:
         """Handshake and connect; returns the channel and handle without installing them."""
+        info = None
         if self.expected is not None:
             info = http_json("GET", f"{self.url}/v1/info", timeout_s=self.connect_timeout_s)
             self.expected.check(self.ordinal, info)
+        spec = get_transport(self.transport)
         body: dict[str, Any] = {"client_id": self.client_id, "transport": self.transport}
         if self.placement_version is not None:
             body["placement_version"] = self.placement_version
         if self.lease is not None:
             body["lease"] = self.lease
-        handle = http_json(
-            "POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s, token=self._token()
-        )
-        spec = get_transport(str(handle.get("transport")))
+        offer = None
+        if spec.channel.needs_offer:  # the server must know our memory before it grants a slot
+            if info is None:
+                info = http_json("GET", f"{self.url}/v1/info", timeout_s=self.connect_timeout_s)
+            capacity = info.get("capacity_bytes") if isinstance(info, dict) else None
+            if type(capacity) is not int or capacity < 1:
+                raise HandshakeError(f"server {self.ordinal}: /v1/info gave no capacity_bytes ({capacity!r})")
+            offer = spec.channel.offer(capacity)
+            body["offer"] = offer.body
         try:
-            channel = spec.channel.connect(handle, self.host, self.request_timeout_s)
+            handle = http_json(
+                "POST", f"{self.url}/v1/slots", body, timeout_s=self.connect_timeout_s, token=self._token()
+            )
+            if str(handle.get("transport")) != self.transport:
+                self.release_remote(handle)
+                raise HandshakeError(
+                    f"server {self.ordinal}: asked for transport {self.transport}, "
+                    f"granted {handle.get('transport')!r}"
+                )
+        except BaseException:
+            if offer is not None:
+                offer.close()
+            raise
+        try:
+            channel = spec.channel.connect(handle, self.host, self.request_timeout_s, offer)
         except ChannelError:
             self.release_remote(handle)
             raise

@@ -8,13 +8,17 @@
 | GET | ``/v1/info`` | identity, model shape, hosted (layer, expert) pairs, transports, limits |
 | GET | ``/v1/stats`` | tokens per (layer, expert) since start (the placement planner's input) |
 | GET | ``/v1/slots`` | attached slots and their states |
-| POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?, "lease"?}`` → 201 (503: full) |
+| POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?, "lease"?, "offer"?}`` → 201 |
 | DELETE | ``/v1/slots/<transport>/<slot>`` | release a slot → 204 (404 if not attached) |
+
+A POST answers 503 when every slot is taken, 400 when a field (or the transport's offer) is wrong.
 
 With data tokens configured, the three ``/v1/slots`` routes need ``Authorization: Bearer <token>``:
 without it they answer 401 and allocate, release and reveal nothing. The handle a granted slot
 returns carries what its transport needs to use that slot only (the tcp hello's per-slot token),
-so a slot id alone is worth nothing. ``lease`` names the client's Lease in the server's namespace:
+so a slot id alone is worth nothing. ``offer`` is what a transport needs from the client before it
+grants a slot (``nixl``: the client's agent metadata and answer area); one that cannot be used is
+a 400 naming the field. ``lease`` names the client's Lease in the server's namespace:
 the slot is freed when that Lease expires (:mod:`eaas.runtime.server.client_leases`). Probes,
 metrics, ``/v1/info`` and ``/v1/stats`` stay open (the operator and Prometheus read them; the
 NetworkPolicy decides who reaches the port).
@@ -49,7 +53,12 @@ class ControlTarget(Protocol):
     def stats(self) -> dict[str, Any]: ...
     def slots(self) -> list[dict[str, Any]]: ...
     def attach(
-        self, client_id: str, transport: str, placement_version: int | None = None, lease: str | None = None
+        self,
+        client_id: str,
+        transport: str,
+        placement_version: int | None = None,
+        lease: str | None = None,
+        offer: dict[str, Any] | None = None,
     ) -> dict[str, Any]: ...
     def detach(self, transport: str, slot: int) -> bool: ...
 
@@ -113,7 +122,10 @@ def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
                         "lease: the name of the client's Lease (a DNS subdomain of at most 253 characters), "
                         "if given",
                     )
-                self.send_json(HTTPStatus.CREATED, target.attach(client_id, transport, version, lease))
+                offer = body.get("offer")
+                if offer is not None and not isinstance(offer, dict):
+                    raise ControlError(HTTPStatus.BAD_REQUEST, "offer: a JSON object, if given")
+                self.send_json(HTTPStatus.CREATED, target.attach(client_id, transport, version, lease, offer))
             elif method == "DELETE" and path.startswith("/v1/slots/"):
                 parts = path.split("/")
                 if len(parts) != 5 or not parts[4].isdigit():

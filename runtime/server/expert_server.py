@@ -34,7 +34,13 @@ from eaas.runtime.server.loop import LoopOptions, ServerLoop
 from eaas.runtime.server.metrics import ServerMetrics
 from eaas.runtime.server.restack import hosted_layers, restack
 from eaas.runtime.server.stats import LoadCounter
-from eaas.runtime.transport import ServerTransport, SlotsExhausted, TransportOptions, get_transport
+from eaas.runtime.transport import (
+    OfferRefused,
+    ServerTransport,
+    SlotsExhausted,
+    TransportOptions,
+    get_transport,
+)
 from eaas.runtime.transport.shm_segment import sweep_stale_segments
 
 log = logging.getLogger("eaas.server")
@@ -336,7 +342,12 @@ class ExpertServer:
         return [{"transport": name, **row} for name, t in self.transports.items() for row in t.slots()]
 
     def attach(
-        self, client_id: str, transport: str, placement_version: int | None = None, lease: str | None = None
+        self,
+        client_id: str,
+        transport: str,
+        placement_version: int | None = None,
+        lease: str | None = None,
+        offer: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if not self.is_ready():
             raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, "server is not ready")
@@ -347,9 +358,11 @@ class ExpertServer:
             )
         with self._slot_lock:
             try:
-                handle = self.transports[transport].attach(client_id)
+                handle = self.transports[transport].attach(client_id, offer)
             except SlotsExhausted as exc:
                 raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
+            except OfferRefused as exc:
+                raise ControlError(HTTPStatus.BAD_REQUEST, str(exc)) from exc
             key = (transport, int(handle["slot"]))
             if placement_version is None:
                 self._slot_versions.pop(key, None)

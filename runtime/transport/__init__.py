@@ -1,10 +1,13 @@
-"""Transports of the slot protocol, chosen by name: ``shm`` (same host) and ``tcp`` (any host)."""
+"""Transports of the slot protocol, chosen by name: ``shm`` (same host), ``tcp`` and ``nixl`` (any host),
+``cuda_ipc`` (GPU, one node)."""
 
 from eaas.runtime.transport.base import (
     Channel,
     ChannelClosed,
     ChannelError,
     ChannelTimeout,
+    Offer,
+    OfferRefused,
     RemoteError,
     Request,
     ServerTransport,
@@ -18,6 +21,8 @@ __all__ = [
     "ChannelClosed",
     "ChannelError",
     "ChannelTimeout",
+    "Offer",
+    "OfferRefused",
     "RemoteError",
     "Request",
     "ServerTransport",

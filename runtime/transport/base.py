@@ -9,8 +9,10 @@ publishes the response the loop wrote into the slot; ``reap`` releases slots of 
 disappeared (their slot goes ``OFFLINE``).
 
 Client side: a ``Channel`` is one client's slot on one server. ``send`` writes a request,
-``receive`` waits for its response. Connection-level failures raise ``ChannelError``; an error
-status answered by the server raises ``RemoteError``.
+``receive`` waits for its response. A transport whose server must know the client's memory
+before it grants a slot (``nixl``: the client's NIXL agent and answer area) has the client make an
+``Offer`` first; its ``body`` goes with the handshake and ``attach`` reads it. Connection-level
+failures raise ``ChannelError``; an error status answered by the server raises ``RemoteError``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class ChannelTimeout(ChannelError):
 
 class SlotsExhausted(RuntimeError):
     """Every slot of the server is attached (the control plane answers 503)."""
+
+
+class OfferRefused(ValueError):
+    """The client's offer in a handshake cannot be used (the control plane answers 400, naming the field)."""
 
 
 class RemoteError(RuntimeError):
@@ -91,8 +97,11 @@ class ServerTransport(ABC):
         self.options = options
 
     @abstractmethod
-    def attach(self, client_id: str) -> dict[str, Any]:
-        """Allocates a slot to ``client_id``; returns its JSON handle (with ``transport`` and ``slot``)."""
+    def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Allocates a slot to ``client_id``; returns its JSON handle (with ``transport`` and ``slot``).
+
+        ``offer`` is the client's ``Offer.body`` (transports that need none ignore it); one that
+        cannot be used raises ``OfferRefused`` and allocates nothing."""
 
     @abstractmethod
     def detach(self, slot: int) -> bool:
@@ -132,16 +141,35 @@ class ServerTransport(ABC):
     def close(self) -> None: ...
 
 
+class Offer(ABC):
+    """What a client prepares before the handshake (its own registered memory, say) and describes
+    to the server in ``body``; ``Channel.connect`` takes it over, or ``close`` frees it."""
+
+    body: dict[str, Any]
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
 class Channel(ABC):
     """One client's slot on one server."""
 
     name: ClassVar[str]
     capacity_bytes: int
+    needs_offer: ClassVar[bool] = False  # True: call ``offer`` before the handshake
+
+    @classmethod
+    def offer(cls, capacity_bytes: int) -> Offer:
+        """The client's side prepared for a server whose slots hold ``capacity_bytes`` of payload."""
+        raise NotImplementedError(f"transport {cls.name} makes no offer")
 
     @classmethod
     @abstractmethod
-    def connect(cls, handle: dict[str, Any], host: str, timeout_s: float) -> Channel:
-        """Opens the slot of ``handle`` (from the server's handshake) on the server at ``host``."""
+    def connect(
+        cls, handle: dict[str, Any], host: str, timeout_s: float, offer: Offer | None = None
+    ) -> Channel:
+        """Opens the slot of ``handle`` (from the server's handshake) on the server at ``host``
+        (with the ``offer`` made before the handshake, for transports that need one)."""
 
     @abstractmethod
     def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -167,6 +195,10 @@ class Channel(ABC):
 
     def clear_wakeup(self) -> None:  # noqa: B027 - most channels have nothing to drain
         """Drains ``wakeup_fd`` after it turned readable (for descriptors that are only signals)."""
+
+    def poll_interval_s(self) -> float:
+        """For channels without ``wakeup_fd``: how long a waiter may sleep between ``answered`` calls."""
+        return 0.0
 
     @abstractmethod
     def close(self) -> None: ...

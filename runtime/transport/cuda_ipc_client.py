@@ -36,7 +36,7 @@ from eaas.runtime.protocol import (
     write_request,
 )
 from eaas.runtime.transport import liveness
-from eaas.runtime.transport.base import ChannelClosed, RemoteError
+from eaas.runtime.transport.base import ChannelClosed, Offer, RemoteError
 from eaas.runtime.transport.cuda_driver import CudaError, HostMapping, ImportedArena, MemOps
 from eaas.runtime.transport.cuda_ipc_server import REFUSALS_OFFSET, receive_arena_fd
 from eaas.runtime.transport.segment_channel import SegmentChannel
@@ -65,7 +65,9 @@ class CudaIpcChannel(SegmentChannel):
         self.header_address = mapping.device_pointer(base + HEADER_OFFSET)
 
     @classmethod
-    def connect(cls, handle: dict[str, Any], host: str, timeout_s: float) -> CudaIpcChannel:
+    def connect(
+        cls, handle: dict[str, Any], host: str, timeout_s: float, offer: Offer | None = None
+    ) -> CudaIpcChannel:
         if not torch.cuda.is_available():
             raise ChannelClosed("transport cuda_ipc: this client sees no CUDA device")
         device = torch.cuda.current_device()

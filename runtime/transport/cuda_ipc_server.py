@@ -24,18 +24,16 @@ One exchange (all client work on one client stream, so it can be captured in a C
 
 Liveness is the shm segment's (``transport.liveness``): the server reaps slots of dead clients,
 and a client sees a dead server at once. The GPU cannot ring a doorbell, so the server polls the
-flags: it spins (releasing the GIL) for ``SPIN_S`` after the last request and then checks every
-``POLL_SLEEP_S``, watching other transports' descriptors meanwhile.
+flags (``transport.polling``): it spins (releasing the GIL) for ``SPIN_S`` after the last request
+and then checks every ``POLL_SLEEP_S``, watching other transports' descriptors meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import select
 import socket
 import threading
-import time
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ import torch
 from eaas.runtime.protocol import FLAG_OFFSET, HEADER_OFFSET, MAX_MESSAGE_BYTES, SlotHeader, SlotState, Status
 from eaas.runtime.transport.base import Request, TransportOptions
 from eaas.runtime.transport.cuda_driver import DeviceArena, HostMapping, MemOps, use_device
+from eaas.runtime.transport.polling import PollingWaiter
 from eaas.runtime.transport.shm_segment import SHM_DIR, Segment, new_segment_name
 from eaas.runtime.transport.shm_server import ShmServerTransport
 
@@ -163,8 +162,7 @@ class CudaIpcServerTransport(ShmServerTransport):
             )
             for slot in range(options.max_clients)
         ]
-        self._watched: list[int] = []
-        self._last_request = 0.0
+        self._waiter = PollingWaiter(SPIN_S, POLL_SLEEP_S, POLL_SLEEP_S)
 
     # --- handshake -------------------------------------------------------------------------------
     def _handle(self, slot: int) -> dict[str, Any]:
@@ -189,37 +187,20 @@ class CudaIpcServerTransport(ShmServerTransport):
         return None  # requests arrive as GPU writes to host memory: nothing to select on
 
     def watch(self, fd: int) -> bool:
-        self._watched.append(fd)
+        self._waiter.watch(fd)
         return True
 
     def _any_ready(self) -> bool:
         return bool((self.segment.flags == SlotState.REQUEST_READY).any())
 
-    def _watched_ready(self, timeout_s: float) -> bool:
-        ready = select.select(self._watched, [], [], timeout_s)[0]
-        for fd in ready:
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.read(fd, 4096)
-        return bool(ready)
-
     def wait(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._any_ready():
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            step = 0.0 if now - self._last_request < SPIN_S else min(POLL_SLEEP_S, deadline - now)
-            if self._watched:
-                if self._watched_ready(step):
-                    return
-            else:
-                time.sleep(step)  # sleep(0) still lets other threads take the GIL
+        self._waiter.wait(self._any_ready, timeout_s)
 
     # --- requests --------------------------------------------------------------------------------
     def poll(self) -> list[Request]:
         requests = super().poll()
         if requests:
-            self._last_request = time.monotonic()
+            self._waiter.activity()
         return requests
 
     def _take(self, slot: int, generation: int) -> Request:

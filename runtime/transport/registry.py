@@ -1,6 +1,8 @@
-"""Transports by name: ``shm`` and ``tcp`` (host memory), ``cuda_ipc`` (GPU memory, one node).
+"""Transports by name: ``shm`` and ``tcp`` (host memory), ``cuda_ipc`` (GPU memory, one node),
+``nixl`` (NIXL one-sided writes over UCX: any hosts; needs the ``eaas[nixl]`` extra).
 
-Importing them needs no GPU: the CUDA driver bindings are loaded when a GPU transport is used.
+Importing them needs no GPU and no NIXL: the CUDA driver bindings are loaded when a GPU transport
+is used, the NIXL library when a ``nixl`` server or channel is made.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 from eaas.runtime.transport.base import Channel, ServerTransport
 from eaas.runtime.transport.cuda_ipc_client import CudaIpcChannel
 from eaas.runtime.transport.cuda_ipc_server import CudaIpcServerTransport
+from eaas.runtime.transport.nixl_client import NixlChannel
+from eaas.runtime.transport.nixl_server import NixlServerTransport
 from eaas.runtime.transport.shm_client import ShmChannel
 from eaas.runtime.transport.shm_server import ShmServerTransport
 from eaas.runtime.transport.tcp_client import TcpChannel
@@ -27,6 +31,7 @@ _TRANSPORTS: dict[str, TransportSpec] = {
     "shm": TransportSpec("shm", ShmServerTransport, ShmChannel),
     "tcp": TransportSpec("tcp", TcpServerTransport, TcpChannel),
     "cuda_ipc": TransportSpec("cuda_ipc", CudaIpcServerTransport, CudaIpcChannel),
+    "nixl": TransportSpec("nixl", NixlServerTransport, NixlChannel),
 }
 
 

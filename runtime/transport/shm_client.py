@@ -19,7 +19,7 @@ from eaas.runtime.protocol import (
     write_request,
 )
 from eaas.runtime.transport import liveness
-from eaas.runtime.transport.base import ChannelClosed
+from eaas.runtime.transport.base import ChannelClosed, Offer
 from eaas.runtime.transport.doorbell import Doorbell
 from eaas.runtime.transport.segment_channel import SegmentChannel
 from eaas.runtime.transport.shm_segment import SHM_DIR, Segment, SegmentError, check_name
@@ -35,7 +35,9 @@ class ShmChannel(SegmentChannel):
         self.capacity_bytes = segment.capacity_bytes
 
     @classmethod
-    def connect(cls, handle: dict[str, Any], host: str, timeout_s: float) -> ShmChannel:
+    def connect(
+        cls, handle: dict[str, Any], host: str, timeout_s: float, offer: Offer | None = None
+    ) -> ShmChannel:
         try:
             segment = Segment.attach(str(handle["segment"]))
         except SegmentError as exc:

@@ -70,7 +70,7 @@ class ShmServerTransport(ServerTransport):
         self._in_flight: set[int] = set()
         self._released: dict[int, str] = {}  # slot -> last client, shown as OFFLINE until re-attached
 
-    def attach(self, client_id: str) -> dict[str, Any]:
+    def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
         with self._lock:
             free = [s for s in range(self.segment.num_slots) if s not in self._attached]
             if not free:

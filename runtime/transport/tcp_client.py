@@ -29,7 +29,7 @@ from eaas.runtime.protocol import (
     read_response,
     write_request,
 )
-from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
 from eaas.runtime.transport.tcp_socket import (
     HELLO,
     HELLO_MAGIC,
@@ -55,7 +55,9 @@ class TcpChannel(Channel):
         self._closed = False
 
     @classmethod
-    def connect(cls, handle: dict[str, Any], host: str, timeout_s: float) -> TcpChannel:
+    def connect(
+        cls, handle: dict[str, Any], host: str, timeout_s: float, offer: Offer | None = None
+    ) -> TcpChannel:
         try:
             sock = socket.create_connection((host, int(handle["port"])), timeout=timeout_s)
         except OSError as exc:

@@ -109,7 +109,7 @@ class TcpServerTransport(ServerTransport):
         self._ready: list[Request] = []
 
     # --- control plane (any thread) -------------------------------------------------------------
-    def attach(self, client_id: str) -> dict[str, Any]:
+    def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
         with self._lock:
             used = self._pending.keys() | self._bound.keys()
             free = [s for s in range(self.options.max_clients) if s not in used]

@@ -1,0 +1,283 @@
+"""``nixl``, client side: one slot of an expert server reached by NIXL one-sided WRITEs.
+
+See ``nixl_server`` for the exchange. Every channel of a process shares one NIXL agent
+(``client_endpoint``). A channel owns two slot-sized areas, both registered with that agent: the
+*send area*, where a request is laid out as in a slot before one WRITE carries header and payload
+to the server's slot, and the *answer area*, which the server WRITEs into. Before the handshake
+the client makes an ``NixlOffer`` (the agent's metadata for the answer area only, and its
+address); the handshake's answer carries the server agent's metadata for the granted slot only.
+
+Waiting for an answer polls the agent (that is what makes NIXL progress; no progress thread runs)
+and, every ``LIVENESS_CHECK_S``, pings the server with a 4-byte WRITE: UCX reports a server whose
+process died (its endpoint broke) at once, as a NIXL error, and the channel fails with
+``ChannelClosed``. A server that hangs raises nothing: the client's round-trip probe covers it
+(``RemoteExperts``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from eaas.runtime.protocol import (
+    HEADER_OFFSET,
+    PAYLOAD_OFFSET,
+    FrameKind,
+    ProtocolError,
+    SlotHeader,
+    Status,
+    check_response,
+    dtype_code,
+    read_message,
+    read_response,
+    slot_stride,
+    write_request,
+)
+from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
+from eaas.runtime.transport.nixl_endpoint import (
+    Endpoint,
+    Notice,
+    TransferSet,
+    TransportUnavailable,
+    address,
+    decode,
+    encode,
+    frame_length,
+    notice,
+)
+
+log = logging.getLogger("eaas.transport")
+
+LIVENESS_CHECK_S = 0.02  # how often a waiting client pings the server
+POLL_INTERVAL_S = 20e-6  # how long a waiter sleeps between looks at its notifications
+
+_shared: Endpoint | None = None
+_shared_pid = 0
+_shared_lock = threading.Lock()
+
+
+def client_endpoint() -> Endpoint:
+    """The process's client agent, made on first use (and anew in a forked child)."""
+    global _shared, _shared_pid
+    with _shared_lock:
+        if _shared is None or _shared_pid != os.getpid():
+            _shared = Endpoint("client")
+            _shared_pid = os.getpid()
+        return _shared
+
+
+class NixlOffer(Offer):
+    """A channel's send and answer areas, registered; ``body`` describes the answer area."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
+        self.endpoint = client_endpoint()
+        self.capacity_bytes = capacity_bytes
+        self.stride = slot_stride(capacity_bytes)
+        self.memory = np.zeros(2 * self.stride, dtype=np.uint8)  # [send area | answer area]
+        self.send_address = int(self.memory.ctypes.data)
+        self.answer_address = self.send_address + self.stride
+        self._registrations = [self.endpoint.register(self.send_address, self.stride)]
+        try:
+            self._registrations.append(self.endpoint.register(self.answer_address, self.stride))
+            metadata = self.endpoint.metadata(self._registrations[1])
+        except BaseException:
+            self.close()
+            raise
+        self.body = {
+            "agent_metadata": encode(metadata),
+            "answer_address": self.answer_address,
+            "answer_bytes": self.stride,
+        }
+
+    def send_area(self) -> memoryview:
+        return self.memory.data[: self.stride]
+
+    def answer_area(self) -> memoryview:
+        return self.memory.data[self.stride :]
+
+    def close(self) -> None:
+        for registration in self._registrations:
+            try:
+                self.endpoint.deregister(registration)
+            except Exception as exc:
+                log.debug("deregistering a nixl channel area: %s", exc)
+        self._registrations = []
+
+
+class NixlChannel(Channel):
+    name = "nixl"
+    needs_offer = True
+
+    def __init__(self, offer: NixlOffer, slot: int, peer: str, writes: TransferSet) -> None:
+        self.offer_made = offer
+        self.endpoint = offer.endpoint
+        self.capacity_bytes = offer.capacity_bytes
+        self.slot = slot
+        self.peer = peer
+        self.writes = writes
+        self.send_buffer = offer.send_area()
+        self.answer_buffer = offer.answer_area()
+        self._seq = 0
+        self._expect: tuple[int, int, int, int] | None = None  # seq, tokens, hidden, dtype
+        self._answer: bool = False  # the answer notification for ``_expect`` arrived
+        self._gone: str | None = None  # why the server is known gone (released the slot, died)
+        self._closed = False
+        self._next_ping = 0.0
+
+    @classmethod
+    def offer(cls, capacity_bytes: int) -> NixlOffer:
+        return NixlOffer(capacity_bytes)
+
+    @classmethod
+    def connect(
+        cls, handle: dict[str, Any], host: str, timeout_s: float, offer: Offer | None = None
+    ) -> NixlChannel:
+        if not isinstance(offer, NixlOffer):
+            raise ChannelClosed("transport nixl: the client's offer must be made before the handshake")
+        peer = None
+        try:
+            slot = handle["slot"]
+            if type(slot) is not int or slot < 0:
+                raise ValueError(f"slot: a non-negative integer, got {slot!r}")
+            if handle.get("capacity_bytes") != offer.capacity_bytes:
+                raise ValueError(
+                    f"capacity_bytes: the offer was made for {offer.capacity_bytes}, "
+                    f"the server answered {handle.get('capacity_bytes')!r}"
+                )
+            slot_address = address(handle.get("slot_address"), "slot_address")
+            peer = offer.endpoint.add_peer(decode(handle.get("agent_metadata"), "agent_metadata"))
+            if peer != handle.get("agent"):
+                raise ValueError(f"agent: the metadata names {peer!r}, the handle {handle.get('agent')!r}")
+            writes = TransferSet(
+                offer.endpoint, peer, offer.send_address, slot_address, frame_length(offer.capacity_bytes)
+            )
+            offer.endpoint.connect(peer)
+        except (KeyError, ValueError, TransportUnavailable) as exc:
+            cls._undo(offer, peer)
+            raise ChannelClosed(f"cannot open nixl slot {handle.get('slot')}: {exc}") from exc
+        except Exception as exc:
+            cls._undo(offer, peer)
+            raise ChannelClosed(
+                f"cannot open nixl slot {handle.get('slot')} on {host}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return cls(offer, slot, peer, writes)
+
+    @staticmethod
+    def _undo(offer: NixlOffer, peer: str | None) -> None:
+        if peer is not None:
+            offer.endpoint.release_peer(peer)
+        offer.close()
+
+    # --- requests --------------------------------------------------------------------------------
+    def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        if self._closed:
+            raise ChannelClosed("channel is closed")
+        if self._gone is not None:
+            raise ChannelClosed(self._gone)
+        if self._expect is not None:
+            raise ChannelClosed("a request is still outstanding on this slot")
+        self._seq += 1
+        num_tokens, hidden = x.shape
+        dtype = dtype_code(x.dtype)
+        size = write_request(self.send_buffer[PAYLOAD_OFFSET:], x, ids, weights)
+        top_k = ids.shape[1]
+        header = SlotHeader(FrameKind.REQUEST, dtype, layer, num_tokens, top_k, hidden, self._seq, size)
+        header.pack_into(self.send_buffer, HEADER_OFFSET)
+        self._expect = (self._seq, num_tokens, hidden, dtype)
+        self._answer = False
+        try:
+            self.writes.write_frame(size, notice(Notice.REQUEST, self.slot, self._seq))
+        except Exception as exc:
+            self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
+            raise ChannelClosed(self._gone) from exc
+        self._next_ping = time.monotonic() + LIVENESS_CHECK_S
+
+    def _look(self) -> None:
+        """Makes progress; notes our answer, a released slot or a dead server."""
+        if self._gone is not None or self._answer:
+            return
+        endpoint = self.endpoint
+        try:
+            self.writes.settle()  # our request's notification may leave only from here
+            endpoint.deliver()
+            while (item := endpoint.take(self.peer, self.slot)) is not None:
+                kind, seq = item
+                if kind is Notice.OFFLINE:
+                    self._gone = "the server released this slot"
+                elif kind is Notice.ANSWER and self._expect is not None and seq == self._expect[0]:
+                    self._answer = True
+            now = time.monotonic()
+            if self._gone is None and not self._answer and now >= self._next_ping:
+                self._next_ping = now + LIVENESS_CHECK_S
+                self.writes.ping()
+        except Exception as exc:
+            self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
+
+    def answered(self) -> bool:
+        if self._closed:
+            return True
+        self._look()
+        return self._answer or self._gone is not None
+
+    def poll_interval_s(self) -> float:
+        return POLL_INTERVAL_S
+
+    def receive(self, deadline: float) -> torch.Tensor:
+        if self._expect is None:
+            raise RuntimeError("receive() without a request in flight")
+        if self._closed:
+            raise ChannelClosed("channel is closed")
+        while True:
+            self._look()
+            if self._answer:
+                return self._take_response()
+            if self._gone is not None:
+                self._expect = None
+                raise ChannelClosed(self._gone)
+            now = time.monotonic()
+            if now >= deadline:
+                raise ChannelTimeout(f"no response within the deadline (nixl slot {self.slot})")
+            time.sleep(min(POLL_INTERVAL_S, deadline - now))
+
+    def _take_response(self) -> torch.Tensor:
+        assert self._expect is not None
+        seq, num_tokens, hidden, dtype = self._expect
+        self._expect = None
+        self._answer = False
+        header = SlotHeader.unpack_from(self.answer_buffer, HEADER_OFFSET)
+        try:
+            check_response(header, seq, num_tokens, hidden, dtype)
+            if header.payload_bytes > self.capacity_bytes:
+                raise ProtocolError(Status.TOO_LARGE, f"response of {header.payload_bytes} bytes")
+        except ProtocolError as exc:
+            raise ChannelClosed(f"malformed response: {exc}") from exc
+        payload = self.answer_buffer[PAYLOAD_OFFSET:]
+        if header.status != Status.OK:
+            raise RemoteError(header.status, read_message(payload, header))
+        return read_response(payload, header)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        endpoint = self.endpoint
+        if self._gone is None:
+            try:
+                endpoint.notify(self.peer, notice(Notice.BYE, self.slot))
+                endpoint.deliver()  # a chance for the goodbye to leave
+            except Exception:
+                pass
+        self.writes.release()
+        endpoint.forget(self.peer, self.slot)
+        endpoint.release_peer(self.peer)
+        del self.send_buffer, self.answer_buffer
+        self.offer_made.close()

@@ -1,0 +1,379 @@
+"""What both ends of the ``nixl`` transport share: the NIXL agent, the notifications, the transfer sizes.
+
+An ``Endpoint`` is one NIXL agent with the UCX backend. A server transport owns one; every
+``nixl`` channel of a client process shares one (an agent costs ~0.5 s to create, a UCX context
+and worker). Agent names are ``eaas-<role>-<pid>-<random>``: unique per process incarnation, so a
+restarted server or client is never taken for its previous life (NIXL refuses to load a second
+agent under a known name with other connection details).
+
+Notifications are the slot flags. Each is 13 bytes, ``kind | slot (u32) | seq (u64)``:
+
+| kind | sent by | meaning |
+|---|---|---|
+| ``R`` | client | the request is in the slot (``REQUEST_READY``) |
+| ``A`` | server | the answer is in the client's answer area (``RESPONSE_READY``) |
+| ``B`` | client | goodbye: release my slot (``OFFLINE``) |
+| ``O`` | server | the slot was released (``OFFLINE``) |
+
+NIXL sends a transfer's notification only after its data is visible at the target, so the flag is
+never seen before the bytes it covers. Notifications of one agent arrive for every slot at once:
+``collect`` sorts them into per-(peer, slot) mailboxes.
+
+Progress: by default nobody runs NIXL's progress thread (it polls a core with zero delay); the
+server loop and a waiting client make progress themselves, each time they look for notifications
+(``EAAS_NIXL_PROGRESS_THREAD=1`` turns the thread on, for comparison: docs/data-path.md).
+
+UCX chooses its transports and devices from the environment (``UCX_TLS``, ``UCX_NET_DEVICES``;
+the operator sets them from the pool's ``spec.ucx``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import importlib
+import os
+import re
+import secrets
+import struct
+import threading
+from collections import defaultdict, deque
+from enum import Enum
+from types import ModuleType
+from typing import Any
+
+from eaas.runtime.protocol import HEADER_OFFSET, PAYLOAD_OFFSET
+from eaas.runtime.transport.base import OfferRefused
+
+# The wheel's module names, newest CUDA major first (the `nixl` meta package pulls in both).
+LIBRARY_MODULES = ("nixl_cu13", "nixl_cu12")
+PROGRESS_THREAD_ENV = "EAAS_NIXL_PROGRESS_THREAD"
+MAX_METADATA_BYTES = 64 << 10  # an agent's metadata for a few regions is ~0.5 KB
+AGENT_NAME = re.compile(r"^eaas-[a-z]+-[0-9]+-[0-9a-f]{12}$")
+
+NOTICE = struct.Struct("<cIQ")
+PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write may land there
+
+# Transfer sizes: a request or answer goes out as one prepared descriptor whose length is the
+# frame's rounded up to a multiple of SIZE_STEP_BYTES below FINE_LIMIT_BYTES, and to 1/16 of its
+# power of two above (at most 6.25% more bytes than needed, ~16 sizes per doubling).
+SIZE_STEP_BYTES = 4096
+FINE_LIMIT_BYTES = 64 << 10
+STEPS_PER_DOUBLING = 16
+
+
+class TransportUnavailable(RuntimeError):
+    """The NIXL library is not installed or cannot start (the message says how to get it)."""
+
+
+class Notice(Enum):
+    REQUEST = b"R"
+    ANSWER = b"A"
+    BYE = b"B"
+    OFFLINE = b"O"
+
+
+def notice(kind: Notice, slot: int, seq: int = 0) -> bytes:
+    return NOTICE.pack(kind.value, slot, seq)
+
+
+def parse_notice(message: bytes) -> tuple[Notice, int, int] | None:
+    """(kind, slot, seq), or None for a message that is not one of ours."""
+    if len(message) != NOTICE.size:
+        return None
+    kind, slot, seq = NOTICE.unpack(message)
+    try:
+        return Notice(kind), slot, seq
+    except ValueError:
+        return None
+
+
+_library: ModuleType | None = None
+
+
+def load_library() -> ModuleType:
+    """The installed NIXL Python module; ``TransportUnavailable`` when there is none."""
+    global _library
+    if _library is None:
+        errors = []
+        for name in LIBRARY_MODULES:
+            try:
+                _library = importlib.import_module(name)
+                break
+            except ImportError as exc:
+                errors.append(f"{name}: {exc}")
+        else:
+            raise TransportUnavailable(
+                "transport nixl: the NIXL library is not installed "
+                f"(pip install 'eaas[nixl]'; tried {'; '.join(errors)})"
+            )
+    return _library
+
+
+def is_available() -> bool:
+    try:
+        load_library()
+    except TransportUnavailable:
+        return False
+    return True
+
+
+def progress_thread_enabled() -> bool:
+    return os.environ.get(PROGRESS_THREAD_ENV, "0") not in ("", "0", "false", "no")
+
+
+def frame_length(payload_bytes: int) -> int:
+    """Bytes of a frame on the wire: header and payload, which are contiguous in a slot."""
+    return PAYLOAD_OFFSET - HEADER_OFFSET + payload_bytes
+
+
+def transfer_length(num_bytes: int, limit: int) -> int:
+    """The prepared length that carries ``num_bytes`` (never above ``limit``, the slot's frame)."""
+    if num_bytes <= FINE_LIMIT_BYTES:
+        step = SIZE_STEP_BYTES
+    else:
+        step = (1 << (num_bytes.bit_length() - 1)) // STEPS_PER_DOUBLING
+    return min(limit, -(-num_bytes // step) * step)
+
+
+def transfer_lengths(limit: int) -> list[int]:
+    """Every length ``transfer_length`` can return for frames of at most ``limit`` bytes, ascending."""
+    lengths: list[int] = []
+    size = 1
+    while True:
+        length = transfer_length(size, limit)
+        if not lengths or length != lengths[-1]:
+            lengths.append(length)
+        if length >= limit:
+            return lengths
+        size = length + 1
+
+
+def encode(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode(text: object, field: str) -> bytes:
+    """Base64 ``text`` of at most ``MAX_METADATA_BYTES``; ``OfferRefused`` naming ``field`` otherwise."""
+    if not isinstance(text, str) or len(text) > 2 * MAX_METADATA_BYTES:
+        raise OfferRefused(f"{field}: base64 text of at most {MAX_METADATA_BYTES} bytes is required")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise OfferRefused(f"{field}: not valid base64") from None
+
+
+def address(value: object, field: str) -> int:
+    if type(value) is not int or not 0 < value < 2**64:
+        raise OfferRefused(f"{field}: a memory address (a positive integer below 2**64) is required")
+    return value
+
+
+class Endpoint:
+    """One NIXL agent (UCX backend) and the notifications it received, by (peer, slot).
+
+    Safe from several threads: the agent runs in NIXL's strict thread-sync mode and the mailboxes
+    are behind ``lock``.
+    """
+
+    def __init__(self, role: str) -> None:
+        lib = load_library()
+        self.library = lib
+        self.name = f"eaas-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+        config = lib.nixl_agent_config(
+            enable_prog_thread=progress_thread_enabled(),
+            backends=["UCX"],
+            sync_mode=lib.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        try:
+            self.agent = lib.nixl_agent(self.name, config)
+        except Exception as exc:
+            raise TransportUnavailable(f"transport nixl: cannot start a NIXL agent: {exc}") from exc
+        if "UCX" not in self.agent.backends:
+            raise TransportUnavailable(
+                "transport nixl: NIXL has no UCX backend here (plugins: "
+                f"{', '.join(self.agent.plugin_list) or 'none'})"
+            )
+        self.lock = threading.RLock()
+        self._mail: dict[tuple[str, int], deque[tuple[Notice, int]]] = defaultdict(deque)
+        self._stray = 0  # notifications that were not ours (counted, dropped)
+        self._peer_holds: dict[str, int] = {}
+
+    # --- memory --------------------------------------------------------------------------------
+    def register(self, address: int, num_bytes: int) -> Any:
+        """Registers host memory ``[address, +num_bytes)``; returns its registration list."""
+        with self.lock:
+            return self.agent.register_memory([(address, num_bytes, 0, "")], "DRAM")
+
+    def deregister(self, registration: Any) -> None:
+        with self.lock:
+            self.agent.deregister_memory(registration)
+
+    def metadata(self, registration: Any) -> bytes:
+        """This agent's connection details and ``registration`` only (what a peer may write to)."""
+        with self.lock:
+            return bytes(self.agent.get_partial_agent_metadata(registration, inc_conn_info=True))
+
+    # --- peers ---------------------------------------------------------------------------------
+    def add_peer(self, metadata: bytes) -> str:
+        """Loads a peer's metadata (again, for a known peer: its further regions); returns its name.
+        Each call holds the peer once; ``release_peer`` lets go, and the last one disconnects."""
+        with self.lock:
+            name = self.agent.add_remote_agent(metadata)
+            peer = name.decode() if isinstance(name, bytes) else str(name)
+            self._peer_holds[peer] = self._peer_holds.get(peer, 0) + 1
+        return peer
+
+    def connect(self, peer: str) -> None:
+        """Opens the connection now, so the first transfer does not pay for it (~35 ms)."""
+        with self.lock:
+            self.agent.make_connection(peer)
+
+    def release_peer(self, peer: str) -> None:
+        """Lets go of one hold on ``peer``; the last removes it (NIXL disconnects from it)."""
+        with self.lock:
+            holds = self._peer_holds.get(peer, 0) - 1
+            if holds > 0:
+                self._peer_holds[peer] = holds
+                return
+            self._peer_holds.pop(peer, None)
+            for key in [k for k in self._mail if k[0] == peer]:
+                del self._mail[key]
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(peer)
+
+    def peers(self) -> list[str]:
+        with self.lock:
+            return list(self._peer_holds)
+
+    def prepare(self, peer: str | None, base: int, lengths: list[int]) -> Any:
+        """A prepared descriptor list: ``[base, +PING_BYTES)`` then ``[base + HEADER_OFFSET, +length)``
+        for each of ``lengths``, in this agent's memory (``peer`` None) or in ``peer``'s."""
+        descriptors = [(base, PING_BYTES, 0)] + [(base + HEADER_OFFSET, n, 0) for n in lengths]
+        with self.lock:
+            return self.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descriptors, "DRAM")
+
+    def writer(self, local: Any, remote: Any, index: int) -> Any:
+        """A prepared WRITE of descriptor ``index`` of ``local`` onto the same of ``remote``."""
+        with self.lock:
+            return self.agent.make_prepped_xfer("WRITE", local, [index], remote, [index])
+
+    def post(self, handle: Any, message: bytes = b"") -> bool:
+        """Starts a prepared WRITE (with notification ``message``); True when already done.
+        Raises the library's error when the peer is gone."""
+        with self.lock:
+            return bool(self.agent.transfer(handle, message) == "DONE")
+
+    def done(self, handle: Any) -> bool:
+        """Makes progress; True when the WRITE completed. Raises the library's error on failure."""
+        with self.lock:
+            state = self.agent.check_xfer_state(handle)
+        if state == "ERR":
+            raise ConnectionError("NIXL transfer failed")
+        return bool(state == "DONE")
+
+    def notify(self, peer: str, message: bytes) -> None:
+        with self.lock:
+            self.agent.send_notif(peer, message)
+
+    # --- notifications -------------------------------------------------------------------------
+    def collect(self) -> list[tuple[str, Notice, int, int]]:
+        """Makes progress and returns the new notifications as (peer, kind, slot, seq)."""
+        with self.lock:
+            received = self.agent.get_new_notifs()
+        notices = []
+        for peer, messages in received.items():
+            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for message in messages:
+                parsed = parse_notice(bytes(message))
+                if parsed is None:
+                    self._stray += 1
+                    continue
+                notices.append((name, *parsed))
+        return notices
+
+    def deliver(self) -> None:
+        """``collect`` into the mailboxes (clients: each channel then ``take``s its own)."""
+        with self.lock:
+            for peer, kind, slot, seq in self.collect():
+                self._mail[(peer, slot)].append((kind, seq))
+
+    def take(self, peer: str, slot: int) -> tuple[Notice, int] | None:
+        """The oldest notification from ``peer`` about ``slot``, if any (after ``deliver``)."""
+        with self.lock:
+            box = self._mail.get((peer, slot))
+            return box.popleft() if box else None
+
+    def forget(self, peer: str, slot: int) -> None:
+        with self.lock:
+            self._mail.pop((peer, slot), None)
+
+
+class TransferSet:
+    """The prepared WRITEs from one local area onto one peer area of the same layout (a slot):
+    the ping (4 bytes of the flag word) and one frame per transfer length, each made on first use."""
+
+    def __init__(self, endpoint: Endpoint, peer: str, local_base: int, remote_base: int, limit: int) -> None:
+        self.endpoint = endpoint
+        self.peer = peer
+        self.lengths = transfer_lengths(limit)
+        self.limit = limit
+        self.local = endpoint.prepare(None, local_base, self.lengths)
+        try:
+            self.remote = endpoint.prepare(peer, remote_base, self.lengths)
+        except BaseException:
+            self._release_lists(remote=False)
+            raise
+        self._handles: dict[int, Any] = {}
+        self._frame: Any = None  # the frame WRITE in flight, until seen complete
+        self._ping: Any = None  # the ping in flight, until seen complete
+
+    def handle(self, index: int) -> Any:
+        handle = self._handles.get(index)
+        if handle is None:
+            handle = self.endpoint.writer(self.local, self.remote, index)
+            self._handles[index] = handle
+        return handle
+
+    def settle(self) -> bool:
+        """Makes progress on the writes in flight; True once no frame is (raises if one failed)."""
+        if self._ping is not None and self.endpoint.done(self._ping):
+            self._ping = None
+        if self._frame is not None and self.endpoint.done(self._frame):
+            self._frame = None
+        return self._frame is None
+
+    def write_frame(self, payload_bytes: int, message: bytes) -> None:
+        """WRITEs header and ``payload_bytes`` of payload, then notifies ``message``.
+
+        The previous frame is complete by then: the peer answered it, and NIXL notifies only after
+        a WRITE completed. ``RuntimeError`` if it is not."""
+        if not self.settle():
+            raise RuntimeError("the previous NIXL write of this slot has not completed")
+        length = transfer_length(frame_length(payload_bytes), self.limit)
+        handle = self.handle(1 + self.lengths.index(length))
+        if not self.endpoint.post(handle, message):
+            self._frame = handle
+
+    def ping(self) -> None:
+        """A 4-byte WRITE into the peer's flag word: raises at once when the peer is known gone.
+        (Settles the writes in flight too, which also raises for a failed one.)"""
+        self.settle()
+        if self._ping is None and not self.endpoint.post(self.handle(0)):
+            self._ping = self.handle(0)
+
+    def release(self) -> None:
+        """Frees the handles (a WRITE still in flight is cancelled by NIXL, or leaked if it cannot)."""
+        for handle in self._handles.values():
+            with contextlib.suppress(Exception):
+                handle.release()
+        self._handles.clear()
+        self._frame = self._ping = None
+        self._release_lists(remote=True)
+
+    def _release_lists(self, remote: bool) -> None:
+        lists = [self.local, self.remote] if remote else [self.local]
+        for prepped in lists:
+            with contextlib.suppress(Exception):
+                prepped.release()

@@ -1,0 +1,310 @@
+"""``nixl``, server side: slots in NIXL-registered memory, written one-sidedly by clients on any host.
+
+The server's arena is ``max_clients`` slots of the usual layout (``[flag | header | payload]``),
+each registered with NIXL as a region of its own. A client's handshake carries an offer: its NIXL
+agent's metadata and the address of its *answer area* (one slot's bytes, registered on its side).
+The server loads that metadata, prepares the WRITEs from the slot onto the answer area and
+answers with its own metadata for that one slot only, so a client can address its own slot and
+nothing else (with RDMA the NIC enforces this: a region's key opens that region alone).
+
+One exchange: the client WRITEs header and payload into its slot with the notification
+``R|slot|seq``; the server loop sees it (``poll``), computes, writes the answer into the slot and
+WRITEs it into the client's answer area with ``A|slot|seq``. The server never receives a byte
+through its CPU, and the notification arrives only once the bytes are there.
+
+Notifications carry the sender's agent name: one about a slot that agent does not hold (a stolen
+slot) is dropped. A client that leaves says ``B|slot`` (and its HTTP ``DELETE``); one that dies
+is found by ``reap``, which pings every attached client (a 4-byte WRITE into its answer area's
+flag word): UCX reports the broken endpoint, and the slot is released. A slot the server
+releases is announced with ``O|slot``, so a waiting client fails over at once.
+
+Memory: host memory (a GPU server copies requests to its device, as with ``tcp``). GPU-memory
+arenas (UCX ``cuda_ipc`` and GPUDirect RDMA) are not written yet: they were never measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from eaas.runtime.protocol import HEADER_OFFSET, SlotHeader, SlotState, slot_stride
+from eaas.runtime.transport.base import (
+    OfferRefused,
+    Request,
+    ServerTransport,
+    SlotsExhausted,
+    TransportOptions,
+)
+from eaas.runtime.transport.nixl_endpoint import (
+    AGENT_NAME,
+    Endpoint,
+    Notice,
+    TransferSet,
+    address,
+    decode,
+    encode,
+    frame_length,
+    notice,
+)
+from eaas.runtime.transport.polling import PollingWaiter
+
+log = logging.getLogger("eaas.transport")
+
+SPIN_S = 1e-3  # keep polling without sleeping this long after a request
+MIN_SLEEP_S = 20e-6  # then sleep between polls, from this...
+MAX_SLEEP_S = 1e-3  # ...doubling up to this (an idle server wakes ~1,000 times a second)
+CLOSE_NOTICE_S = 0.05  # on close, how long the OFFLINE notices get to leave
+
+
+@dataclass
+class _Slot:
+    client_id: str
+    peer: str  # the client's NIXL agent
+    generation: int
+    writes: TransferSet  # slot -> the client's answer area
+    requests: int = 0
+    state: SlotState = SlotState.IDLE
+
+
+class NixlServerTransport(ServerTransport):
+    name = "nixl"
+
+    def __init__(self, options: TransportOptions) -> None:
+        self.options = options
+        self.capacity_bytes = options.capacity_bytes
+        self.stride = slot_stride(options.capacity_bytes)
+        self.frame_limit = frame_length(options.capacity_bytes)
+        self.endpoint = Endpoint("server")
+        self.arena = np.zeros(options.max_clients * self.stride, dtype=np.uint8)
+        self.base = int(self.arena.ctypes.data)
+        self._view = self.arena.data
+        self._registrations = []
+        try:
+            for slot in range(options.max_clients):
+                self._registrations.append(self.endpoint.register(self._address(slot), self.stride))
+        except BaseException:
+            self._deregister()
+            raise
+        self._lock = threading.RLock()
+        self._slots: dict[int, _Slot] = {}
+        self._reserved: set[int] = set()  # slots being attached (their offer is being checked)
+        self._generations = [0] * options.max_clients
+        self._released: dict[int, str] = {}  # slot -> last client, shown as OFFLINE until re-attached
+        self._ready: list[int] = []  # slots whose request notification arrived
+        self._lost: list[int] = []  # slots released since the last reap (client gone or said goodbye)
+        self.refused_notices = 0  # notifications about a slot the sender does not hold
+        self._waiter = PollingWaiter(SPIN_S, MIN_SLEEP_S, MAX_SLEEP_S)
+
+    def _address(self, slot: int) -> int:
+        return self.base + slot * self.stride
+
+    def _slot_buffer(self, slot: int) -> memoryview:
+        return self._view[slot * self.stride : (slot + 1) * self.stride]
+
+    # --- handshake (control thread) --------------------------------------------------------------
+    def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
+        metadata, answer_address, answer_bytes = self._read_offer(offer)
+        with self._lock:
+            taken = self._slots.keys() | self._reserved
+            free = [s for s in range(self.options.max_clients) if s not in taken]
+            if not free:
+                raise SlotsExhausted(f"all {self.options.max_clients} nixl slots are attached")
+            slot = free[0]
+            self._reserved.add(slot)
+        peer = None
+        try:
+            peer = self._load_peer(metadata)
+            try:
+                writes = TransferSet(
+                    self.endpoint, peer, self._address(slot), answer_address, self.frame_limit
+                )
+            except Exception as exc:
+                raise OfferRefused(
+                    f"offer.answer_address: [{answer_address:#x}, +{answer_bytes}) is not memory the "
+                    f"client's agent registered ({type(exc).__name__}: {exc})"
+                ) from exc
+            self.endpoint.connect(peer)
+        except BaseException:
+            with self._lock:
+                self._reserved.discard(slot)
+                if peer is not None:
+                    self.endpoint.release_peer(peer)
+            raise
+        with self._lock:
+            self._reserved.discard(slot)
+            self._generations[slot] += 1
+            self._slot_buffer(slot)[:] = bytes(self.stride)
+            self._slots[slot] = _Slot(client_id, peer, self._generations[slot], writes)
+            self._released.pop(slot, None)
+            self._ready = [s for s in self._ready if s != slot]
+        registration = self._registrations[slot]
+        return {
+            "transport": self.name,
+            "slot": slot,
+            "agent": self.endpoint.name,
+            "agent_metadata": encode(self.endpoint.metadata(registration)),
+            "slot_address": self._address(slot),
+            "capacity_bytes": self.capacity_bytes,
+        }
+
+    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int]:
+        if not isinstance(offer, dict):
+            raise OfferRefused(
+                "offer: transport nixl needs the client's NIXL agent metadata and answer area "
+                "(agent_metadata, answer_address, answer_bytes)"
+            )
+        metadata = decode(offer.get("agent_metadata"), "offer.agent_metadata")
+        answer_address = address(offer.get("answer_address"), "offer.answer_address")
+        answer_bytes = offer.get("answer_bytes")
+        if type(answer_bytes) is not int or answer_bytes < self.stride:
+            raise OfferRefused(
+                f"offer.answer_bytes: this server's answers need {self.stride} bytes "
+                f"(slots of {self.capacity_bytes} payload bytes), got {answer_bytes!r}"
+            )
+        return metadata, answer_address, answer_bytes
+
+    def _load_peer(self, metadata: bytes) -> str:
+        try:
+            peer = self.endpoint.add_peer(metadata)
+        except Exception as exc:
+            raise OfferRefused(
+                f"offer.agent_metadata: NIXL refused it ({type(exc).__name__}: {exc}); a client "
+                "agent's metadata with its connection details, as the EaaS client sends, is required"
+            ) from exc
+        if not AGENT_NAME.match(peer) or peer == self.endpoint.name:
+            self.endpoint.release_peer(peer)
+            raise OfferRefused(f"offer.agent_metadata: names agent {peer!r}, not an EaaS client's agent")
+        return peer
+
+    def detach(self, slot: int) -> bool:
+        with self._lock:
+            return self._release(slot, announce=True)
+
+    def _release(self, slot: int, announce: bool, drop_peer: bool = True) -> bool:  # caller holds the lock
+        info = self._slots.pop(slot, None)
+        if info is None:
+            return False
+        self._released[slot] = info.client_id
+        if announce:  # a client waiting on this slot fails over at once
+            try:
+                self.endpoint.notify(info.peer, notice(Notice.OFFLINE, slot))
+            except Exception as exc:
+                log.debug("nixl slot %d: telling %s it is offline failed: %s", slot, info.peer, exc)
+        info.writes.release()
+        if drop_peer:
+            self.endpoint.release_peer(info.peer)
+        return True
+
+    def _lose(self, slot: int, reason: str) -> None:  # caller holds the lock
+        if self._release(slot, announce=False):
+            log.info("nixl slot %d released: %s", slot, reason)
+            self._lost.append(slot)
+
+    # --- server loop -----------------------------------------------------------------------------
+    def _pump(self) -> bool:
+        """Takes new notifications and progresses answers in flight; True if a request is ready."""
+        notices = self.endpoint.collect()
+        with self._lock:
+            for peer, kind, slot, _seq in notices:
+                info = self._slots.get(slot)
+                if info is None or info.peer != peer:
+                    self.refused_notices += 1  # not this sender's slot (or released): never served
+                    continue
+                if kind is Notice.REQUEST and info.state is not SlotState.REQUEST_READY:
+                    info.state = SlotState.REQUEST_READY
+                    self._ready.append(slot)
+                elif kind is Notice.BYE:
+                    self._lose(slot, f"client {info.client_id} said goodbye")
+            for slot, info in list(self._slots.items()):
+                try:
+                    info.writes.settle()
+                except Exception as exc:
+                    self._lose(slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
+            if self._ready:
+                self._waiter.activity()
+            return bool(self._ready)
+
+    def poll(self) -> list[Request]:
+        self._pump()
+        with self._lock:
+            ready, self._ready = self._ready, []
+            requests = []
+            for slot in ready:
+                info = self._slots.get(slot)
+                if info is None:
+                    continue
+                info.requests += 1
+                buffer = self._slot_buffer(slot)
+                header = SlotHeader.unpack_from(buffer, HEADER_OFFSET)
+                requests.append(Request(self.name, slot, info.generation, header, buffer))
+        return requests
+
+    def wait(self, timeout_s: float) -> None:
+        self._waiter.wait(self._pump, timeout_s)
+
+    def watch(self, fd: int) -> bool:
+        self._waiter.watch(fd)
+        return True
+
+    def respond(self, request: Request, header: SlotHeader) -> None:
+        with self._lock:
+            info = self._slots.get(request.slot)
+            if info is None or info.generation != request.generation:
+                return  # the client left while we computed
+            header.pack_into(request.slot_buffer, HEADER_OFFSET)
+            info.state = SlotState.RESPONSE_READY
+            try:
+                info.writes.write_frame(header.payload_bytes, notice(Notice.ANSWER, request.slot, header.seq))
+            except Exception as exc:
+                self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
+                return
+            info.state = SlotState.IDLE  # the client's next request may come as soon as it reads this
+
+    def reap(self) -> list[int]:
+        """Pings every attached client (UCX reports one whose process is gone); returns the slots
+        released since the last call."""
+        with self._lock:
+            for slot, info in list(self._slots.items()):
+                try:
+                    info.writes.ping()
+                except Exception as exc:
+                    self._lose(slot, f"client {info.client_id} is gone ({type(exc).__name__}: {exc})")
+            reaped, self._lost = self._lost, []
+        return reaped
+
+    def slots(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = [
+                {"slot": s, "client_id": i.client_id, "state": i.state.name, "requests": i.requests}
+                for s, i in self._slots.items()
+            ]
+            rows += [
+                {"slot": s, "client_id": cid, "state": SlotState.OFFLINE.name, "requests": 0}
+                for s, cid in self._released.items()
+            ]
+        return sorted(rows, key=lambda row: row["slot"])
+
+    def close(self) -> None:
+        with self._lock:
+            announced = [self._release(slot, announce=True, drop_peer=False) for slot in list(self._slots)]
+        deadline = time.monotonic() + (CLOSE_NOTICE_S if announced else 0.0)
+        while time.monotonic() < deadline:  # let the OFFLINE notices leave before disconnecting
+            self.endpoint.collect()
+            time.sleep(1e-3)
+        for peer in self.endpoint.peers():
+            while peer in self.endpoint.peers():
+                self.endpoint.release_peer(peer)
+        self._deregister()
+
+    def _deregister(self) -> None:
+        for registration in self._registrations:
+            try:
+                self.endpoint.deregister(registration)
+            except Exception as exc:
+                log.debug("deregistering a nixl slot: %s", exc)
+        self._registrations = []
