@@ -116,11 +116,12 @@ class NixlChannel(Channel):
     name = "nixl"
     needs_offer = True
 
-    def __init__(self, offer: NixlOffer, slot: int, peer: str, writes: TransferSet) -> None:
+    def __init__(self, offer: NixlOffer, slot: int, generation: int, peer: str, writes: TransferSet) -> None:
         self.offer_made = offer
         self.endpoint = offer.endpoint
         self.capacity_bytes = offer.capacity_bytes
         self.slot = slot
+        self.generation = generation  # the slot's attachment count: notices of another are not ours
         self.peer = peer
         self.writes = writes
         self.send_buffer = offer.send_area()
@@ -144,9 +145,9 @@ class NixlChannel(Channel):
             raise ChannelClosed("transport nixl: the client's offer must be made before the handshake")
         peer = None
         try:
-            slot = handle["slot"]
-            if type(slot) is not int or slot < 0:
-                raise ValueError(f"slot: a non-negative integer, got {slot!r}")
+            slot, generation = handle["slot"], handle["generation"]
+            if type(slot) is not int or slot < 0 or type(generation) is not int or generation < 0:
+                raise ValueError(f"slot and generation: non-negative integers, got {slot!r}, {generation!r}")
             if handle.get("capacity_bytes") != offer.capacity_bytes:
                 raise ValueError(
                     f"capacity_bytes: the offer was made for {offer.capacity_bytes}, "
@@ -168,7 +169,8 @@ class NixlChannel(Channel):
             raise ChannelClosed(
                 f"cannot open nixl slot {handle.get('slot')} on {host}: {type(exc).__name__}: {exc}"
             ) from exc
-        return cls(offer, slot, peer, writes)
+        offer.endpoint.forget(peer, slot, generation)
+        return cls(offer, slot, generation, peer, writes)
 
     @staticmethod
     def _undo(offer: NixlOffer, peer: str | None) -> None:
@@ -194,7 +196,7 @@ class NixlChannel(Channel):
         self._expect = (self._seq, num_tokens, hidden, dtype)
         self._answer = False
         try:
-            self.writes.write_frame(size, notice(Notice.REQUEST, self.slot, self._seq))
+            self.writes.write_frame(size, notice(Notice.REQUEST, self.slot, self.generation, self._seq))
         except Exception as exc:
             self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
             raise ChannelClosed(self._gone) from exc
@@ -208,7 +210,7 @@ class NixlChannel(Channel):
         try:
             self.writes.settle()  # our request's notification may leave only from here
             endpoint.deliver()
-            while (item := endpoint.take(self.peer, self.slot)) is not None:
+            while (item := endpoint.take(self.peer, self.slot, self.generation)) is not None:
                 kind, seq = item
                 if kind is Notice.OFFLINE:
                     self._gone = "the server released this slot"
@@ -272,12 +274,12 @@ class NixlChannel(Channel):
         endpoint = self.endpoint
         if self._gone is None:
             try:
-                endpoint.notify(self.peer, notice(Notice.BYE, self.slot))
+                endpoint.notify(self.peer, notice(Notice.BYE, self.slot, self.generation))
                 endpoint.deliver()  # a chance for the goodbye to leave
             except Exception:
                 pass
         self.writes.release()
-        endpoint.forget(self.peer, self.slot)
+        endpoint.forget(self.peer, self.slot, self.generation)
         endpoint.release_peer(self.peer)
         del self.send_buffer, self.answer_buffer
         self.offer_made.close()

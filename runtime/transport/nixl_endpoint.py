@@ -6,7 +6,9 @@ and worker). Agent names are ``eaas-<role>-<pid>-<random>``: unique per process 
 restarted server or client is never taken for its previous life (NIXL refuses to load a second
 agent under a known name with other connection details).
 
-Notifications are the slot flags. Each is 13 bytes, ``kind | slot (u32) | seq (u64)``:
+Notifications are the slot flags. Each is 17 bytes, ``kind | slot (u32) | generation (u32) | seq
+(u64)``; the generation counts the slot's attachments, so a late notice about a slot's previous
+holder is never taken for one about its current holder:
 
 | kind | sent by | meaning |
 |---|---|---|
@@ -33,10 +35,12 @@ import base64
 import binascii
 import contextlib
 import importlib
+import logging
 import os
 import re
 import secrets
 import struct
+import sys
 import threading
 from collections import defaultdict, deque
 from enum import Enum
@@ -52,7 +56,7 @@ PROGRESS_THREAD_ENV = "EAAS_NIXL_PROGRESS_THREAD"
 MAX_METADATA_BYTES = 64 << 10  # an agent's metadata for a few regions is ~0.5 KB
 AGENT_NAME = re.compile(r"^eaas-[a-z]+-[0-9]+-[0-9a-f]{12}$")
 
-NOTICE = struct.Struct("<cIQ")
+NOTICE = struct.Struct("<cIIQ")
 PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write may land there
 
 # Transfer sizes: a request or answer goes out as one prepared descriptor whose length is the
@@ -74,17 +78,17 @@ class Notice(Enum):
     OFFLINE = b"O"
 
 
-def notice(kind: Notice, slot: int, seq: int = 0) -> bytes:
-    return NOTICE.pack(kind.value, slot, seq)
+def notice(kind: Notice, slot: int, generation: int, seq: int = 0) -> bytes:
+    return NOTICE.pack(kind.value, slot, generation & 0xFFFFFFFF, seq)
 
 
-def parse_notice(message: bytes) -> tuple[Notice, int, int] | None:
-    """(kind, slot, seq), or None for a message that is not one of ours."""
+def parse_notice(message: bytes) -> tuple[Notice, int, int, int] | None:
+    """(kind, slot, generation, seq), or None for a message that is not one of ours."""
     if len(message) != NOTICE.size:
         return None
-    kind, slot, seq = NOTICE.unpack(message)
+    kind, slot, generation, seq = NOTICE.unpack(message)
     try:
-        return Notice(kind), slot, seq
+        return Notice(kind), slot, generation, seq
     except ValueError:
         return None
 
@@ -108,7 +112,20 @@ def load_library() -> ModuleType:
                 "transport nixl: the NIXL library is not installed "
                 f"(pip install 'eaas[nixl]'; tried {'; '.join(errors)})"
             )
+        _quiet_python_logger()
     return _library
+
+
+def _quiet_python_logger() -> None:
+    """NIXL's Python logger writes INFO lines to standard output, where a process's output (a ready
+    line, a CLI's answer) belongs: send them to standard error, warnings and up unless
+    ``NIXL_LOG_LEVEL`` asks for more."""
+    logger = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.WARNING)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def is_available() -> bool:
@@ -196,7 +213,7 @@ class Endpoint:
                 f"{', '.join(self.agent.plugin_list) or 'none'})"
             )
         self.lock = threading.RLock()
-        self._mail: dict[tuple[str, int], deque[tuple[Notice, int]]] = defaultdict(deque)
+        self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int]]] = defaultdict(deque)
         self._stray = 0  # notifications that were not ours (counted, dropped)
         self._peer_holds: dict[str, int] = {}
 
@@ -278,8 +295,8 @@ class Endpoint:
             self.agent.send_notif(peer, message)
 
     # --- notifications -------------------------------------------------------------------------
-    def collect(self) -> list[tuple[str, Notice, int, int]]:
-        """Makes progress and returns the new notifications as (peer, kind, slot, seq)."""
+    def collect(self) -> list[tuple[str, Notice, int, int, int]]:
+        """Makes progress and returns the new notifications as (peer, kind, slot, generation, seq)."""
         with self.lock:
             received = self.agent.get_new_notifs()
         notices = []
@@ -296,18 +313,19 @@ class Endpoint:
     def deliver(self) -> None:
         """``collect`` into the mailboxes (clients: each channel then ``take``s its own)."""
         with self.lock:
-            for peer, kind, slot, seq in self.collect():
-                self._mail[(peer, slot)].append((kind, seq))
+            for peer, kind, slot, generation, seq in self.collect():
+                self._mail[(peer, slot, generation)].append((kind, seq))
 
-    def take(self, peer: str, slot: int) -> tuple[Notice, int] | None:
-        """The oldest notification from ``peer`` about ``slot``, if any (after ``deliver``)."""
+    def take(self, peer: str, slot: int, generation: int) -> tuple[Notice, int] | None:
+        """The oldest notification from ``peer`` about ``slot`` in its ``generation``, if any
+        (after ``deliver``)."""
         with self.lock:
-            box = self._mail.get((peer, slot))
+            box = self._mail.get((peer, slot, generation & 0xFFFFFFFF))
             return box.popleft() if box else None
 
-    def forget(self, peer: str, slot: int) -> None:
+    def forget(self, peer: str, slot: int, generation: int) -> None:
         with self.lock:
-            self._mail.pop((peer, slot), None)
+            self._mail.pop((peer, slot, generation & 0xFFFFFFFF), None)
 
 
 class TransferSet:

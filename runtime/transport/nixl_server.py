@@ -8,15 +8,18 @@ answers with its own metadata for that one slot only, so a client can address it
 nothing else (with RDMA the NIC enforces this: a region's key opens that region alone).
 
 One exchange: the client WRITEs header and payload into its slot with the notification
-``R|slot|seq``; the server loop sees it (``poll``), computes, writes the answer into the slot and
-WRITEs it into the client's answer area with ``A|slot|seq``. The server never receives a byte
-through its CPU, and the notification arrives only once the bytes are there.
+``R|slot|generation|seq``; the server loop sees it (``poll``), computes, writes the answer into the
+slot and WRITEs it into the client's answer area with ``A|slot|generation|seq``. The notification
+arrives only once the bytes are there. Over RDMA the NIC places the bytes and the server's CPU
+only reads the notification; over UCX's TCP transport (a plain pod network) UCX receives them
+inside the server's own progress calls, without a thread of its own.
 
 Notifications carry the sender's agent name: one about a slot that agent does not hold (a stolen
-slot) is dropped. A client that leaves says ``B|slot`` (and its HTTP ``DELETE``); one that dies
-is found by ``reap``, which pings every attached client (a 4-byte WRITE into its answer area's
-flag word): UCX reports the broken endpoint, and the slot is released. A slot the server
-releases is announced with ``O|slot``, so a waiting client fails over at once.
+slot), or about a generation of the slot that has ended, is dropped. A client that leaves says
+``B`` (and its HTTP ``DELETE``); one that dies is found by ``reap``, which pings every attached
+client (a 4-byte WRITE into its answer area's flag word): UCX reports the broken endpoint, and the
+slot is released. A slot the server releases is announced with ``O``, so a waiting client fails
+over at once.
 
 Memory: host memory (a GPU server copies requests to its device, as with ``tcp``). GPU-memory
 arenas (UCX ``cuda_ipc`` and GPUDirect RDMA) are not written yet: they were never measured on a GPU.
@@ -148,6 +151,7 @@ class NixlServerTransport(ServerTransport):
             "slot": slot,
             "agent": self.endpoint.name,
             "agent_metadata": encode(self.endpoint.metadata(registration)),
+            "generation": self._generations[slot],
             "slot_address": self._address(slot),
             "capacity_bytes": self.capacity_bytes,
         }
@@ -192,7 +196,7 @@ class NixlServerTransport(ServerTransport):
         self._released[slot] = info.client_id
         if announce:  # a client waiting on this slot fails over at once
             try:
-                self.endpoint.notify(info.peer, notice(Notice.OFFLINE, slot))
+                self.endpoint.notify(info.peer, notice(Notice.OFFLINE, slot, info.generation))
             except Exception as exc:
                 log.debug("nixl slot %d: telling %s it is offline failed: %s", slot, info.peer, exc)
         info.writes.release()
@@ -210,9 +214,9 @@ class NixlServerTransport(ServerTransport):
         """Takes new notifications and progresses answers in flight; True if a request is ready."""
         notices = self.endpoint.collect()
         with self._lock:
-            for peer, kind, slot, _seq in notices:
+            for peer, kind, slot, generation, _seq in notices:
                 info = self._slots.get(slot)
-                if info is None or info.peer != peer:
+                if info is None or info.peer != peer or info.generation & 0xFFFFFFFF != generation:
                     self.refused_notices += 1  # not this sender's slot (or released): never served
                     continue
                 if kind is Notice.REQUEST and info.state is not SlotState.REQUEST_READY:
@@ -259,7 +263,8 @@ class NixlServerTransport(ServerTransport):
             header.pack_into(request.slot_buffer, HEADER_OFFSET)
             info.state = SlotState.RESPONSE_READY
             try:
-                info.writes.write_frame(header.payload_bytes, notice(Notice.ANSWER, request.slot, header.seq))
+                answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq)
+                info.writes.write_frame(header.payload_bytes, answer)
             except Exception as exc:
                 self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
                 return

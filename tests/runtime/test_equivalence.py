@@ -1,5 +1,6 @@
-"""The disaggregated model equals the monolithic reference: every family, 1-4 servers, R 1-2, shm and tcp,
-several clients at once (real shared memory, real sockets; servers run in this process)."""
+"""The disaggregated model equals the monolithic reference: every family, 1-4 servers, R 1-2, shm, tcp and
+nixl, several clients at once (real shared memory, real sockets, real NIXL agents over UCX; servers
+run in this process)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from eaas.runtime.model import FAMILIES, CheckpointReader
 from eaas.runtime.placement import round_robin
 
 LAYOUTS = [(1, 1), (2, 1), (3, 2), (4, 2)]  # (servers, replication)
+# What the servers offer for each transport under test (nixl beside tcp: the server waits in one
+# transport while watching the other's wake-ups).
+SERVER_TRANSPORTS = {"shm": ("shm", "tcp"), "tcp": ("shm", "tcp"), "nixl": ("nixl", "tcp")}
 
 
 def check_equal(
@@ -23,7 +27,7 @@ def check_equal(
     torch.testing.assert_close(logits, want[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 @pytest.mark.parametrize(("num_servers", "replication"), LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_equals_the_reference(
@@ -37,7 +41,7 @@ def test_generation_equals_the_reference(
     checkpoint = tiny_checkpoints[family]
     config = CheckpointReader(checkpoint).config
     placement = round_robin(config.moe_layers, config.num_experts, num_servers, replication=replication)
-    with in_process_servers(checkpoint, placement) as servers:
+    with in_process_servers(checkpoint, placement, transports=SERVER_TRANSPORTS[transport]) as servers:
         results = generate_concurrently(
             checkpoint, placement, urls(servers), [transport, transport], PROMPTS, MAX_NEW_TOKENS
         )

@@ -33,7 +33,8 @@ def cluster(
     checkpoint = tiny_checkpoints[FAMILY]
     config = CheckpointReader(checkpoint).config
     placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
-    with LocalCluster(checkpoint, placement, tmp_path_factory.mktemp("cluster")) as cluster:
+    workdir = tmp_path_factory.mktemp("cluster")
+    with LocalCluster(checkpoint, placement, workdir, transports=("shm", "tcp", "nixl")) as cluster:
         yield cluster
 
 
@@ -66,7 +67,7 @@ def kill_at_step(client: AttentionClient, step: int, action: object) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 def test_sigkill_mid_generation_gives_the_same_output_and_the_server_rejoins(
     healthy: LocalCluster, transport: str, reference_outputs: dict[str, tuple[list[list[int]], torch.Tensor]]
 ) -> None:
@@ -113,7 +114,7 @@ def test_a_hung_server_times_out_and_its_share_goes_to_replicas(
         healthy.kill(2)  # leave no half-served slots behind; `healthy` restarts it for the next test
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 def test_a_hung_server_fails_alone_within_two_seconds(
     healthy: LocalCluster, transport: str, reference_outputs: dict[str, tuple[list[list[int]], torch.Tensor]]
 ) -> None:
@@ -231,14 +232,14 @@ CLIENT_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 def test_a_killed_client_slot_goes_offline_and_others_keep_being_served(
     tiny_checkpoints: dict[str, Path], transport: str
 ) -> None:
     checkpoint = tiny_checkpoints["mixtral"]
     config = CheckpointReader(checkpoint).config
     placement: Placement = round_robin(config.moe_layers, config.num_experts, 1)
-    with in_process_servers(checkpoint, placement) as servers:
+    with in_process_servers(checkpoint, placement, transports=("shm", "tcp", "nixl")) as servers:
         server = servers[0]
         layer, expert = placement.experts_of(0)[0]
         args = [server.url, transport, str(layer), str(expert)]

@@ -1,0 +1,417 @@
+"""The ``nixl`` transport's own guarantees (real NIXL agents over UCX, servers in this process or in
+child processes): the exchange and its sizes, a handshake that refuses no token, a wrong token and
+forged or foreign metadata and allocates nothing, a stolen slot that is never served, a corrupt
+header answered with an error, a client that goes away freeing its slot, a server that dies
+failing its clients at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from datapath_helpers import in_process_servers
+
+from eaas.runtime.auth import Tokens
+from eaas.runtime.client.connection import ServerConnection, http_json
+from eaas.runtime.client.errors import HandshakeError
+from eaas.runtime.model import CheckpointReader
+from eaas.runtime.placement import Placement, round_robin
+from eaas.runtime.protocol import HEADER_OFFSET, SlotHeader, Status
+from eaas.runtime.server import ExpertServer
+from eaas.runtime.transport import ChannelClosed, RemoteError
+from eaas.runtime.transport.nixl_client import NixlChannel, client_endpoint
+from eaas.runtime.transport.nixl_endpoint import (
+    Notice,
+    encode,
+    notice,
+    transfer_length,
+    transfer_lengths,
+)
+from eaas.runtime.transport.nixl_server import NixlServerTransport
+
+TOKEN = "tok-" + "n" * 40
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints: dict[str, Path]) -> Iterator[tuple[Placement, ExpertServer]]:
+    """One mixtral server offering nixl (and tcp), with a data token."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    with in_process_servers(
+        checkpoint, placement, transports=("nixl", "tcp"), data_tokens=Tokens((TOKEN,)), max_tokens=64
+    ) as servers:
+        yield placement, servers[0]
+
+
+def connection(server: ExpertServer, client_id: str = "c", token: str | None = TOKEN) -> ServerConnection:
+    tokens = Tokens((token,)) if token else Tokens()
+    return ServerConnection(0, server.url, "nixl", client_id, 5.0, 2.0, tokens=tokens)
+
+
+def nixl_of(server: ExpertServer) -> NixlServerTransport:
+    transport = server.transports["nixl"]
+    assert isinstance(transport, NixlServerTransport)
+    return transport
+
+
+def attached(server: ExpertServer) -> list[dict]:  # type: ignore[type-arg]
+    return [row for row in server.slots() if row["transport"] == "nixl" and row["state"] != "OFFLINE"]
+
+
+def request_for(placement: Placement, num_tokens: int, hidden: int = 64) -> tuple:  # type: ignore[type-arg]
+    layer, expert = placement.experts_of(0)[0]
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    ids = torch.tensor([[expert, -1]] * num_tokens)
+    return layer, x, ids, torch.ones(num_tokens, 2)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_transfer_lengths_cover_every_frame_with_little_waste() -> None:
+    limit = 64 + 512 * 7168 * 2 + 512 * 8 * 12
+    lengths = transfer_lengths(limit)
+    assert lengths == sorted(set(lengths)) and lengths[-1] == limit
+    assert len(lengths) < 200  # one prepared WRITE per length, made on first use
+    for size in [1, 48, 4096, 4097, 65536, 65537, 1 << 20, (1 << 20) + 1, limit - 1, limit]:
+        length = transfer_length(size, limit)
+        assert length in lengths and size <= length <= limit
+        assert length <= max(size * 1.0625, size + 4096), (size, length)
+
+
+def test_requests_of_every_size_round_trip_and_match_the_local_experts(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    placement, server = served
+    conn = connection(server)
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel) and conn.handle["transport"] == "nixl"
+        stack = server.stack
+        for num_tokens in (1, 2, 7, 33, 64):  # 64: the slot's whole capacity
+            layer, x, ids, weights = request_for(placement, num_tokens)
+            channel.send(layer, x, ids, weights)
+            y = channel.receive(time.monotonic() + 10).clone()
+            group = stack.group_table[layer, int(ids[0, 0])]
+            w13, w2 = stack.w13[group], stack.w2[group]
+            gate, up = (x @ w13.T).chunk(2, dim=-1)
+            want = (torch.nn.functional.silu(gate) * up) @ w2.T
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        [row] = [r for r in attached(server) if r["client_id"] == "c"]
+        assert row["requests"] == 5
+    finally:
+        conn.close()
+    wait_for(lambda: not attached(server), 5, "the slot released after close")
+
+
+def test_a_refused_request_comes_back_as_a_remote_error_and_the_slot_stays_usable(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    placement, server = served
+    conn = connection(server, "refused")
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert channel is not None
+        layer, x, ids, weights = request_for(placement, 3)
+        channel.send(layer, x, torch.full_like(ids, 10_000), weights)  # no such expert
+        with pytest.raises(RemoteError, match="expert"):
+            channel.receive(time.monotonic() + 10)
+        channel.send(layer, x, ids, weights)
+        assert channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        conn.close()
+
+
+def test_a_corrupt_header_is_answered_with_an_error_status(served: tuple[Placement, ExpertServer]) -> None:
+    placement, server = served
+    conn = connection(server, "corrupt")
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel)
+        layer, x, ids, weights = request_for(placement, 2)
+        channel.send(layer, x, ids, weights)
+        channel.receive(time.monotonic() + 10)
+        # A header whose payload size is far beyond the slot, written straight into the slot: the
+        # server must refuse it, not read past the slot.
+        bad = SlotHeader.unpack_from(channel.send_buffer, HEADER_OFFSET)
+        forged = SlotHeader(
+            bad.kind, bad.dtype, bad.layer, bad.num_tokens, bad.top_k, bad.hidden, 99, 1 << 31
+        )
+        forged.pack_into(channel.send_buffer, HEADER_OFFSET)
+        channel._expect = (99, bad.num_tokens, bad.hidden, bad.dtype)  # what a reply must echo
+        channel.writes.write_frame(0, notice(Notice.REQUEST, channel.slot, channel.generation, 99))
+        with pytest.raises(RemoteError) as error:
+            channel.receive(time.monotonic() + 10)
+        assert error.value.status == Status.TOO_LARGE
+        channel.send(layer, x, ids, weights)  # and the slot serves the next request
+        assert channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        conn.close()
+
+
+def post_slot(server: ExpertServer, body: dict, token: str | None = TOKEN) -> tuple[int, str]:  # type: ignore[type-arg]
+    try:
+        return 201, json.dumps(http_json("POST", f"{server.url}/v1/slots", body, timeout_s=5.0, token=token))
+    except HandshakeError as error:
+        code = int(str(error).split("HTTP ")[1].split(":")[0])
+        return code, str(error)
+
+
+@pytest.mark.parametrize(
+    ("change", "token", "code", "says"),
+    [
+        ({}, None, 401, "data token"),
+        ({}, "tok-wrong-" + "x" * 30, 401, "data token"),
+        ({"offer": None}, TOKEN, 400, "offer: transport nixl needs"),
+        ({"offer": "not an object"}, TOKEN, 400, "offer: a JSON object"),
+        ({"offer.agent_metadata": "!!!"}, TOKEN, 400, "offer.agent_metadata: not valid base64"),
+        ({"offer.agent_metadata": encode(b"nixlSerDes|garbage")}, TOKEN, 400, "NIXL refused it"),
+        ({"offer.answer_address": -5}, TOKEN, 400, "offer.answer_address"),
+        ({"offer.answer_address": "shift"}, TOKEN, 400, "offer.answer_address"),
+        ({"offer.answer_bytes": 16}, TOKEN, 400, "offer.answer_bytes"),
+        ({"offer.answer_shift": 1 << 30}, TOKEN, 400, "is not memory the client's agent registered"),
+    ],
+)
+def test_a_bad_handshake_is_refused_and_allocates_nothing(
+    served: tuple[Placement, ExpertServer],
+    change: dict,
+    token: str | None,
+    code: int,
+    says: str,  # type: ignore[type-arg]
+) -> None:
+    _, server = served
+    offer = NixlChannel.offer(server.limits.capacity_bytes)
+    try:
+        body = {"client_id": "rogue", "transport": "nixl", "offer": dict(offer.body)}
+        for key, value in change.items():
+            if key == "offer.answer_shift":
+                body["offer"]["answer_address"] += value
+            elif key.startswith("offer."):
+                body["offer"][key.removeprefix("offer.")] = value
+            else:
+                body[key] = value
+        peers_before = set(nixl_of(server).endpoint.peers())
+        status, text = post_slot(server, body, token)
+        assert status == code, text
+        assert says in text, text
+        assert not [r for r in attached(server) if r["client_id"] == "rogue"]
+        assert set(nixl_of(server).endpoint.peers()) == peers_before  # no agent left loaded either
+    finally:
+        offer.close()
+
+
+def test_metadata_claiming_an_attached_clients_agent_is_refused(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    """Another process makes an agent under the name of this process's client agent: the server,
+    which knows that name with other connection details, refuses it and allocates nothing."""
+    _, server = served
+    conn = connection(server, "victim")
+    conn.connect()
+    script = textwrap.dedent(
+        """
+        import json, sys, numpy
+        from eaas.runtime.transport.nixl_endpoint import Endpoint, encode
+        endpoint = Endpoint("client")
+        endpoint.name = sys.argv[1]
+        endpoint.agent = endpoint.library.nixl_agent(sys.argv[1], endpoint.library.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"]))
+        area = numpy.zeros(1 << 20, numpy.uint8)
+        registration = endpoint.register(int(area.ctypes.data), area.nbytes)
+        print(json.dumps({"agent_metadata": encode(endpoint.metadata(registration)),
+                          "answer_address": int(area.ctypes.data), "answer_bytes": area.nbytes}))
+        """
+    )
+    try:
+        made = subprocess.run(
+            [sys.executable, "-c", script, client_endpoint().name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        forged = json.loads(made.stdout.strip().splitlines()[-1])
+        before = len(attached(server))
+        status, text = post_slot(server, {"client_id": "forger", "transport": "nixl", "offer": forged})
+        assert status == 400 and "NIXL refused it" in text, text
+        assert len(attached(server)) == before
+        channel = conn.channel  # the victim is unaffected
+        assert channel is not None
+        layer, x, ids, weights = request_for(served[0], 2)
+        channel.send(layer, x, ids, weights)
+        assert channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        conn.close()
+
+
+THIEF_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from eaas.runtime.auth import Tokens
+    from eaas.runtime.client.connection import ServerConnection
+    from eaas.runtime.transport.nixl_endpoint import Notice, TransferSet, notice
+    url, token, victim_slot, victim_address, generation = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    conn = ServerConnection(0, url, "nixl", "thief", 5.0, 2.0, tokens=Tokens((token,)))
+    conn.connect()
+    channel = conn.channel
+    try:  # the victim's slot itself: this agent holds no key to it
+        TransferSet(channel.endpoint, channel.peer, channel.offer_made.send_address, victim_address, 64)
+        print("wrote into the victim's slot", flush=True)
+    except Exception as exc:
+        print("refused:", type(exc).__name__, flush=True)
+    channel.writes.write_frame(0, notice(Notice.REQUEST, victim_slot, generation, 1))
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:  # the notification leaves as this agent makes progress
+        channel.writes.settle()
+        channel.endpoint.deliver()
+        time.sleep(0.001)
+    print("announced", flush=True)
+    conn.close()
+    """
+)
+
+
+def test_a_stolen_slot_is_never_served(served: tuple[Placement, ExpertServer]) -> None:
+    """Another client process announces a request in the victim's slot: the server sees the
+    announcement come from an agent that does not hold that slot and ignores it; and the thief's
+    agent cannot even address the victim's slot memory (it was given the key to its own only)."""
+    placement, server = served
+    victim = connection(server, "victim")
+    victim.connect()
+    try:
+        assert victim.channel is not None
+        refused = nixl_of(server).refused_notices
+        handle = victim.handle
+        args = [server.url, TOKEN, *(str(handle[k]) for k in ("slot", "slot_address", "generation"))]
+        thief = subprocess.run(
+            [sys.executable, "-c", THIEF_SCRIPT, *args], capture_output=True, text=True, timeout=60
+        )
+        assert thief.returncode == 0, thief.stderr[-2000:]
+        assert "refused: nixlNotFoundError" in thief.stdout, thief.stdout
+        assert "announced" in thief.stdout
+        wait_for(lambda: nixl_of(server).refused_notices > refused, 5, "the stolen slot's notice refused")
+        assert [r["requests"] for r in attached(server) if r["client_id"] == "victim"] == [0]
+        layer, x, ids, weights = request_for(placement, 2)
+        victim.channel.send(layer, x, ids, weights)  # the victim's slot still works, untouched
+        assert victim.channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        victim.close()
+
+
+CLIENT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from eaas.runtime.auth import Tokens
+    from eaas.runtime.client.connection import ServerConnection
+    url, token, layer, expert = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    conn = ServerConnection(0, url, "nixl", "doomed-client", 5.0, 2.0, tokens=Tokens((token,)))
+    conn.connect()
+    conn.channel.send(layer, torch.randn(2, 64), torch.tensor([[expert, -1]] * 2), torch.ones(2, 2))
+    conn.channel.receive(time.monotonic() + 10)
+    print("slot", conn.handle["slot"], flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_a_killed_client_frees_its_slot_and_its_agent(served: tuple[Placement, ExpertServer]) -> None:
+    placement, server = served
+    layer, expert = placement.experts_of(0)[0]
+    peers_before = set(nixl_of(server).endpoint.peers())
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT, server.url, TOKEN, str(layer), str(expert)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert doomed.stdout is not None
+        line = doomed.stdout.readline()
+        assert line.startswith("slot"), line
+        assert len(set(nixl_of(server).endpoint.peers()) - peers_before) == 1
+        doomed.kill()
+        doomed.wait(timeout=10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(timeout=10)
+    started = time.monotonic()
+    wait_for(
+        lambda: not [r for r in attached(server) if r["client_id"] == "doomed-client"],
+        10,
+        "the killed client's slot released",
+    )
+    print(f"killed client's slot released after {time.monotonic() - started:.2f} s")
+    assert set(nixl_of(server).endpoint.peers()) == peers_before
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from eaas.runtime.placement import Placement
+    from eaas.runtime.server import ExpertServer
+    placement = Placement.from_json(Path(sys.argv[2]).read_text())
+    server = ExpertServer.from_placement(sys.argv[1], placement, 0, transports=("nixl",), max_tokens=64)
+    server.start()
+    print(json.dumps({"url": server.url}), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_killed_server_fails_its_waiting_client_at_once(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    (tmp_path / "placement.json").write_text(placement.to_json())
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER_SCRIPT, str(checkpoint), str(tmp_path / "placement.json")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        url = json.loads(process.stdout.readline())["url"]
+        conn = ServerConnection(0, url, "nixl", "left-behind", 30.0, 5.0)
+        conn.connect()
+        channel = conn.channel
+        assert channel is not None
+        layer, x, ids, weights = request_for(placement, 2)
+        channel.send(layer, x, ids, weights)
+        channel.receive(time.monotonic() + 10)
+        process.send_signal(19)  # SIGSTOP: the request below is never answered
+        channel.send(layer, x, ids, weights)
+        time.sleep(0.1)
+        assert not channel.answered()  # a hang raises nothing in NIXL: the client's probe covers it
+        process.kill()
+        process.wait(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(ChannelClosed, match="the server is gone"):
+            channel.receive(time.monotonic() + 30)
+        waited = time.monotonic() - started
+        print(f"dead server seen by its waiting client after {waited * 1e3:.0f} ms")
+        assert waited < 1.0
+        conn.drop()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
