@@ -23,6 +23,7 @@ import click
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, lease_options
+from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
     from eaas.runtime.client import ClientOptions
@@ -82,7 +83,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 )
 @click.option(
     "--transport",
-    type=click.Choice(["shm", "tcp"]),
+    type=click.Choice(host_transport_names()),
     envvar=contract.ENV_TRANSPORT,
     show_envvar=True,
     default="tcp",

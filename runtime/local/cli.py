@@ -14,6 +14,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES, Family
+from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
     from eaas.runtime.local.session import ClientRun, KillPlan
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 )
 @click.option("--servers", "num_servers", default=4, show_default=True, help="expert-server processes")
 @click.option("--replication", default=2, show_default=True, help="replicas of every (layer, expert)")
-@click.option("--transport", type=click.Choice(["shm", "tcp"]), default="shm", show_default=True)
+@click.option("--transport", type=click.Choice(host_transport_names()), default="shm", show_default=True)
 @click.option(
     "--clients", "num_clients", default=1, show_default=True, help="attention clients generating at once"
 )
@@ -123,8 +124,14 @@ def local(
         started = time.perf_counter()
         data_token = secrets.token_urlsafe(24)  # only these clients may take the servers' slots
         cluster_dir = root / "cluster"
+        transports = tuple(dict.fromkeys(("shm", "tcp", transport)))  # what the servers offer
         with LocalCluster(
-            checkpoint, placement, cluster_dir, kernel_backend=kernel_backend, data_token=data_token
+            checkpoint,
+            placement,
+            cluster_dir,
+            transports=transports,
+            kernel_backend=kernel_backend,
+            data_token=data_token,
         ) as cluster:
             pids = ", ".join(f"{o}:{s.pid}" for o, s in cluster.servers.items())
             click.echo(

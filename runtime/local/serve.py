@@ -24,6 +24,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES
+from eaas.runtime.transport import host_transport_names
 
 
 @click.command("serve")
@@ -37,7 +38,7 @@ from eaas.runtime.model.config import FAMILIES
 )
 @click.option("--servers", "num_servers", default=2, show_default=True, help="expert-server processes")
 @click.option("--replication", default=1, show_default=True, help="replicas of every (layer, expert)")
-@click.option("--transport", type=click.Choice(["shm", "tcp"]), default="shm", show_default=True)
+@click.option("--transport", type=click.Choice(host_transport_names()), default="shm", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="EAAS_HOST", show_envvar=True)
 @click.option("--port", default=8000, show_default=True, envvar="EAAS_PORT", show_envvar=True)
 @click.option(

@@ -15,6 +15,7 @@ from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, lease_options
+from eaas.runtime.transport import transport_names
 
 
 @click.command("expert-server")
@@ -49,7 +50,10 @@ from eaas.runtime.lease import LeaseOptions, lease_options
 @click.option("--control-port", default=0, show_default=True, help="HTTP control port (0 = any free port)")
 @click.option("--tcp-port", default=0, show_default=True, help="tcp transport port (0 = any free port)")
 @click.option(
-    "--transports", default="shm,tcp", show_default=True, help="comma-separated transports to offer"
+    "--transports",
+    default="shm,tcp",
+    show_default=True,
+    help=f"comma-separated transports to offer, of {', '.join(transport_names())}",
 )
 @click.option("--max-clients", default=16, show_default=True, help="slots per transport")
 @click.option("--max-tokens", default=512, show_default=True, help="tokens per request")

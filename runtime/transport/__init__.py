@@ -14,7 +14,13 @@ from eaas.runtime.transport.base import (
     SlotsExhausted,
     TransportOptions,
 )
-from eaas.runtime.transport.registry import TransportSpec, get_transport, register_transport, transport_names
+from eaas.runtime.transport.registry import (
+    TransportSpec,
+    get_transport,
+    host_transport_names,
+    register_transport,
+    transport_names,
+)
 
 __all__ = [
     "Channel",
@@ -30,6 +36,7 @@ __all__ = [
     "TransportOptions",
     "TransportSpec",
     "get_transport",
+    "host_transport_names",
     "register_transport",
     "transport_names",
 ]

@@ -25,12 +25,13 @@ class TransportSpec:
     name: str
     server: type[ServerTransport]
     channel: type[Channel]
+    needs_gpu: bool = False  # slots in GPU memory: only servers and clients on a GPU can use it
 
 
 _TRANSPORTS: dict[str, TransportSpec] = {
     "shm": TransportSpec("shm", ShmServerTransport, ShmChannel),
     "tcp": TransportSpec("tcp", TcpServerTransport, TcpChannel),
-    "cuda_ipc": TransportSpec("cuda_ipc", CudaIpcServerTransport, CudaIpcChannel),
+    "cuda_ipc": TransportSpec("cuda_ipc", CudaIpcServerTransport, CudaIpcChannel, needs_gpu=True),
     "nixl": TransportSpec("nixl", NixlServerTransport, NixlChannel),
 }
 
@@ -41,6 +42,11 @@ def register_transport(spec: TransportSpec) -> None:
 
 def transport_names() -> list[str]:
     return sorted(_TRANSPORTS)
+
+
+def host_transport_names() -> list[str]:
+    """The transports whose slots are in host memory: usable by any process, CPU or GPU."""
+    return sorted(name for name, spec in _TRANSPORTS.items() if not spec.needs_gpu)
 
 
 def get_transport(name: str) -> TransportSpec:
