@@ -8,6 +8,9 @@
 # VARIANT=cpu: torch's CPU build from PyTorch's index (PyPI's torch does not import without its
 # nvidia-* wheels, so it cannot be slimmed by leaving them out).
 # Base: Debian 12 (bookworm) and its python3 (3.11); gcc because Triton compiles its launcher.
+# Both variants include the `nixl` extra (nixl-cu13, transport nixl; it starts without CUDA too).
+# Licence terms of what ships, NIXL's NVIDIA-proprietary parts included: docs/operations.md,
+# "Container image".
 ARG VARIANT=cuda
 # VARIANT=cpu needs TORCH_CPU_INDEX: the URL of PyTorch's CPU wheel index (or a mirror of it).
 ARG TORCH_CPU_INDEX=""
@@ -27,13 +30,15 @@ COPY operator ./operator
 COPY runtime ./runtime
 COPY kernels ./kernels
 COPY image/imagetool.py /usr/local/bin/
-# The wheel and its dependencies, pinned with their sha256, as image/build.sh does.
+# The wheel and its dependencies (nixl extra included), pinned with their sha256, as image/build.sh
+# does.
 RUN if [ "$VARIANT" = cpu ] && [ -z "$TORCH_CPU_INDEX" ]; then \
         echo "VARIANT=cpu needs --build-arg TORCH_CPU_INDEX=<PyTorch's CPU wheel index>" >&2; exit 1; fi \
     && if [ "$VARIANT" = cpu ]; then export PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX"; fi \
     && python3 -m venv /opt/pip && /opt/pip/bin/pip install -q --upgrade pip \
     && /opt/pip/bin/pip wheel -q --no-deps --wheel-dir /dist . \
-    && /opt/pip/bin/pip install -q --dry-run --ignore-installed --report /tmp/report.json /dist/eaas-*.whl \
+    && /opt/pip/bin/pip install -q --dry-run --ignore-installed --report /tmp/report.json \
+        "$(ls /dist/eaas-*.whl)[nixl]" \
     && python3 /usr/local/bin/imagetool.py requirements --variant "$VARIANT" /tmp/report.json \
         > /dist/requirements.txt \
     && /opt/pip/bin/pip download -q --no-deps --dest /dist -r /dist/requirements.txt

@@ -12,15 +12,16 @@
 # 1. base layer: Debian 12 (bookworm) made by mmdebstrap from Debian's archive (no image registry):
 #    minbase + python3 (3.11), python3-venv, gcc and libc6-dev (Triton compiles its launcher),
 #    ca-certificates; user and group eaas, 65532. Cached; EAAS_IMAGE_REFRESH=1 makes it again.
-# 2. the project's wheel, and its dependencies resolved by pip for CPython 3.11 on manylinux x86_64,
-#    pinned with their sha256 (image/imagetool.py requirements); cpu: torch's CPU build from
-#    PyTorch's index (EAAS_IMAGE_TORCH_CPU_INDEX), no nvidia-* or cuda-* wheel. Wheels are
-#    downloaded on this machine (its pip configuration, proxy and certificates apply) into the cache.
+# 2. the project's wheel, and its dependencies with the `nixl` extra (nixl-cu13, for transport nixl)
+#    resolved by pip for CPython 3.11 on manylinux x86_64, pinned with their sha256
+#    (image/imagetool.py requirements); cpu: torch's CPU build from PyTorch's index
+#    (EAAS_IMAGE_TORCH_CPU_INDEX), no nvidia-* or cuda-* wheel. Wheels are downloaded on this
+#    machine (its pip configuration, proxy and certificates apply) into the cache.
 # 3. app layer: a venv at /opt/eaas installed offline in a chroot from those wheels.
 # 4. config: Entrypoint ["eaas"], User 65532:65532, PATH with /opt/eaas/bin.
 # 5. check (EAAS_IMAGE_CHECK=0 skips): unpack the image with umoci and run the two --help commands
-#    (and `id`, and a torch matmul on CPU) with runc as the image's user, read-only root, no
-#    capabilities, no network.
+#    (and `id`, a torch matmul on CPU and a NIXL agent with its UCX backend) with runc as the
+#    image's user, read-only root, no capabilities, no network.
 #
 # Environment: EAAS_IMAGE_CACHE (default ~/.cache/eaas/image: base, wheels, OCI layout, work dirs),
 # EAAS_IMAGE_MIRROR / EAAS_IMAGE_SECURITY_MIRROR (Debian archives; default: the ones this machine's
@@ -133,7 +134,7 @@ if [ "$VARIANT" = cpu ] && ! "${PIP[@]}" index versions torch --index-url "$TORC
     die "the cpu variant needs torch's CPU build from $TORCH_CPU_INDEX, which cannot be reached"
 fi
 "${PIP[@]}" install -q --dry-run --ignore-installed --target "$WORK/unused" --report "$WORK/report.json" \
-    "${TARGET[@]}" "${INDEXES[@]}" "$WHEEL"
+    "${TARGET[@]}" "${INDEXES[@]}" "$WHEEL[nixl]"
 "$PYTHON" "$ROOT/image/imagetool.py" requirements --variant "$VARIANT" "$WORK/report.json" \
     > "$WORK/dist/requirements.txt"
 "${PIP[@]}" download -q --no-deps "${TARGET[@]}" "${INDEXES[@]}" --dest "$CACHE/wheels" \
@@ -203,6 +204,8 @@ if [ "${EAAS_IMAGE_CHECK:-1}" != 0 ]; then
     run_in_image eaas expert-server --help
     run_in_image python -c 'import torch; a = torch.randn(256, 256); print("torch", torch.__version__,
 "cuda available:", torch.cuda.is_available(), "matmul on CPU ok:", torch.allclose(a @ torch.eye(256), a))'
+    run_in_image python -c 'from eaas.runtime.transport.nixl_endpoint import Endpoint
+print("nixl: UCX backend", "UCX" in Endpoint("check").agent.backends)'
 fi
 rm -rf --one-file-system "$RUNDIR"
 

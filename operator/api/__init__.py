@@ -10,6 +10,7 @@ from eaas.operator.api.common import (
     PlacementSpec,
     ResourceRequirements,
     Transport,
+    UCXSpec,
 )
 from eaas.operator.api.kinds import (
     API_VERSION,
@@ -59,4 +60,5 @@ __all__ = [
     "ResourceRequirements",
     "Rule",
     "Transport",
+    "UCXSpec",
 ]

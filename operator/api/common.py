@@ -15,8 +15,8 @@ from eaas.operator.api.base import CRDModel, Rule
 from eaas.runtime.model.config import Family, MoEConfig
 from eaas.runtime.model.presets import PRESETS, preset
 
-Transport = Literal["tcp", "shm", "cuda_ipc", "nvshmem"]
-TRANSPORTS: tuple[Transport, ...] = ("tcp", "shm", "cuda_ipc", "nvshmem")
+Transport = Literal["tcp", "shm", "cuda_ipc", "nvshmem", "nixl"]
+TRANSPORTS: tuple[Transport, ...] = ("tcp", "shm", "cuda_ipc", "nvshmem", "nixl")
 GPU_TRANSPORTS: tuple[Transport, ...] = ("cuda_ipc", "nvshmem")
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
@@ -26,6 +26,10 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?
 RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 Port = Annotated[int, Field(ge=1, le=65535)]
+# UCX's list syntax: names (``rc_x``, ``tcp``, ``cuda_copy``; ``ud:aux``), comma-separated, or a
+# leading ``^`` to mean "all but these"; devices are ``name`` or ``name:port`` (``mlx5_0:1``).
+UCX_TRANSPORTS = r"^\^?[a-z][a-z0-9_]*(:aux)?(,[a-z][a-z0-9_]*(:aux)?)*$"
+UCX_DEVICES = r"^(\^?[A-Za-z0-9][-A-Za-z0-9_.]*(:[0-9]+)?(,[A-Za-z0-9][-A-Za-z0-9_.]*(:[0-9]+)?)*)?$"
 
 
 def _moe_bounds(name: str) -> tuple[int, int]:
@@ -219,6 +223,38 @@ class HeartbeatSpec(CRDModel):
     """How often each pod renews its Lease."""
     timeout_seconds: int = Field(default=10, ge=2, le=3600)
     """A Lease not renewed for this long marks its pod dead."""
+
+
+class UCXSpec(CRDModel):
+    """UCX settings of transport ``nixl``, given to every pod as ``UCX_*`` environment variables
+    (other transports ignore them). The defaults work on a plain pod network; for RDMA NICs see
+    docs/operations.md, "Running on RDMA nodes"."""
+
+    rules = (
+        Rule(
+            "self.tcpPortMin <= self.tcpPortMax",
+            "tcpPortMin must be <= tcpPortMax",
+            field_path=".tcpPortMin",
+            check=lambda u: u.tcp_port_min <= u.tcp_port_max,
+        ),
+    )
+
+    transports: str = Field(default="tcp", min_length=1, max_length=256, pattern=UCX_TRANSPORTS)
+    """``UCX_TLS``: the UCX transports, comma-separated. ``tcp`` works on any pod network; RDMA NICs:
+    ``rc,tcp`` (InfiniBand or RoCE verbs), ``rc_x,tcp`` or ``dc_x,tcp`` (ConnectX, mlx5)."""
+    net_devices: str = Field(default="", max_length=256, pattern=UCX_DEVICES)
+    """``UCX_NET_DEVICES``: the network devices UCX may use, comma-separated (``eth0``,
+    ``mlx5_0:1``); empty = not set, UCX takes every device it finds."""
+    tcp_port_min: Port = 20000
+    """First port of ``UCX_TCP_PORT_RANGE``: UCX's TCP transport listens in
+    [tcpPortMin, tcpPortMax] (one port per network device and process), which the NetworkPolicies
+    open between this MoEService's expert and attention pods."""
+    tcp_port_max: Port = 20099
+    """Last port of ``UCX_TCP_PORT_RANGE``."""
+
+    def contains(self, port: int) -> bool:
+        """Whether `port` is in the TCP port range."""
+        return self.tcp_port_min <= port <= self.tcp_port_max
 
 
 class PlacementSpec(CRDModel):

@@ -15,6 +15,7 @@ from eaas.operator.api.common import (
     ModelSpec,
     PlacementSpec,
     Transport,
+    UCXSpec,
     conditions_field,
 )
 from eaas.operator.api.pools import AttentionPoolTemplate, ExpertPoolTemplate, capacity_rule
@@ -98,6 +99,11 @@ class AutoscalingSpec(CRDModel):
     """Builtin: scale down to the highest recommendation of this window."""
 
 
+def _ucx_ports_free(spec: MoEServiceSpec) -> bool:
+    ports = (spec.expert_pool.port, spec.expert_pool.data_port, spec.attention_pool.port)
+    return spec.transport != "nixl" or not any(spec.ucx.contains(port) for port in ports)
+
+
 def _replicas_in_range(spec: MoEServiceSpec) -> bool:
     scaling = spec.autoscaling
     return (
@@ -132,6 +138,14 @@ class MoEServiceSpec(CRDModel):
             field_path=".expertPool.replicas",
             check=_replicas_in_range,
         ),
+        Rule(
+            "self.transport != 'nixl' || [self.expertPool.port, self.expertPool.dataPort,"
+            " self.attentionPool.port].all(p, p < self.ucx.tcpPortMin || p > self.ucx.tcpPortMax)",
+            "with transport nixl, [ucx.tcpPortMin, ucx.tcpPortMax] must not contain the pods' ports"
+            " (expertPool.port, expertPool.dataPort, attentionPool.port)",
+            field_path=".ucx",
+            check=_ucx_ports_free,
+        ),
         capacity_rule(".expertPool"),
     )
 
@@ -142,8 +156,12 @@ class MoEServiceSpec(CRDModel):
     expert_pool: ExpertPoolTemplate
     """The expert servers."""
     transport: Transport = "tcp"
-    """``tcp`` (CPU, across hosts), ``shm`` (CPU, one host), ``cuda_ipc`` (GPU, one node),
-    ``nvshmem`` (GPU, across nodes)."""
+    """How attention clients reach expert servers: ``tcp`` (CPU or GPU pods, across nodes), ``shm``
+    (CPU, one node), ``cuda_ipc`` (GPU, one node), ``nvshmem`` (GPU, across nodes), ``nixl`` (NIXL
+    one-sided writes over UCX into host memory: CPU or GPU pods, across nodes, RDMA where the NICs
+    have it; set up by ``ucx``)."""
+    ucx: UCXSpec = UCXSpec()
+    """UCX transports, devices and TCP ports of transport ``nixl`` (ignored by the others)."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     """Lease heartbeats of every pod."""
     placement: PlacementSpec = PlacementSpec()

@@ -20,6 +20,7 @@ from eaas.operator.api.common import (
     PodSettings,
     Port,
     Transport,
+    UCXSpec,
     conditions_field,
 )
 
@@ -118,7 +119,10 @@ class ExpertPoolSpec(ExpertPoolTemplate):
     model: ModelSpec
     """The served model (copied from the MoEService)."""
     transport: Transport = "tcp"
-    """How attention clients reach expert servers."""
+    """How attention clients reach expert servers (``tcp``, ``shm``, ``cuda_ipc``, ``nvshmem``,
+    ``nixl``; see MoEService ``spec.transport``)."""
+    ucx: UCXSpec = UCXSpec()
+    """UCX settings of transport ``nixl`` (copied from the MoEService)."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     """Lease renewal of the expert servers."""
     placement: PlacementSpec = PlacementSpec()
@@ -131,7 +135,10 @@ class AttentionPoolSpec(AttentionPoolTemplate):
     model: ModelSpec
     """The served model (copied from the MoEService)."""
     transport: Transport = "tcp"
-    """How attention clients reach expert servers."""
+    """How attention clients reach expert servers (``tcp``, ``shm``, ``cuda_ipc``, ``nvshmem``,
+    ``nixl``; see MoEService ``spec.transport``)."""
+    ucx: UCXSpec = UCXSpec()
+    """UCX settings of transport ``nixl`` (copied from the MoEService)."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     """Lease renewal of the attention clients."""
     expert_pool_name: str = Field(min_length=1, max_length=253)

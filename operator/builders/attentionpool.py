@@ -21,6 +21,7 @@ from eaas.operator.builders.common import (
     scheduling,
     scratch_volume,
     service_of,
+    ucx_env,
     volume_mounts,
 )
 from eaas.operator.builders.expertpool import co_location
@@ -63,6 +64,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
         naming.ENV_PORT: spec.port,
         naming.ENV_EXPERT_SERVICE: f"{spec.expert_pool_name}.{namespace}.svc",
         naming.ENV_EXPERT_PORT: spec.expert_pool_port,
+        **ucx_env(spec.transport, spec.ucx),
     }
     container = {
         "name": CONTAINER,

@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 
 from eaas.operator import naming
-from eaas.operator.api.common import HeartbeatSpec, ModelSpec, PodSettings
+from eaas.operator.api.common import HeartbeatSpec, ModelSpec, PodSettings, UCXSpec
 
 Body = Mapping[str, Any]  # an object as the API returns it (camelCase dict)
 
@@ -190,6 +190,23 @@ def common_env(
         naming.ENV_DATA_TOKEN_FILE: f"{naming.DATA_TOKEN_MOUNT}/{naming.DATA_TOKEN_KEY}",
         "HOME": SCRATCH,  # caches that default to ~ (Triton's kernels, torch's) land on the scratch volume
     }
+
+
+def ucx_env(transport: str, ucx: UCXSpec) -> dict[str, str]:
+    """UCX's own environment variables, read when a NIXL agent starts: only for transport ``nixl``.
+
+    ``UCX_TLS`` (transports), ``UCX_TCP_PORT_RANGE`` (``MIN-MAX``: the TCP transport's listening
+    ports, which the NetworkPolicies open) and ``UCX_NET_DEVICES`` when the spec names devices.
+    """
+    if transport != "nixl":
+        return {}
+    variables = {
+        "UCX_TLS": ucx.transports,
+        "UCX_TCP_PORT_RANGE": f"{ucx.tcp_port_min}-{ucx.tcp_port_max}",
+    }
+    if ucx.net_devices:
+        variables["UCX_NET_DEVICES"] = ucx.net_devices
+    return variables
 
 
 def resources(settings: PodSettings, gpus: int) -> dict[str, Any]:

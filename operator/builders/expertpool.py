@@ -23,6 +23,7 @@ from eaas.operator.builders.common import (
     scheduling,
     scratch_volume,
     service_of,
+    ucx_env,
     volume_mounts,
 )
 from eaas.runtime.placement.placement import Placement
@@ -65,8 +66,10 @@ def labels(pool: Body) -> dict[str, str]:
 
 
 def template_hash(spec: ExpertPoolSpec) -> str:
-    """Changes exactly when the pods must be replaced (image, resources, model, transport, ...)."""
-    template = {key: value for key, value in spec.to_k8s().items() if key not in _NOT_IN_TEMPLATE}
+    """Changes exactly when the pods must be replaced (image, resources, model, transport, ...).
+    ``ucx`` counts only with transport ``nixl``, the one that reads it."""
+    skipped = _NOT_IN_TEMPLATE if spec.transport == "nixl" else (*_NOT_IN_TEMPLATE, "ucx")
+    template = {key: value for key, value in spec.to_k8s().items() if key not in skipped}
     return content_hash(template)
 
 
@@ -104,6 +107,7 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         # A GPU pod keeps its experts on its GPU and computes with the Triton kernels (by default).
         naming.ENV_DEVICE: "cuda" if spec.gpus_per_pod else "cpu",
         naming.ENV_KERNEL_BACKEND: spec.kernel_backend or ("triton" if spec.gpus_per_pod else "torch"),
+        **ucx_env(spec.transport, spec.ucx),
     }
     container = {
         "name": CONTAINER,

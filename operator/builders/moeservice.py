@@ -1,6 +1,7 @@
 """MoEService → its AttentionPool and ExpertPool.
 
-The MoEService copies model, transport, heartbeat and placement into both pools. It is the only
+The MoEService copies model, transport (with its UCX settings), heartbeat and placement into both
+pools. It is the only
 writer of the pools' specs, except ``ExpertPool.spec.replicas``, which has exactly one writer
 chosen by ``spec.autoscaling.mode`` (:func:`replicas_writer`) and is changed through ``/scale``.
 """
@@ -38,6 +39,7 @@ def expert_pool_spec(spec: MoEServiceSpec) -> ExpertPoolSpec:
         **spec.expert_pool.model_dump(),
         model=spec.model,
         transport=spec.transport,
+        ucx=spec.ucx,
         heartbeat=spec.heartbeat,
         placement=spec.placement,
     )
@@ -49,6 +51,7 @@ def attention_pool_spec(service: Body, spec: MoEServiceSpec) -> AttentionPoolSpe
         **spec.attention_pool.model_dump(),
         model=spec.model,
         transport=spec.transport,
+        ucx=spec.ucx,
         heartbeat=spec.heartbeat,
         expert_pool_name=experts,
         expert_pool_port=spec.expert_pool.port,

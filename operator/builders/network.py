@@ -5,6 +5,9 @@
   the monitoring namespaces (``/metrics``). Nothing else, other MoEServices included.
 * ``<m>-attention``: the API port from anywhere, or only from this namespace and the namespaces
   listed (plus monitoring).
+* With transport ``nixl``, each also admits UCX's TCP port range (``spec.ucx``) from the other
+  pool's pods: UCX connects in whichever direction an endpoint is first needed, so a server that
+  writes an answer may open the connection to its client.
 
 Policies select pods by the pools' labels; they only restrict ingress. A cluster whose network
 plugin does not enforce NetworkPolicies ignores them (the API server stores them all the same).
@@ -27,6 +30,10 @@ def _namespace(name: str) -> dict[str, Any]:
 
 def _ports(*ports: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def _port_range(first: int, last: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": first, "endPort": last}]
 
 
 def _policy(service: Body, name: str, pods: dict[str, str], ingress: list[dict[str, Any]]) -> dict[str, Any]:
@@ -55,8 +62,10 @@ def network_policies(
     control, data = spec.expert_pool.port, spec.expert_pool.data_port
     monitoring = [_namespace(ns) for ns in spec.network_policy.monitoring_namespaces]
 
+    ucx = _port_range(spec.ucx.tcp_port_min, spec.ucx.tcp_port_max) if spec.transport == "nixl" else []
+
     expert_ingress: list[dict[str, Any]] = [
-        {"from": [{"podSelector": {"matchLabels": attention_pods}}], "ports": _ports(control, data)}
+        {"from": [{"podSelector": {"matchLabels": attention_pods}}], "ports": _ports(control, data) + ucx}
     ]
     if operator_namespace:
         operator = {**_namespace(operator_namespace), "podSelector": {"matchLabels": OPERATOR_POD}}
@@ -71,6 +80,8 @@ def network_policies(
         attention_ingress = [{"from": sources, "ports": api}]
     else:
         attention_ingress = [{"ports": api}]  # no "from": any source
+    if ucx:
+        attention_ingress.append({"from": [{"podSelector": {"matchLabels": expert_pods}}], "ports": ucx})
     return [
         _policy(service, f"{name}-expert-servers", expert_pods, expert_ingress),
         _policy(service, f"{name}-attention", attention_pods, attention_ingress),

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from eaas.operator.api import TRANSPORTS, ExpertPoolSpec, MoEServiceSpec
-from eaas.operator.api.common import EXPERTS_MAX, LAYERS_MAX, TOPK_MAX
+from eaas.operator.api.common import EXPERTS_MAX, LAYERS_MAX, TOPK_MAX, UCX_DEVICES, UCX_TRANSPORTS
 from eaas.operator.reconcile.context import describe_validation_error
 from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.transport.registry import transport_names
@@ -44,7 +44,9 @@ def rejection(spec: dict[str, Any]) -> str:
     return describe_validation_error(caught.value)
 
 
-@pytest.mark.parametrize("name", ["moeservice-tiny-cpu.yaml", "moeservice-deepseek-v3-gpu.yaml"])
+@pytest.mark.parametrize(
+    "name", ["moeservice-tiny-cpu.yaml", "moeservice-deepseek-v3-gpu.yaml", "moeservice-nixl.yaml"]
+)
 def test_example_manifests_are_valid(name: str) -> None:
     document = yaml.safe_load((ROOT / "manifests" / name).read_text())
     assert document["apiVersion"] == "eaas.io/v1alpha1" and document["kind"] == "MoEService"
@@ -70,7 +72,10 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
             {"autoscaling.minReplicas": 5, "autoscaling.maxReplicas": 4},
             "spec.autoscaling.minReplicas: minReplicas must be <= maxReplicas",
         ),
-        ({"transport": "rdma"}, "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc' or 'nvshmem'"),
+        (
+            {"transport": "rdma"},
+            "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc', 'nvshmem' or 'nixl'",
+        ),
         ({"transport": "nvshmem"}, "transports cuda_ipc and nvshmem need expertPool.gpusPerPod = 1"),
         ({"heartbeat.intervalSeconds": 10}, "timeoutSeconds must be greater than intervalSeconds"),
         (
@@ -104,10 +109,67 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
         ({"expertPool.kernelBackend": "cuda"}, "spec.expertPool.kernelBackend: String should match pattern"),
         ({"expertPool.kernelBackend": "simulated:1"}, "spec.expertPool.kernelBackend: String should match"),
         ({"expertPool.kernelBackend": "triton"}, "spec.expertPool.kernelBackend: kernelBackend triton needs"),
+        ({"ucx.transports": "tcp;rc"}, "spec.ucx.transports: String should match pattern"),
+        ({"ucx.transports": "rc x"}, "spec.ucx.transports: String should match pattern"),
+        ({"ucx.transports": ""}, "spec.ucx.transports: String should have at least 1 character"),
+        ({"ucx.netDevices": "mlx5_0:one"}, "spec.ucx.netDevices: String should match pattern"),
+        ({"ucx.netDevices": "eth0 eth1"}, "spec.ucx.netDevices: String should match pattern"),
+        ({"ucx.tcpPortMax": 70000}, "spec.ucx.tcpPortMax: Input should be less than or equal to 65535"),
+        ({"ucx.tcpPortMax": 20099.5}, "spec.ucx.tcpPortMax: Input should be a valid integer"),
+        (
+            {"ucx.tcpPortMin": 20100, "ucx.tcpPortMax": 20099},
+            "spec.ucx.tcpPortMin: tcpPortMin must be <= tcpPortMax",
+        ),
+        (
+            {"transport": "nixl", "ucx.tcpPortMin": 9000, "ucx.tcpPortMax": 9100},
+            "spec.ucx: with transport nixl, [ucx.tcpPortMin, ucx.tcpPortMax] must not contain the pods'",
+        ),
+        (
+            {"transport": "nixl", "ucx.tcpPortMin": 8000, "ucx.tcpPortMax": 8000},
+            "must not contain the pods' ports (expertPool.port, expertPool.dataPort, attentionPool.port)",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(changes: dict[str, Any], expected: str) -> None:
     assert expected in rejection(spec_with(**changes))
+
+
+@pytest.mark.parametrize(
+    ("transports", "devices"),
+    [
+        ("tcp", ""),
+        ("rc,tcp", "mlx5_0:1"),
+        ("rc_x,tcp", "mlx5_0:1,mlx5_1:1"),
+        ("^cma", "eth0"),
+        ("rc,ud:aux", ""),
+    ],
+)
+def test_nixl_takes_ucx_transports_and_devices_in_ucx_syntax(transports: str, devices: str) -> None:
+    spec = MoEServiceSpec.from_k8s(
+        spec_with(**{"transport": "nixl", "ucx.transports": transports, "ucx.netDevices": devices})
+    )
+    assert (spec.transport, spec.ucx.transports, spec.ucx.net_devices) == ("nixl", transports, devices)
+
+
+def test_ucx_defaults_work_on_a_plain_pod_network() -> None:
+    spec = MoEServiceSpec.from_k8s(spec_with(transport="nixl"))
+    assert spec.ucx.transports == "tcp" and spec.ucx.net_devices == ""
+    # Clear of the pods' default ports and below Linux's ephemeral range (32768-60999), so
+    # UCX's listeners never collide with the ports of outgoing connections.
+    assert (spec.ucx.tcp_port_min, spec.ucx.tcp_port_max) == (20000, 20099)
+    # Other transports ignore ucx: its ports may then overlap the pods' ones.
+    assert MoEServiceSpec.from_k8s(spec_with(**{"ucx.tcpPortMin": 9000, "ucx.tcpPortMax": 9200}))
+
+
+def test_crd_admits_nixl_and_checks_ucx_with_the_same_patterns() -> None:
+    crd = yaml.safe_load((ROOT / "crds" / "eaas.io_moeservices.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert "nixl" in spec["properties"]["transport"]["enum"]
+    ucx = spec["properties"]["ucx"]["properties"]
+    assert ucx["transports"]["pattern"] == UCX_TRANSPORTS and ucx["netDevices"]["pattern"] == UCX_DEVICES
+    assert ucx["tcpPortMin"]["type"] == "integer" == ucx["tcpPortMax"]["type"]
+    rules = [rule["rule"] for rule in spec["x-kubernetes-validations"]]
+    assert any("self.ucx.tcpPortMin" in rule for rule in rules)
 
 
 def test_capacity_rule_accepts_exactly_enough_slots() -> None:

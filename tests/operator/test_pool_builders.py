@@ -285,3 +285,81 @@ def test_network_policies_admit_only_this_services_clients_the_operator_and_moni
         for s in rule["from"]
     ]
     assert rule["from"][0] == {"podSelector": {}} and names[1:] == ["apps", "monitoring"]
+
+
+UCX_VARIABLES = {"UCX_TLS", "UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE"}
+
+
+def nixl_service(spec: MoEServiceSpec, **ucx: Any) -> MoEServiceSpec:
+    return spec.model_copy(update={"transport": "nixl", "ucx": spec.ucx.model_copy(update=ucx)})
+
+
+def pod_envs(moes_body: dict[str, Any], spec: MoEServiceSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment of an expert-server pod and of an attention pod of MoEService `spec`."""
+    experts = moeservice.expert_pool(moes_body, spec)
+    attention = moeservice.attention_pool(moes_body, spec)
+    experts["metadata"]["uid"] = attention["metadata"]["uid"] = "pool-uid"
+    expert_pod = expertpool.pod(experts, ExpertPoolSpec.from_k8s(experts["spec"]), 0)
+    deployment = attentionpool.deployment(attention, AttentionPoolSpec.from_k8s(attention["spec"]))
+    (expert_container,) = expert_pod["spec"]["containers"]
+    (attention_container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return env_of(expert_container), env_of(attention_container)
+
+
+def test_nixl_pods_get_ucx_settings_from_the_spec(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    for env in pod_envs(moes_body, nixl_service(moes_spec)):
+        assert env[naming.ENV_TRANSPORT] == "nixl"
+        # The defaults: TCP on whatever devices the pod has, listening in the range the policies open.
+        assert {k: v for k, v in env.items() if k.startswith("UCX_")} == {
+            "UCX_TLS": "tcp",
+            "UCX_TCP_PORT_RANGE": "20000-20099",
+        }
+    rdma = nixl_service(
+        moes_spec, transports="rc_x,tcp", net_devices="mlx5_0:1", tcp_port_min=21000, tcp_port_max=21009
+    )
+    for env in pod_envs(moes_body, rdma):
+        assert (env["UCX_TLS"], env["UCX_NET_DEVICES"], env["UCX_TCP_PORT_RANGE"]) == (
+            "rc_x,tcp",
+            "mlx5_0:1",
+            "21000-21009",
+        )
+
+
+def test_other_transports_get_no_ucx_settings(moes_body: dict[str, Any], moes_spec: MoEServiceSpec) -> None:
+    tcp = moes_spec.model_copy(update={"ucx": moes_spec.ucx.model_copy(update={"net_devices": "eth0"})})
+    for env in pod_envs(moes_body, tcp):
+        assert env[naming.ENV_TRANSPORT] == "tcp" and not UCX_VARIABLES & env.keys()
+
+
+def test_ucx_settings_replace_expert_pods_only_under_nixl(pool_spec: ExpertPoolSpec) -> None:
+    other_devices = pool_spec.ucx.model_copy(update={"net_devices": "eth1"})
+    tcp = expertpool.template_hash(pool_spec)
+    assert expertpool.template_hash(pool_spec.model_copy(update={"ucx": other_devices})) == tcp
+    nixl = pool_spec.model_copy(update={"transport": "nixl"})
+    assert expertpool.template_hash(nixl) != tcp
+    assert expertpool.template_hash(nixl.model_copy(update={"ucx": other_devices})) != (
+        expertpool.template_hash(nixl)
+    )
+
+
+def test_nixl_network_policies_open_the_ucx_ports_between_the_two_pools(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    spec = nixl_service(moes_spec, tcp_port_min=21000, tcp_port_max=21009)
+    experts, attention = network_policies(moes_body, spec, "eaas-system")
+    ucx_range = {"protocol": "TCP", "port": 21000, "endPort": 21009}
+    attention_pods = {"podSelector": {"matchLabels": attentionpool.selector("tiny-attention")}}
+    expert_pods = {"podSelector": {"matchLabels": expertpool.selector("tiny-experts")}}
+    clients, operator = experts["spec"]["ingress"]
+    assert clients["from"] == [attention_pods] and ucx_range in clients["ports"]
+    assert {p["port"] for p in clients["ports"]} == {9100, 9101, 21000}
+    assert ucx_range not in operator["ports"]
+    # UCX may connect from the server's side too: attention pods take the range from expert pods.
+    api, from_servers = attention["spec"]["ingress"]
+    assert [p["port"] for p in api["ports"]] == [8000]
+    assert from_servers == {"from": [expert_pods], "ports": [ucx_range]}
+
+    experts, attention = network_policies(moes_body, moes_spec, "eaas-system")  # tcp: no range
+    assert "endPort" not in str(experts) + str(attention) and len(attention["spec"]["ingress"]) == 1
