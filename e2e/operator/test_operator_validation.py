@@ -41,7 +41,14 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "transport",
         {"transport": "rdma"},
         "spec.transport: Unsupported value",
-        '"tcp", "shm", "cuda_ipc", "nvshmem"',
+        '"tcp", "shm", "cuda_ipc", "nvshmem", "nixl"',
+    ),
+    ("ucxtls", {"ucx": {"transports": "tcp;rc"}}, "spec.ucx.transports: Invalid value", "should match"),
+    (
+        "ucxports",
+        {"transport": "nixl", "ucx": {"tcpPortMin": 9000, "tcpPortMax": 9200}},
+        "spec.ucx: Invalid value",
+        "must not contain the pods' ports",
     ),
     (
         "minmax",

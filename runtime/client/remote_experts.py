@@ -359,8 +359,8 @@ class RemoteExperts:
         """Blocks until one of ``channels`` may have its answer, the deadline, or a liveness check."""
         waits = [(channel, channel.wakeup_fd()) for channel in channels if channel is not None]
         fds = [fd for _, fd in waits if fd is not None]
-        if len(fds) < len(waits):  # a channel that cannot be waited on (GPU flags): poll
-            time.sleep(0)
+        if len(fds) < len(waits):  # a channel that cannot be waited on (GPU flags, NIXL): poll
+            time.sleep(min(channel.poll_interval_s() for channel, fd in waits if fd is None))
             return
         timeout = min(max(deadline - time.monotonic(), 0.0), WAIT_SLICE_S)
         ready = set(select.select(fds, [], [], timeout)[0])

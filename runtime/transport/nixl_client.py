@@ -39,6 +39,7 @@ from eaas.runtime.protocol import (
     slot_stride,
     write_request,
 )
+from eaas.runtime.transport.backoff import reduce_timer_slack_once
 from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
 from eaas.runtime.transport.nixl_endpoint import (
     Endpoint,
@@ -186,6 +187,7 @@ class NixlChannel(Channel):
             raise ChannelClosed(self._gone)
         if self._expect is not None:
             raise ChannelClosed("a request is still outstanding on this slot")
+        reduce_timer_slack_once()  # the sending thread waits: sleeps of µs, not 50 µs of slack on top
         self._seq += 1
         num_tokens, hidden = x.shape
         dtype = dtype_code(x.dtype)

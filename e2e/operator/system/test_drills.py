@@ -10,7 +10,6 @@ pool is back to full R. docs/benchmarks.md records what they printed.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -43,10 +42,13 @@ from e2e.operator.system.workload import (
     Outcome,
     ReplicaWatch,
     System,
+    completions_equal_reference,
     deploy,
     longest_gap,
     pod_url,
     retried,
+    sigkill_drill,
+    sigstop_drill,
     stream_completion,
 )
 from e2e.waiting import wait_until
@@ -65,92 +67,18 @@ def system(
 
 
 def test_completions_through_the_service_equal_the_reference(system: System) -> None:
-    with Load(system.url, system.model, workers=2, limit=8) as load:
-        wait_until(lambda: len(load.outcomes) == 8 and load.all_done(), 120, "8 requests")
-    system.check(load.outcomes)
-
-
-def _drill(system: System, victim: Any, act: Any, name: str, timeout: float = 180) -> tuple[float, float]:
-    """Run `act` on `victim` (an expert pod) under load; returns (interruption, baseline), both the
-    longest wait for a chunk, during the drill and in the seconds before it."""
-    restarts = victim.status.container_statuses[0].restart_count
-
-    def recovered() -> bool:
-        # The victim's container restarted, or its pod was replaced (under its name or, when the
-        # operator re-placed it after its Lease expired, a new ordinal), and the pool is whole again.
-        now_pod = {p.metadata.name: p for p in system.expert_pods()}.get(victim.metadata.name)
-        if now_pod is not None and now_pod.metadata.uid == victim.metadata.uid:
-            statuses = now_pod.status.container_statuses or []
-            if not statuses or statuses[0].restart_count <= restarts:
-                return False
-        return system.full_strength(3)
-
-    with ReplicaWatch(system) as watch, Load(system.url, system.model, workers=2) as load:
-        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
-        before_start = time.monotonic()
-        time.sleep(3)
-        struck = time.monotonic()
-        act()
-        try:
-            wait_until(recovered, timeout, f"{name}: the victim back and the pool at full R")
-        except AssertionError as error:
-            raise AssertionError(f"{error}\n{pod_logs(system.plane, system.namespace)}") from None
-        restored = time.monotonic() - struck
-        back = time.monotonic()
-        wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
-    outcomes = load.outcomes
-    baseline = longest_gap(outcomes, before_start, struck)
-    during = longest_gap(outcomes, struck, time.monotonic())
-    failed = sum(1 for o in outcomes if o.error)
-    # R on the survivors: from the first sample short of R (the victim's pod no longer Ready) to
-    # the next with every expert on R Ready servers of the committed placement (the re-placement
-    # committed, or the victim Ready again, whichever came first).
-    samples = [(t, f) for t, _, f in watch.fewest if t >= struck]
-    short = next((t for t, f in samples if f < REPLICATION), None)
-    whole = next((t for t, f in samples if short is not None and t > short and f >= REPLICATION), None)
-    r_back = f"after {whole - struck:.1f} s" if whole is not None else "never short of it"
-    # A hung server's pod stays Ready for a while (its probes time out): the re-placement on the
-    # survivors is then seen as the first committed placement without it.
-    ordinal = int(victim.metadata.name.rsplit("-", 1)[1])
-    without = next(
-        (
-            t
-            for t, (_, o) in zip(watch.commit_times, watch.commits, strict=True)
-            if t > struck and ordinal not in o
-        ),
-        None,
-    )
-    replaced = f"; placement without it committed after {without - struck:.1f} s" if without else ""
-    print(
-        f"\n{name}: {len(outcomes)} requests, {failed} failed; interruption {during:.2f} s "
-        f"(before: {baseline:.2f} s); R on Ready servers {r_back}{replaced}; victim back and "
-        f"pool whole after {restored:.1f} s"
-    )
-    system.check(outcomes)
-    return during, baseline
+    completions_equal_reference(system)
 
 
 def test_sigkill_of_an_expert_server_loses_no_request(system: System) -> None:
     """Drill 2: a crashed server; its replicas take its share at once, the kubelet restarts it."""
-    victim = system.expert_pods()[1]
-    pid = system.pid_of(victim)
-    during, baseline = _drill(system, victim, lambda: os.kill(pid, signal.SIGKILL), "drill 2 (SIGKILL)")
-    assert during < baseline + 1.0  # target: a crash stalls decoding at most 1 s
+    sigkill_drill(system)
 
 
 def test_sigstop_of_an_expert_server_loses_no_request(system: System) -> None:
     """Drill 3: a hung server; clients time it out, its Lease expires and the operator re-places
     its experts, deletes the pod and brings a replacement in."""
-    victim = system.expert_pods()[2]
-    pid = system.pid_of(victim)
-    try:
-        during, baseline = _drill(
-            system, victim, lambda: os.kill(pid, signal.SIGSTOP), "drill 3 (SIGSTOP)", 240
-        )
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    assert during < baseline + 2.0  # target: a hang stalls decoding at most 2 s
+    sigstop_drill(system)
 
 
 def test_kill_of_an_attention_pod_fails_only_its_in_flight_requests(system: System) -> None:

@@ -1,8 +1,10 @@
 # mypy: disable-error-code="union-attr,index,operator,arg-type,return-value,misc"
 """What the whole-system drills share: a streaming load generator through the AttentionPool's
 Service, the reference answers, a view of the deployed MoEService (:class:`System`), a watch on
-the replication invariant (:class:`ReplicaWatch`) and :func:`deploy`, which applies the tiny
-MoEService on the process nodes and waits until it serves."""
+the replication invariant (:class:`ReplicaWatch`), :func:`deploy`, which applies the tiny
+MoEService on the process nodes and waits until it serves, and the drills more than one module
+runs on its own deployment: drill 1's completions (:func:`completions_equal_reference`), drill 2
+(:func:`sigkill_drill`) and drill 3 (:func:`sigstop_drill`), both through :func:`drill`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import contextlib
 import copy
 import itertools
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -108,6 +112,24 @@ class Load:
     def completed_since(self, moment: float) -> int:
         with self.lock:
             return sum(1 for o in self.outcomes if o.started >= moment and o.done and not o.error)
+
+    def summary(self, moment: float) -> str:
+        """What became of the requests started since `moment` (a failed wait names it)."""
+        now = time.monotonic()
+        with self.lock:
+            since = [o for o in self.outcomes if o.started >= moment or not o.done]
+            rows = [
+                f"{o.prompt!r} started {o.started - moment:+.1f} s, {len(o.chunk_times)} chunks, "
+                + (
+                    f"failed: {o.error}"
+                    if o.error
+                    else "done"
+                    if o.done
+                    else f"in flight {now - o.started:.1f} s"
+                )
+                for o in since
+            ]
+        return f"{len(rows)} requests: " + "; ".join(rows)
 
     def all_done(self) -> bool:
         with self.lock:
@@ -278,6 +300,104 @@ class System:
         assert not wrong, (
             f"answers differ from the reference: {wrong[0].text!r} != {self.expected[wrong[0].prompt]!r}"
         )
+
+
+def completions_equal_reference(system: System, requests: int = 8) -> list[Outcome]:
+    """Drill 1's check: `requests` streamed completions through the Service (2 at a time), every
+    one succeeded and equal to the reference; returns them."""
+    with Load(system.url, system.model, workers=2, limit=requests) as load:
+        wait_until(lambda: len(load.outcomes) == requests and load.all_done(), 120, f"{requests} requests")
+    system.check(load.outcomes)
+    return load.outcomes
+
+
+def drill(system: System, victim: Any, act: Any, name: str, timeout: float = 180) -> tuple[float, float]:
+    """Run `act` on `victim` (an expert pod) under load; returns (interruption, baseline), both the
+    longest wait for a chunk, during the drill and in the seconds before it."""
+    restarts = victim.status.container_statuses[0].restart_count
+
+    def recovered() -> bool:
+        # The victim's container restarted, or its pod was replaced (under its name or, when the
+        # operator re-placed it after its Lease expired, a new ordinal), and the pool is whole again.
+        now_pod = {p.metadata.name: p for p in system.expert_pods()}.get(victim.metadata.name)
+        if now_pod is not None and now_pod.metadata.uid == victim.metadata.uid:
+            statuses = now_pod.status.container_statuses or []
+            if not statuses or statuses[0].restart_count <= restarts:
+                return False
+        return system.full_strength(3)
+
+    with ReplicaWatch(system) as watch, Load(system.url, system.model, workers=2) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        before_start = time.monotonic()
+        time.sleep(3)
+        struck = time.monotonic()
+        act()
+        try:
+            wait_until(recovered, timeout, f"{name}: the victim back and the pool at full R")
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, system.namespace)}") from None
+        restored = time.monotonic() - struck
+        back = time.monotonic()
+        try:
+            wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
+        except AssertionError as error:
+            raise AssertionError(
+                f"{error}; since the pool was whole: {load.summary(back)}\n"
+                f"{pod_logs(system.plane, system.namespace)}"
+            ) from None
+    outcomes = load.outcomes
+    baseline = longest_gap(outcomes, before_start, struck)
+    during = longest_gap(outcomes, struck, time.monotonic())
+    failed = sum(1 for o in outcomes if o.error)
+    # R on the survivors: from the first sample short of R (the victim's pod no longer Ready) to
+    # the next with every expert on R Ready servers of the committed placement (the re-placement
+    # committed, or the victim Ready again, whichever came first).
+    samples = [(t, f) for t, _, f in watch.fewest if t >= struck]
+    short = next((t for t, f in samples if f < REPLICATION), None)
+    whole = next((t for t, f in samples if short is not None and t > short and f >= REPLICATION), None)
+    r_back = f"after {whole - struck:.1f} s" if whole is not None else "never short of it"
+    # A hung server's pod stays Ready for a while (its probes time out): the re-placement on the
+    # survivors is then seen as the first committed placement without it.
+    ordinal = int(victim.metadata.name.rsplit("-", 1)[1])
+    without = next(
+        (
+            t
+            for t, (_, o) in zip(watch.commit_times, watch.commits, strict=True)
+            if t > struck and ordinal not in o
+        ),
+        None,
+    )
+    replaced = f"; placement without it committed after {without - struck:.1f} s" if without else ""
+    print(
+        f"\n{name}: {len(outcomes)} requests, {failed} failed; interruption {during:.2f} s "
+        f"(before: {baseline:.2f} s); R on Ready servers {r_back}{replaced}; victim back and "
+        f"pool whole after {restored:.1f} s"
+    )
+    system.check(outcomes)
+    return during, baseline
+
+
+def sigkill_drill(system: System, name: str = "drill 2 (SIGKILL)") -> None:
+    """Drill 2: a crashed server (SIGKILL of the second expert pod's process) under load; its
+    replicas take its share at once, the kubelet restarts it."""
+    victim = system.expert_pods()[1]
+    pid = system.pid_of(victim)
+    during, baseline = drill(system, victim, lambda: os.kill(pid, signal.SIGKILL), name)
+    assert during < baseline + 1.0  # target: a crash stalls decoding at most 1 s
+
+
+def sigstop_drill(system: System, name: str = "drill 3 (SIGSTOP)") -> None:
+    """Drill 3: a hung server (SIGSTOP of the third expert pod's process) under load; clients
+    time it out, its Lease expires and the operator re-places its experts, deletes the pod and
+    brings a replacement in."""
+    victim = system.expert_pods()[2]
+    pid = system.pid_of(victim)
+    try:
+        during, baseline = drill(system, victim, lambda: os.kill(pid, signal.SIGSTOP), name, 240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert during < baseline + 2.0  # target: a hang stalls decoding at most 2 s
 
 
 def ready(pod: Any) -> bool:
