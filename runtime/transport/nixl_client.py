@@ -7,8 +7,9 @@ to the server's slot, and the *answer area*, which the server WRITEs into. Befor
 the client makes an ``NixlOffer`` (the agent's metadata for the answer area only, and its
 address); the handshake's answer carries the server agent's metadata for the granted slot only.
 
-Waiting for an answer polls the agent (that is what makes NIXL progress; no progress thread runs)
-and, every ``LIVENESS_CHECK_S``, pings the server with a 4-byte WRITE: UCX reports a server whose
+Waiting for an answer polls the agent (that is what makes NIXL progress; no progress thread runs):
+without sleeping right after the send, then with sleeps that grow with the wait. Every
+``LIVENESS_CHECK_S`` it also pings the server with a 4-byte WRITE: UCX reports a server whose
 process died (its endpoint broke) at once, as a NIXL error, and the channel fails with
 ``ChannelClosed``. A server that hangs raises nothing: the client's round-trip probe covers it
 (``RemoteExperts``).
@@ -56,7 +57,12 @@ from eaas.runtime.transport.nixl_endpoint import (
 log = logging.getLogger("eaas.transport")
 
 LIVENESS_CHECK_S = 0.02  # how often a waiting client pings the server
-POLL_INTERVAL_S = 20e-6  # how long a waiter sleeps between looks at its notifications
+# How a waiter paces its looks at the notifications: without sleeping for SPIN_S after the send
+# (a small round trip's worth), then sleeping a quarter of the time waited so far, within
+# [MIN_SLEEP_S, MAX_SLEEP_S]: an answer is seen at most ~25% late, and a long wait costs few looks.
+SPIN_S = 150e-6
+MIN_SLEEP_S = 20e-6
+MAX_SLEEP_S = 500e-6
 
 _shared: Endpoint | None = None
 _shared_pid = 0
@@ -133,6 +139,7 @@ class NixlChannel(Channel):
         self._gone: str | None = None  # why the server is known gone (released the slot, died)
         self._closed = False
         self._next_ping = 0.0
+        self._sent_at = 0.0
 
     @classmethod
     def offer(cls, capacity_bytes: int) -> NixlOffer:
@@ -202,7 +209,8 @@ class NixlChannel(Channel):
         except Exception as exc:
             self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
             raise ChannelClosed(self._gone) from exc
-        self._next_ping = time.monotonic() + LIVENESS_CHECK_S
+        self._sent_at = time.monotonic()
+        self._next_ping = self._sent_at + LIVENESS_CHECK_S
 
     def _look(self) -> None:
         """Makes progress; notes our answer, a released slot or a dead server."""
@@ -232,7 +240,10 @@ class NixlChannel(Channel):
         return self._answer or self._gone is not None
 
     def poll_interval_s(self) -> float:
-        return POLL_INTERVAL_S
+        waited = time.monotonic() - self._sent_at
+        if waited < SPIN_S:
+            return 0.0
+        return min(MAX_SLEEP_S, max(MIN_SLEEP_S, waited / 4))
 
     def receive(self, deadline: float) -> torch.Tensor:
         if self._expect is None:
@@ -249,7 +260,7 @@ class NixlChannel(Channel):
             now = time.monotonic()
             if now >= deadline:
                 raise ChannelTimeout(f"no response within the deadline (nixl slot {self.slot})")
-            time.sleep(min(POLL_INTERVAL_S, deadline - now))
+            time.sleep(min(self.poll_interval_s(), deadline - now))
 
     def _take_response(self) -> torch.Tensor:
         assert self._expect is not None

@@ -58,7 +58,7 @@ from eaas.runtime.transport.polling import PollingWaiter
 
 log = logging.getLogger("eaas.transport")
 
-SPIN_S = 1e-3  # keep polling without sleeping this long after a request
+SPIN_S = 1e-3  # keep polling without sleeping this long after a request or an answer
 MIN_SLEEP_S = 20e-6  # then sleep between polls, from this...
 MAX_SLEEP_S = 1e-3  # ...doubling up to this (an idle server wakes ~1,000 times a second)
 CLOSE_NOTICE_S = 0.05  # on close, how long the OFFLINE notices get to leave
@@ -269,6 +269,7 @@ class NixlServerTransport(ServerTransport):
                 self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
                 return
             info.state = SlotState.IDLE  # the client's next request may come as soon as it reads this
+            self._waiter.activity()  # spin from the answer too: its flush needs our progress
 
     def reap(self) -> list[int]:
         """Pings every attached client (UCX reports one whose process is gone); returns the slots
