@@ -6,26 +6,54 @@ client copies y out. Measured in the same run:
 
 - ``shm``, ``tcp``: the real transports (``eaas.runtime.transport``), the echo process waiting
   as the expert server does (blocked in the kernel on doorbells and sockets);
+- ``nixl``: the real transport, served by an echo process of its own that waits as the expert
+  server's loop does with ``nixl`` (it polls the NIXL agent: spins after a request, then sleeps
+  with backoff); no NIXL progress thread on either side;
 - ``copy floor``: the same bytes copied there and back in one process (two memcpys);
 - ``socket floor``: x alone, length-prefixed, echoed over a plain blocking socket (what any TCP
   transport costs on this machine; no header, ids or weights, no framing, no non-blocking server);
+- ``nixl raw``: NIXL's own round trip, the floor the library gives: two bare NIXL agents (UCX
+  backend, no progress thread), x's bytes WRITTEN from registered memory with a notification,
+  and WRITTEN back with a notification, both sides busy-polling their agent; prepared transfers;
+  no slot protocol, no header, no copies in or out of registered memory;
+- ``nixl raw, UCX_TLS=tcp``: the same with UCX restricted to TCP in both agents (on one host the
+  default puts go over ``cma``, a kernel copy between processes; across hosts there is no
+  ``cma``, so this is the cross-host stand-in when no RDMA NIC is at hand);
 - ``naive``: the tensors pickled over a ``multiprocessing`` pipe and pickled back.
 
 All methods are timed in turns (rounds of a few round trips of each), so load from other
-processes falls on all of them alike.
+processes falls on all of them alike. Every echo process is a process of its own, and each one
+not being timed waits without spinning (the polling ones sleep once 1 ms passed without requests).
+
+Then, at H = 7168, ``nixl`` against the same with NIXL's progress thread on in the echo process
+(``EAAS_NIXL_PROGRESS_THREAD=1``), timed in turns, with the CPU seconds per second each echo
+process used during its turns. That echo process is started only for this part and is stopped
+(SIGSTOP) during the other's turns: its thread polls a core for as long as it runs. The client's
+side runs without the thread in both: in the benchmark process it would spin beside every method.
+
+Sizes: T in 1, 8, 16, 32, 128, 512 (the ``nixl`` targets' 1, 8, 32, 128, 512, and 16 as in
+earlier runs), H in 2048 and 7168, every method at every size (cheap: the whole run takes ~20 s
+here); the ``nixl`` targets read H = 7168 only.
 
 Targets (issue 4): shm within 3x of the copy floor at 512 x 7168; tcp at least 5x faster than the
-naive baseline at 512 x 7168.
+naive baseline at 512 x 7168. ``nixl``: within 1.3x of NIXL's raw round trip at 128 and 512 x
+7168; faster than ``tcp`` at 32, 128 and 512 x 7168 (value: the largest nixl/tcp ratio of the
+three) and within 1.2x of ``tcp`` below 32 tokens (value: the largest of 1, 8 and 16).
+
+Needs the NIXL library (``pip install 'eaas[nixl]'``): without it the script stops and says so.
 
 Usage: python benchmarks/transport_rtt.py [--quick] [--json-out PATH]
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import statistics
 import struct
@@ -34,24 +62,33 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from _common import emit, parser, target
 
 from eaas.runtime.protocol import FrameKind, SlotHeader, response_bytes, slot_capacity_bytes
-from eaas.runtime.transport import TransportOptions, get_transport
+from eaas.runtime.transport import ServerTransport, TransportOptions, get_transport
 from eaas.runtime.transport.backoff import reduce_timer_slack
+from eaas.runtime.transport.nixl_endpoint import PROGRESS_THREAD_ENV, TransportUnavailable, load_library
 
-TOKENS = (1, 16, 128, 512)
+TOKENS = (1, 8, 16, 32, 128, 512)
 HIDDEN = (2048, 7168)
 TOP_K = 8
 DTYPE = torch.bfloat16
 LAYER = 0
+NIXL_HIDDEN = 7168  # the nixl targets and the progress-thread comparison
+# A raw NIXL echo busy-polls this long after a message, then sleeps between polls from the first
+# to the second, doubling (the nixl transport's server waits the same way, by default): it must not
+# spin while the other methods are timed.
+RAW_SPIN_S = 1e-3
+RAW_SLEEP_S = (20e-6, 1e-3)
+START_TIMEOUT_S = 60.0
 
 
 def repetitions(num_tokens: int, hidden: int, quick: bool) -> int:
@@ -60,7 +97,37 @@ def repetitions(num_tokens: int, hidden: int, quick: bool) -> int:
     return max(8, base // (4 if quick else 1))
 
 
-# --- echo process --------------------------------------------------------------------------------
+# --- exchanging handles through files ------------------------------------------------------------
+def write_json(path: Path, value: Any) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(value))
+    path.with_suffix(".tmp").replace(path)  # atomic: the reader never sees half a file
+
+
+def read_json(path: Path, process: subprocess.Popen[bytes] | None = None) -> Any:
+    """Waits for ``path`` (written by ``write_json``); fails when ``process`` exits first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not path.exists():
+        if process is not None and process.poll() is not None:
+            raise SystemExit(f"transport_rtt: an echo process exited ({process.args})")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"transport_rtt: no {path.name} within {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def parent_gone(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+# --- echo processes ------------------------------------------------------------------------------
+def answer(transport: ServerTransport, request: Any) -> None:
+    """Answers a request with its own hidden states (y = x: already in place in the slot)."""
+    h = request.header
+    size = response_bytes(h.num_tokens, h.hidden, h.dtype)
+    response = SlotHeader(FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size)
+    transport.respond(request, response)
+
+
 def echo_server(ready_path: Path, max_tokens: int, hidden: int) -> None:
     """Serves shm and tcp slots: answers each request with its own hidden states (y = x)."""
     reduce_timer_slack()
@@ -74,8 +141,7 @@ def echo_server(ready_path: Path, max_tokens: int, hidden: int) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=raw_echo, args=(listener,), daemon=True).start()
     handles["raw_port"] = listener.getsockname()[1]
-    ready_path.with_suffix(".tmp").write_text(json.dumps(handles))
-    ready_path.with_suffix(".tmp").replace(ready_path)  # atomic: the reader never sees half a file
+    write_json(ready_path, handles)
     transports[1].watch(transports[0].wakeup_fd or -1)  # as the expert server waits: in the kernel
     parent = os.getppid()
     try:
@@ -83,20 +149,154 @@ def echo_server(ready_path: Path, max_tokens: int, hidden: int) -> None:
             ready = transports[0].poll() + transports[1].poll()
             if not ready:
                 transports[1].wait(0.05)
-                if os.getppid() != parent:
+                if parent_gone(parent):
                     return
                 continue
             for request in ready:
-                h = request.header
-                size = response_bytes(h.num_tokens, h.hidden, h.dtype)  # y = x: already in place
-                response = SlotHeader(
-                    FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size
-                )
-                transport = transports[0] if request.transport == "shm" else transports[1]
-                transport.respond(request, response)
+                answer(transports[0] if request.transport == "shm" else transports[1], request)
     finally:
         for t in transports:
             t.close()
+
+
+def nixl_echo_server(offer_path: Path, handle_path: Path, max_tokens: int, hidden: int) -> None:
+    """Serves one ``nixl`` slot as the expert server's loop does: ``poll``, else ``wait``.
+
+    The client's offer comes first (``offer_path``); the handle goes back through ``handle_path``."""
+    reduce_timer_slack()
+    capacity = slot_capacity_bytes(max_tokens, TOP_K, hidden)
+    transport = get_transport("nixl").server(
+        TransportOptions(max_clients=1, capacity_bytes=capacity, tag="bench")
+    )
+    parent = os.getppid()
+    try:
+        write_json(handle_path, transport.attach("bench", read_json(offer_path)))
+        while True:
+            ready = transport.poll()
+            if not ready:
+                transport.wait(0.05)
+                if parent_gone(parent):
+                    return
+                continue
+            for request in ready:
+                answer(transport, request)
+    finally:
+        transport.close()
+
+
+def bare_agent(role: str) -> Any:
+    """A NIXL agent with the UCX backend and no progress thread (UCX reads ``UCX_*`` now)."""
+    lib = load_library()
+    config = lib.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    return lib.nixl_agent(f"bench-raw-{role}-{os.getpid()}-{time.monotonic_ns()}", config)
+
+
+def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int) -> None:
+    """NIXL's own round trip, far side: a bare agent that WRITEs back what it was written.
+
+    A notification ``<n>`` says n bytes arrived at the start of this agent's buffer; they are
+    WRITTEN back to the client's answer area with the notification ``a``. Busy-polls for
+    ``RAW_SPIN_S`` after each message, then sleeps between polls (``RAW_SLEEP_S``)."""
+    agent = bare_agent("echo")
+    buffer = np.zeros(max_bytes, dtype=np.uint8)
+    base = int(buffer.ctypes.data)
+    agent.register_memory([(base, max_bytes, 0, "")], "DRAM")
+    offer = read_json(offer_path)
+    peer = agent.add_remote_agent(base64.b64decode(offer["agent_metadata"]))
+    agent.make_connection(peer)
+    write_json(
+        handle_path,
+        {"agent_metadata": base64.b64encode(agent.get_agent_metadata()).decode(), "address": base},
+    )
+    writes: dict[int, Any] = {}
+    in_flight = None
+    last = time.monotonic()
+    sleep_s = RAW_SLEEP_S[0]
+    parent = os.getppid()
+    while True:
+        if in_flight is not None and settled(agent, in_flight):
+            in_flight = None
+        notes = agent.get_new_notifs()
+        for messages in notes.values():
+            for message in messages:
+                size = int(message)
+                write = writes.get(size)
+                if write is None:
+                    here = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base, size, 0)], "DRAM")
+                    there = agent.prep_xfer_dlist(peer, [(offer["address"], size, 0)], "DRAM")
+                    write = writes[size] = agent.make_prepped_xfer("WRITE", here, [0], there, [0])
+                while in_flight is not None and not settled(agent, in_flight):
+                    pass
+                in_flight = None if agent.transfer(write, b"a") == "DONE" else write
+        now = time.monotonic()
+        if notes:
+            last, sleep_s = now, RAW_SLEEP_S[0]
+        elif in_flight is None and now - last > RAW_SPIN_S:
+            if parent_gone(parent):
+                return
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, RAW_SLEEP_S[1])
+
+
+def settled(agent: Any, write: Any) -> bool:
+    """Makes progress; True once ``write`` completed (raises if it failed)."""
+    state = agent.check_xfer_state(write)
+    if state == "ERR":
+        raise ConnectionError("NIXL WRITE failed")
+    return bool(state == "DONE")
+
+
+class RawNixl:
+    """NIXL's own round trip, near side: a bare agent with a send area and an answer area."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.agent = bare_agent("client")
+        self.memory = np.zeros(2 * max_bytes, dtype=np.uint8)  # [send area | answer area]
+        self.send_address = int(self.memory.ctypes.data)
+        self.answer_address = self.send_address + max_bytes
+        self.max_bytes = max_bytes
+        self.agent.register_memory([(self.send_address, 2 * max_bytes, 0, "")], "DRAM")
+        self.offer = {
+            "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "address": self.answer_address,
+        }
+        self.peer = ""
+        self.remote_address = 0
+        self._writes: dict[int, Any] = {}
+
+    def connect(self, handle: dict[str, Any]) -> None:
+        self.peer = self.agent.add_remote_agent(base64.b64decode(handle["agent_metadata"]))
+        self.agent.make_connection(self.peer)
+        self.remote_address = int(handle["address"])
+
+    def prepare(self, x: torch.Tensor) -> Callable[[], None]:
+        """Puts x's bytes in the send area; returns one timed round trip of them."""
+        data = x.view(torch.uint8).reshape(-1).numpy()
+        size = len(data)
+        self.memory[:size] = data
+        write = self._writes.get(size)
+        if write is None:
+            here = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.send_address, size, 0)], "DRAM")
+            there = self.agent.prep_xfer_dlist(self.peer, [(self.remote_address, size, 0)], "DRAM")
+            write = self._writes[size] = self.agent.make_prepped_xfer("WRITE", here, [0], there, [0])
+        return partial(self.round_trip, write, str(size).encode())
+
+    def round_trip(self, write: Any, message: bytes) -> None:
+        agent = self.agent
+        state = agent.transfer(write, message)
+        answered = False
+        while True:
+            if state == "PROC":
+                state = agent.check_xfer_state(write)  # our notification may leave only from here
+            if not answered:
+                answered = bool(agent.get_new_notifs())
+            if answered and state != "PROC":
+                break
+        if state != "DONE":
+            raise ConnectionError(f"NIXL WRITE ended in state {state}")
+
+    def answer(self, num_bytes: int) -> np.ndarray:
+        return self.memory[self.max_bytes : self.max_bytes + num_bytes]
 
 
 def raw_echo(listener: socket.socket) -> None:
@@ -155,6 +355,15 @@ def interleaved_medians_us(
     return {name: statistics.median(values) * 1e6 for name, values in times.items()}
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` ran so far, all its threads (the scheduler's count, in ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def inputs(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(num_tokens * 7 + hidden)
     x = torch.randn(num_tokens, hidden, generator=generator).to(DTYPE)
@@ -163,42 +372,144 @@ def inputs(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, to
     return x, ids, weights
 
 
+class Echoes:
+    """The echo processes (each its own ``--mode`` of this script); all are stopped on exit."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, mode: str, *args: object, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        command = [sys.executable, __file__, mode, *(str(a) for a in args)]
+        process = subprocess.Popen(command, env={**os.environ, **(env or {})})
+        self.processes.append(process)
+        return process
+
+    def stop(self, process: subprocess.Popen[bytes]) -> None:
+        if process.poll() is None:
+            process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        for process in self.processes:
+            self.stop(process)
+
+
+@contextlib.contextmanager
+def echoes(tmp: Path) -> Iterator[Echoes]:
+    started = Echoes(tmp)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+class Pending:
+    """An echo process started, before our offer and its handle crossed (through two files)."""
+
+    def __init__(
+        self, started: Echoes, tag: str, mode: str, args: tuple[object, ...], env: dict[str, str]
+    ) -> None:
+        self.offer_path = started.tmp / f"{tag}.offer.json"
+        self.handle_path = started.tmp / f"{tag}.handle.json"
+        self.env = env
+        self.process = started.start(mode, self.offer_path, self.handle_path, *args, env=env)
+
+    def exchange(self, offer: dict[str, Any]) -> dict[str, Any]:
+        write_json(self.offer_path, offer)
+        handle: dict[str, Any] = read_json(self.handle_path, self.process)
+        return handle
+
+
+def start_nixl_echo(
+    started: Echoes, tag: str, max_tokens: int, hidden: int, progress_thread: bool
+) -> Pending:
+    env = {PROGRESS_THREAD_ENV: "1" if progress_thread else "0"}
+    return Pending(started, tag, "--nixl-echo", (max_tokens, hidden), env)
+
+
+def connect_nixl(pending: Pending, capacity: int) -> Any:
+    """Connects a ``nixl`` channel to an echo process: our offer goes first, its handle comes back."""
+    channel_type = get_transport("nixl").channel
+    offer = channel_type.offer(capacity)  # type: ignore[attr-defined]
+    return channel_type.connect(pending.exchange(offer.body), "127.0.0.1", 10.0, offer)
+
+
+def start_raw_echo(started: Echoes, tag: str, max_bytes: int, ucx_tls: str | None) -> Pending:
+    env = {} if ucx_tls is None else {"UCX_TLS": ucx_tls}
+    return Pending(started, tag, "--nixl-raw-echo", (max_bytes,), env)
+
+
+def connect_raw(pending: Pending, max_bytes: int) -> RawNixl:
+    """A bare client agent here, made with the echo's ``UCX_*`` settings, connected to it."""
+    saved = {key: os.environ.get(key) for key in pending.env}
+    os.environ.update(pending.env)  # UCX reads its settings when the agent's context is made
+    try:
+        raw = RawNixl(max_bytes)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    raw.connect(pending.exchange(raw.offer))
+    return raw
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
+    try:
+        load_library()
+    except TransportUnavailable as exc:
+        raise SystemExit(f"transport_rtt: the nixl rows need the NIXL library ({exc})") from None
     reduce_timer_slack()
     torch.set_num_threads(1)
     max_tokens, max_hidden = max(TOKENS), max(HIDDEN)
-    with tempfile.TemporaryDirectory() as tmp:
+    capacity = slot_capacity_bytes(max_tokens, TOP_K, max_hidden)
+    max_bytes = max_tokens * max_hidden * 2
+    channels: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, echoes(Path(tmp)) as started:
         ready_path = Path(tmp) / "ready.json"
-        echo = subprocess.Popen(
-            [sys.executable, __file__, "--echo-server", str(ready_path), str(max_tokens), str(max_hidden)]
-        )
+        echo = started.start("--echo-server", ready_path, max_tokens, max_hidden)
         context = mp.get_context("spawn")
         parent_end, child_end = context.Pipe()
         pipe_process = context.Process(target=pipe_echo, args=(child_end,), daemon=True)
         pipe_process.start()
         try:
-            deadline = time.monotonic() + 60
-            while not ready_path.exists():
-                if echo.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("echo server did not start")
-                time.sleep(0.02)
-            handles = json.loads(ready_path.read_text())
-            channels = {
-                name: get_transport(name).channel.connect(handles[name], "127.0.0.1", 10.0)
-                for name in ("shm", "tcp")
+            # Every echo process makes its agent at once; the exchanges follow.
+            pending_nixl = start_nixl_echo(started, "nixl", max_tokens, max_hidden, progress_thread=False)
+            pending_raws = {
+                "nixl_raw": start_raw_echo(started, "raw", max_bytes, None),
+                "nixl_raw_ucx_tcp": start_raw_echo(started, "raw-tcp", max_bytes, "tcp"),
             }
+            handles = read_json(ready_path, echo)
+            for name in ("shm", "tcp"):
+                channels[name] = get_transport(name).channel.connect(handles[name], "127.0.0.1", 10.0)
+            channels["nixl"] = connect_nixl(pending_nixl, capacity)
+            raws = {name: connect_raw(pending, max_bytes) for name, pending in pending_raws.items()}
             raw = socket.create_connection(("127.0.0.1", handles["raw_port"]), timeout=30)
             tune(raw)
-            results = run(channels, raw, parent_end, args.quick)
+            results = run(channels, raws, raw, parent_end, args.quick)
             raw.close()
+            # The progress thread: its echo process is started only now (its thread polls a core).
+            pending_threaded = start_nixl_echo(
+                started, "nixl-thread", max_tokens, max_hidden, progress_thread=True
+            )
+            channels["nixl_progress_thread"] = connect_nixl(pending_threaded, capacity)
+            pids = (pending_nixl.process.pid, pending_threaded.process.pid)
+            compare_progress_thread(
+                channels["nixl"], channels["nixl_progress_thread"], pids, results, args.quick
+            )
         finally:
-            for channel in locals().get("channels", {}).values():
-                channel.close()
+            for channel in channels.values():
+                with contextlib.suppress(Exception):
+                    channel.close()
             parent_end.send_bytes(b"")
             pipe_process.join(timeout=5)
-            echo.terminate()
-            echo.wait(timeout=10)
     report(results, args)
 
 
@@ -231,7 +542,9 @@ def pickled_round_trip(
     out.copy_(pickle.loads(pipe.recv_bytes()))
 
 
-def run(channels: dict[str, Any], raw: socket.socket, pipe: Connection, quick: bool) -> list[dict[str, Any]]:
+def run(
+    channels: dict[str, Any], raws: dict[str, RawNixl], raw: socket.socket, pipe: Connection, quick: bool
+) -> list[dict[str, Any]]:
     results = []
     for hidden in HIDDEN:
         for num_tokens in TOKENS:
@@ -247,44 +560,132 @@ def run(channels: dict[str, Any], raw: socket.socket, pipe: Connection, quick: b
             for name, channel in channels.items():
                 round_trip(channel, x, ids, weights, out)
                 assert torch.equal(out, x), f"{name} echo returned different bytes"
+            expected = x.view(torch.uint8).reshape(-1).numpy()
+            raw_methods = {}
+            for name, pair in raws.items():
+                raw_methods[f"{name}_us"] = pair.prepare(x)
+                pair.answer(len(expected))[:] = 0
+                raw_methods[f"{name}_us"]()
+                echoed = pair.answer(len(expected))
+                assert np.array_equal(echoed, expected), f"{name} echo returned different bytes"
             methods = {
                 f"{name}_us": partial(round_trip, channel, x, ids, weights, out)
                 for name, channel in channels.items()
             }
             methods["copy_floor_us"] = partial(copy_there_and_back, x, torch.empty_like(x), out)
             methods["socket_floor_us"] = partial(raw_round_trip, raw, x, out)
+            methods.update(raw_methods)
             methods["naive_us"] = partial(pickled_round_trip, pipe, x, ids, weights, out)
             row.update(interleaved_medians_us(methods, reps))
             row["shm_over_copy_floor"] = row["shm_us"] / row["copy_floor_us"]
             row["naive_over_tcp"] = row["naive_us"] / row["tcp_us"]
+            row["nixl_over_raw"] = row["nixl_us"] / row["nixl_raw_us"]
+            row["nixl_over_tcp"] = row["nixl_us"] / row["tcp_us"]
             results.append(row)
     return results
+
+
+def compare_progress_thread(
+    plain: Any, threaded: Any, pids: tuple[int, int], results: list[dict[str, Any]], quick: bool
+) -> None:
+    """``nixl`` with and without NIXL's progress thread in the echo process, timed in turns at
+    ``NIXL_HIDDEN``; adds to those rows both medians and the CPU seconds per second each echo
+    process used during its own turns. The threaded echo process is stopped (SIGSTOP) during the
+    other's turns, so that its thread's spinning does not slow the round trips without it."""
+    plain_pid, thread_pid = pids
+    try:
+        for row in results:
+            if row["hidden"] != NIXL_HIDDEN:
+                continue
+            x, ids, weights = inputs(row["tokens"], row["hidden"])
+            out = torch.empty_like(x)
+            os.kill(thread_pid, signal.SIGCONT)
+            round_trip(threaded, x, ids, weights, out)
+            assert torch.equal(out, x), "nixl (progress thread) echo returned different bytes"
+            turns = {
+                "pt_nixl": (plain, plain_pid, signal.SIGSTOP),
+                "pt_nixl_progress_thread": (threaded, thread_pid, signal.SIGCONT),
+            }
+            times: dict[str, list[float]] = {name: [] for name in turns}
+            busy = dict.fromkeys(turns, 0.0)
+            spent = dict.fromkeys(turns, 0.0)
+            block = 4
+            for _ in range(-(-repetitions(row["tokens"], row["hidden"], quick) // block)):
+                for name, (channel, echo_pid, sig) in turns.items():
+                    os.kill(thread_pid, sig)
+                    cpu, begin = cpu_seconds(echo_pid), time.perf_counter()
+                    round_trip(channel, x, ids, weights, out)  # untimed: the echo is polling again
+                    for _ in range(block):
+                        start = time.perf_counter()
+                        round_trip(channel, x, ids, weights, out)
+                        times[name].append(time.perf_counter() - start)
+                    spent[name] += time.perf_counter() - begin
+                    busy[name] += cpu_seconds(echo_pid) - cpu
+            for name in turns:
+                row[f"{name}_us"] = statistics.median(times[name]) * 1e6
+                row[f"{name}_echo_cpu"] = busy[name] / spent[name]
+            row["progress_thread_over_none"] = row["pt_nixl_progress_thread_us"] / row["pt_nixl_us"]
+    finally:
+        os.kill(thread_pid, signal.SIGCONT)
 
 
 def report(results: list[dict[str, Any]], args: Any) -> None:
     print("median µs per round trip; floors measured in the same run, interleaved with the transports")
     print(f"{'T':>5} {'H':>5} {'MiB':>6} | {'copy floor':>10} {'shm':>9} | {'socket floor':>12} {'tcp':>9} "
-          f"{'naive':>9} | {'shm/floor':>9} {'tcp/socket':>10} {'naive/tcp':>9}")  # fmt: skip
+          f"{'naive':>9} | {'nixl raw':>9} {'raw tcp':>9} {'nixl':>9} | {'shm/floor':>9} {'tcp/socket':>10} "
+          f"{'naive/tcp':>9} {'nixl/raw':>8} {'nixl/tcp':>8}")  # fmt: skip
     for r in results:
         print(
             f"{r['tokens']:>5} {r['hidden']:>5} {r['bytes'] / 2**20:>6.2f} | {r['copy_floor_us']:>10.1f} "
             f"{r['shm_us']:>9.1f} | {r['socket_floor_us']:>12.1f} {r['tcp_us']:>9.1f} "
-            f"{r['naive_us']:>9.1f} | {r['shm_over_copy_floor']:>9.2f} "
-            f"{r['tcp_us'] / r['socket_floor_us']:>10.2f} {r['naive_over_tcp']:>9.2f}"
+            f"{r['naive_us']:>9.1f} | {r['nixl_raw_us']:>9.1f} {r['nixl_raw_ucx_tcp_us']:>9.1f} "
+            f"{r['nixl_us']:>9.1f} | {r['shm_over_copy_floor']:>9.2f} "
+            f"{r['tcp_us'] / r['socket_floor_us']:>10.2f} {r['naive_over_tcp']:>9.2f} "
+            f"{r['nixl_over_raw']:>8.2f} {r['nixl_over_tcp']:>8.2f}"
         )
-    largest = next(r for r in results if r["tokens"] == 512 and r["hidden"] == 7168)
+    print()
+    print(f"nixl at H={NIXL_HIDDEN}, with and without NIXL's progress thread in the echo process "
+          "(timed in turns; echo CPU: its CPU seconds per second of its turns)")  # fmt: skip
+    print(f"{'T':>5} | {'no thread':>10} {'thread':>10} {'thread/none':>11} | "
+          f"{'CPU none':>8} {'CPU thread':>10}")  # fmt: skip
+    for r in results:
+        if "pt_nixl_us" in r:
+            print(
+                f"{r['tokens']:>5} | {r['pt_nixl_us']:>10.1f} {r['pt_nixl_progress_thread_us']:>10.1f} "
+                f"{r['progress_thread_over_none']:>11.2f} | {r['pt_nixl_echo_cpu']:>8.2f} "
+                f"{r['pt_nixl_progress_thread_echo_cpu']:>10.2f}"
+            )
+    at = {(r["tokens"], r["hidden"]): r for r in results}
+    largest = at[(512, 7168)]
+    nixl_rows = [r for r in results if r["hidden"] == NIXL_HIDDEN]
     targets = {
         "shm_within_3x_copy_floor_512x7168": target(
             largest["shm_over_copy_floor"], 3.0, higher_is_better=False
         ),
         "tcp_5x_faster_than_naive_512x7168": target(largest["naive_over_tcp"], 5.0),
+        "nixl_within_1.3x_raw_128x7168": target(
+            at[(128, 7168)]["nixl_over_raw"], 1.3, higher_is_better=False
+        ),
+        "nixl_within_1.3x_raw_512x7168": target(largest["nixl_over_raw"], 1.3, higher_is_better=False),
+        "nixl_faster_than_tcp_from_32": target(
+            max(r["nixl_over_tcp"] for r in nixl_rows if r["tokens"] >= 32), 1.0, higher_is_better=False
+        ),
+        "nixl_within_1.2x_tcp_below_32": target(
+            max(r["nixl_over_tcp"] for r in nixl_rows if r["tokens"] < 32), 1.2, higher_is_better=False
+        ),
     }
     emit("transport_rtt", results, targets, args.json_out)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--echo-server":
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if mode == "--echo-server":
         torch.set_num_threads(1)
         echo_server(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif mode == "--nixl-echo":
+        torch.set_num_threads(1)
+        nixl_echo_server(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif mode == "--nixl-raw-echo":
+        nixl_raw_echo(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
     else:
         main()

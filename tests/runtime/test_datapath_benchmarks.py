@@ -18,15 +18,33 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_transport_rtt_quick(tmp_path: Path) -> None:
     last = run_quick("transport_rtt.py", tmp_path)
     sizes = {(r["tokens"], r["hidden"]) for r in last["results"]}
-    assert sizes == {(t, h) for t in (1, 16, 128, 512) for h in (2048, 7168)}
+    assert sizes == {(t, h) for t in (1, 8, 16, 32, 128, 512) for h in (2048, 7168)}
     for row in last["results"]:
         assert row["copy_floor_us"] > 0 and row["shm_us"] > 0 and row["tcp_us"] > 0 and row["naive_us"] > 0
+        # nixl: the transport, NIXL's own round trip (default UCX transports and TCP alone)
+        assert row["nixl_us"] > 0 and row["nixl_raw_us"] > 0 and row["nixl_raw_ucx_tcp_us"] > 0
+        assert row["nixl_over_raw"] == row["nixl_us"] / row["nixl_raw_us"]
+        if row["hidden"] == 7168:  # with and without NIXL's progress thread in the echo process
+            assert row["pt_nixl_us"] > 0 and row["pt_nixl_progress_thread_us"] > 0
+            assert row["pt_nixl_echo_cpu"] >= 0 and row["pt_nixl_progress_thread_echo_cpu"] >= 0
+    assert {
+        "shm_within_3x_copy_floor_512x7168",
+        "tcp_5x_faster_than_naive_512x7168",
+        "nixl_within_1.3x_raw_128x7168",
+        "nixl_within_1.3x_raw_512x7168",
+        "nixl_faster_than_tcp_from_32",
+        "nixl_within_1.2x_tcp_below_32",
+    } == set(last["targets"])
 
 
 def test_e2e_decode_quick(tmp_path: Path) -> None:
     last = run_quick("e2e_decode.py", tmp_path, "--steps", "2")
     runs = {row["run"]: row for row in last["results"]}
-    assert set(runs) == {"monolithic", "eaas", "eaas_server_killed"}
+    assert set(runs) == {"monolithic", "eaas", "eaas_tcp", "eaas_nixl", "eaas_server_killed"}
+    assert runs["eaas_nixl"]["server_transports"] == ["nixl"] and runs["eaas_nixl"]["tokens_per_s"] > 0
+    assert runs["eaas_nixl"]["vs_tcp"] == runs["eaas_nixl"]["tokens_per_s"] / runs["eaas_tcp"]["tokens_per_s"]
+    for run in ("eaas", "eaas_tcp", "eaas_nixl"):  # the CPU the decode steps took, client and servers
+        assert runs[run]["client_cpu_ms_per_step"] > 0 and runs[run]["servers_cpu_ms_per_step"] > 0
     assert runs["eaas_server_killed"]["failed_requests"] == 0  # correctness holds even on a busy machine
     assert last["targets"]["failed_requests_under_kill"]["met"] is True
 
