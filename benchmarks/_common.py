@@ -7,6 +7,7 @@ Each ``benchmarks/<name>.py`` prints a readable table, then ends with one JSON l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -54,6 +55,15 @@ def device() -> str:
     import os
 
     return f"cpu {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` ran so far, all its threads (the scheduler's count, in ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import emit, parser, target
+from _common import cpu_seconds, emit, parser, target
 
 from eaas.runtime.client import AttentionClient, ClientOptions
 from eaas.runtime.local.cluster import LocalCluster
@@ -62,15 +62,6 @@ MODELS = {  # overrides of the mixtral "tiny" preset
 def prompts(vocab: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab, (BATCH, PROMPT_LEN), generator=generator).tolist()
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds process ``pid`` ran so far, all its threads (the scheduler's count, in ns)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that just ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
 
 
 def decode(

@@ -70,7 +70,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import emit, parser, target
+from _common import cpu_seconds, emit, parser, target
 
 from eaas.runtime.protocol import FrameKind, SlotHeader, response_bytes, slot_capacity_bytes
 from eaas.runtime.transport import ServerTransport, TransportOptions, get_transport
@@ -353,15 +353,6 @@ def interleaved_medians_us(
                 fn()
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) * 1e6 for name, values in times.items()}
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds process ``pid`` ran so far, all its threads (the scheduler's count, in ns)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that just ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
 
 
 def inputs(num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -214,7 +214,6 @@ class Endpoint:
             )
         self.lock = threading.RLock()
         self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int]]] = defaultdict(deque)
-        self._stray = 0  # notifications that were not ours (counted, dropped)
         self._peer_holds: dict[str, int] = {}
 
     # --- memory --------------------------------------------------------------------------------
@@ -304,8 +303,7 @@ class Endpoint:
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
             for message in messages:
                 parsed = parse_notice(bytes(message))
-                if parsed is None:
-                    self._stray += 1
+                if parsed is None:  # not one of ours: dropped
                     continue
                 notices.append((name, *parsed))
         return notices
@@ -336,6 +334,7 @@ class TransferSet:
         self.endpoint = endpoint
         self.peer = peer
         self.lengths = transfer_lengths(limit)
+        self._index = {length: 1 + i for i, length in enumerate(self.lengths)}  # 0 is the ping
         self.limit = limit
         self.local = endpoint.prepare(None, local_base, self.lengths)
         try:
@@ -370,7 +369,7 @@ class TransferSet:
         if not self.settle():
             raise RuntimeError("the previous NIXL write of this slot has not completed")
         length = transfer_length(frame_length(payload_bytes), self.limit)
-        handle = self.handle(1 + self.lengths.index(length))
+        handle = self.handle(self._index[length])
         if not self.endpoint.post(handle, message):
             self._frame = handle
 

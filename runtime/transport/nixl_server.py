@@ -261,7 +261,6 @@ class NixlServerTransport(ServerTransport):
             if info is None or info.generation != request.generation:
                 return  # the client left while we computed
             header.pack_into(request.slot_buffer, HEADER_OFFSET)
-            info.state = SlotState.RESPONSE_READY
             try:
                 answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq)
                 info.writes.write_frame(header.payload_bytes, answer)
