@@ -169,6 +169,33 @@ def test_lease_is_created_renewed_and_reports_the_loaded_placement(
     )
 
 
+def test_sigterm_is_announced_on_the_lease_at_once_and_the_server_serves_on(
+    cluster: Cluster, namespace: str, server: tuple[subprocess.Popen[bytes], Path, Path]
+) -> None:
+    """What the operator reads to drain a server that received SIGTERM: the Lease says by when it
+    will be gone, renewed at once (not at the next interval), while the process serves on."""
+    process, _, log_path = server
+    wait_for(lambda: read_lease(cluster, namespace), "the Lease to be created", 30)
+    assert not report(cluster, namespace).leaving
+    process.send_signal(signal.SIGTERM)
+    lease = wait_for(
+        lambda: (
+            (lease := read_lease(cluster, namespace))
+            and naming.LEAVING_ANNOTATION in lease["metadata"]["annotations"]
+            and lease
+        ),
+        "the Lease to announce the departure",
+        5,
+    )
+    by = lease["metadata"]["annotations"][naming.LEAVING_ANNOTATION]
+    assert by.endswith("Z") and by > lease["spec"]["renewTime"]  # a deadline in the future
+    seen = report(cluster, namespace)
+    assert seen.leaving and not seen.expired
+    time.sleep(1.0)
+    assert process.poll() is None, log_path.read_text()  # the placement still names it: it serves on
+    assert "SIGTERM: leaving" in log_path.read_text()
+
+
 def test_heartbeat_keeps_retrying_through_api_errors(cluster: Cluster, namespace: str) -> None:
     """A namespace that does not exist yet: create fails (404), is retried, and succeeds later."""
     later = f"{namespace}-later"

@@ -36,6 +36,14 @@ UTILIZATION_ANNOTATION = f"{GROUP}/utilization-milli"
 EXPERT_WAIT_ANNOTATION = f"{GROUP}/expert-wait-micros"
 # An expert server's routed (token, expert) entries per second over the last 10 s
 TOKEN_RATE_ANNOTATION = f"{GROUP}/tokens-per-second"
+# A server that received SIGTERM: the time (RFC 3339, UTC) by which it will have exited. It serves
+# until then, or until no placement names it; the operator drains it meanwhile.
+LEAVING_ANNOTATION = f"{GROUP}/leaving-by"
+# Written by the operator on a leaving server's Lease once a committed placement no longer names
+# it (the value: that placement's version). The server exits once it reads this and no client holds
+# a slot: a terminating pod's mounted ConfigMap is not refreshed any more, so its own files may
+# never say so.
+RELEASED_ANNOTATION = f"{GROUP}/released-by-placement"
 
 # Placement ConfigMap keys and mount ------------------------------------------------------------
 PLACEMENT_KEY = "placement.json"  # the committed placement: what clients route by
@@ -63,6 +71,8 @@ ENV_EXPERT_SERVICE = "EAAS_EXPERT_SERVICE"
 ENV_EXPERT_PORT = "EAAS_EXPERT_PORT"
 ENV_HEARTBEAT_INTERVAL = "EAAS_HEARTBEAT_INTERVAL_SECONDS"
 ENV_HEARTBEAT_TIMEOUT = "EAAS_HEARTBEAT_TIMEOUT_SECONDS"
+# How long a process serves on after SIGTERM (the pod's grace period less a margin for the exit)
+ENV_DRAIN_TIMEOUT = "EAAS_DRAIN_TIMEOUT_SECONDS"
 ENV_DATA_TOKENS = "EAAS_DATA_TOKENS"  # data tokens given directly (whitespace-separated)
 ENV_DATA_TOKEN_FILE = "EAAS_DATA_TOKEN_FILE"  # the file of a mounted Secret that holds them
 DATA_TOKEN_MOUNT = "/etc/eaas/data-token"

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -154,6 +155,21 @@ _LEASE_OPTIONS = (
 )
 
 
+def drain_timeout_option(after_sigterm: str) -> Callable[[F], F]:
+    """``--drain-timeout-seconds`` (``EAAS_DRAIN_TIMEOUT_SECONDS``, set in pods to their grace
+    period less 5 s): how long a process serves on after SIGTERM, doing `after_sigterm`."""
+    return click.option(
+        "--drain-timeout-seconds",
+        type=click.FloatRange(min=0),
+        envvar=contract.ENV_DRAIN_TIMEOUT,
+        show_envvar=True,
+        default=25.0,
+        show_default=True,
+        help=f"after SIGTERM, {after_sigterm}, for at most this long (keep it below the pod's grace "
+        "period); a second SIGTERM or SIGINT stops it at once",
+    )
+
+
 def lease_options(command: F) -> F:
     """The heartbeat's options, handed to ``command`` as one ``lease: LeaseOptions``."""
 
@@ -198,10 +214,12 @@ def lease_body(
     previous: dict[str, Any] | None = None,
     expert_wait_micros: int | None = None,
     tokens_per_second: int | None = None,
+    leaving_by: datetime | None = None,
 ) -> dict[str, Any]:
     """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one.
     An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`), an expert
-    server its routed ``tokens_per_second`` (:class:`TokenRate`)."""
+    server its routed ``tokens_per_second`` (:class:`TokenRate`); a process that received SIGTERM
+    the time it will be gone by (``leaving_by``)."""
     lease: dict[str, Any] = json.loads(json.dumps(previous)) if previous else {}
     lease["apiVersion"] = "coordination.k8s.io/v1"
     lease["kind"] = "Lease"
@@ -220,6 +238,11 @@ def lease_body(
         metadata["annotations"][contract.EXPERT_WAIT_ANNOTATION] = str(expert_wait_micros)
     if tokens_per_second is not None:
         metadata["annotations"][contract.TOKEN_RATE_ANNOTATION] = str(tokens_per_second)
+    if leaving_by is not None:
+        metadata["annotations"][contract.LEAVING_ANNOTATION] = micro_time(leaving_by)
+    else:  # a new process of the same pod name is not leaving, nor released
+        metadata["annotations"].pop(contract.LEAVING_ANNOTATION, None)
+        metadata["annotations"].pop(contract.RELEASED_ANNOTATION, None)
     if settings.pod_uid:  # owned by this pod (a Lease left by an earlier pod of the name is taken over)
         metadata["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Pod", "name": settings.pod_name, "uid": settings.pod_uid}
@@ -336,6 +359,8 @@ class Heartbeat(DaemonLoop):
         """`expert_wait`: an attention client's running (expert seconds, decoder steps);
         `routed_tokens`: an expert server's running count of (token, expert) entries computed."""
         self.settings = settings
+        self.leaving_by: datetime | None = None  # set by :meth:`leave`
+        self._wake = threading.Event()
         self._loaded_version = loaded_version
         self._utilization = Utilization(busy_seconds)
         self._expert_wait = ExpertWait(expert_wait) if expert_wait is not None else None
@@ -346,9 +371,28 @@ class Heartbeat(DaemonLoop):
         self.failures = 0  # in a row
         super().__init__("eaas-heartbeat")
 
+    @property
+    def released(self) -> bool:
+        """The operator wrote on the Lease that no committed placement names this server."""
+        annotations = ((self._lease or {}).get("metadata") or {}).get("annotations") or {}
+        return contract.RELEASED_ANNOTATION in annotations
+
+    def leave(self, by: datetime) -> None:
+        """Announces on the Lease that the process will be gone by `by`, renewing it now."""
+        self.leaving_by = by
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._wake.set()
+        super().stop()
+
     def _run(self) -> None:
         delay = 0.0
-        while not self._stop.wait(delay):
+        while not self._stop.is_set():
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self.beat()
                 self.failures = 0
@@ -375,6 +419,7 @@ class Heartbeat(DaemonLoop):
         version, milli = self._loaded_version(), self._utilization.milli()
         wait = self._expert_wait.micros() if self._expert_wait is not None else None
         tokens = self._token_rate.per_second() if self._token_rate is not None else None
+        leaving = self.leaving_by
         for attempt in range(2):
             if self._lease is None:
                 try:
@@ -384,14 +429,18 @@ class Heartbeat(DaemonLoop):
                 except ApiException as error:
                     if error.status != 404:
                         raise
-                    body = lease_body(self.settings, datetime.now(UTC), version, milli, None, wait, tokens)
+                    body = lease_body(
+                        self.settings, datetime.now(UTC), version, milli, None, wait, tokens, leaving
+                    )
                     self._lease = response_json(
                         api.create_namespaced_lease(namespace, body, **raw_options(timeout))
                     )
                     self.renewals += 1
                     log.info("heartbeat: created Lease %s/%s", namespace, name)
                     return
-            body = lease_body(self.settings, datetime.now(UTC), version, milli, self._lease, wait, tokens)
+            body = lease_body(
+                self.settings, datetime.now(UTC), version, milli, self._lease, wait, tokens, leaving
+            )
             try:
                 self._lease = response_json(
                     api.replace_namespaced_lease(name, namespace, body, **raw_options(timeout))

@@ -15,18 +15,53 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
 
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
-from eaas.runtime.lease import LeaseOptions, lease_options
+from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
     from eaas.runtime.client import ClientOptions
+
+
+LINGER_S = 5.0  # after SIGTERM: how long requests may still arrive through endpoints not yet updated
+QUIET_S = 1.0  # ... and how long nothing may be in flight before the process goes
+
+
+@dataclass
+class Drain:
+    """When an attention client that received SIGTERM may exit: once it has lingered
+    ``LINGER_S`` (kube-proxy and other routers drop a not-ready endpoint within a few seconds; a
+    request they still send is answered) and nothing has been in flight for ``QUIET_S``, or when
+    ``timeout_s`` has passed, whatever is left (those requests fail: the grace period is over)."""
+
+    timeout_s: float
+    reason: str = ""
+    _quiet_since: float | None = None
+
+    def done(self, elapsed: float, idle: bool) -> bool:
+        """Fed every poll: seconds since SIGTERM, and whether nothing is in flight now."""
+        if not idle:
+            self._quiet_since = None
+        elif self._quiet_since is None:
+            self._quiet_since = elapsed
+        quiet = self._quiet_since is not None and elapsed - self._quiet_since >= QUIET_S
+        if quiet and elapsed >= min(LINGER_S, self.timeout_s):
+            self.reason = f"nothing in flight after {elapsed:.1f} s"
+            return True
+        if elapsed >= self.timeout_s:
+            left = "" if idle else ", requests still in flight"
+            self.reason = f"drain timeout ({self.timeout_s:.0f} s){left}"
+            return True
+        return False
 
 
 def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
@@ -156,6 +191,10 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="serve: write {port} here once serving",
 )
+@drain_timeout_option(
+    f"(serve) report not ready and answer on until nothing is in flight (at least {LINGER_S:.0f} "
+    "s, while the Service forgets this pod)"
+)
 @lease_options
 @data_token_options
 @click.option("--log-level", default="INFO", show_default=True, help="serve: logging level")
@@ -188,6 +227,7 @@ def attention_client(
     prompts: tuple[str, ...],
     max_new_tokens: int,
     request_timeout: float,
+    drain_timeout_seconds: float,
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
@@ -249,8 +289,16 @@ def attention_client(
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)
     stop = threading.Event()
+    leaving = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and not leaving.is_set():
+            leaving.set()  # drain: see the loop below
+        else:
+            stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     beats = (
         Heartbeat(
             heartbeat,
@@ -270,8 +318,17 @@ def attention_client(
             partial.write_text(f'{{"port": {service.port}}}\n')
             partial.replace(ready_file)  # readers never see a half-written file
         click.echo(f"serving {serve_options.model_name} on {service.url}", err=True)
-        while not stop.wait(0.5):
-            pass
+        drain = Drain(drain_timeout_seconds)
+        while not stop.wait(0.1):
+            if leaving.is_set() and service.leaving_since is None:
+                service.begin_leaving()
+                if beats is not None:
+                    beats.leave(datetime.now(UTC) + timedelta(seconds=drain_timeout_seconds))
+            if service.leaving_since is not None and drain.done(
+                time.monotonic() - service.leaving_since, service.idle()
+            ):
+                click.echo(f"left: {drain.reason}", err=True)
+                break
         if beats is not None:
             beats.stop()
     click.echo("stopped", err=True)

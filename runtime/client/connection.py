@@ -191,7 +191,8 @@ class ServerConnection:
         if not handle:
             return
         try:
-            url = f"{self.url}/v1/slots/{handle['transport']}/{handle['slot']}"
+            query = urllib.parse.urlencode({"client_id": self.client_id})
+            url = f"{self.url}/v1/slots/{handle['transport']}/{handle['slot']}?{query}"
             http_json("DELETE", url, timeout_s=0.5, token=self._token())
         except HandshakeError as exc:
             log.debug("server %d: releasing slot %s failed: %s", self.ordinal, handle.get("slot"), exc)

@@ -19,6 +19,8 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -261,7 +263,25 @@ class ApiTarget(Protocol):
         ...
 
 
-def _handler(target: ApiTarget, api_keys: tuple[str, ...] = ()) -> type[JsonHandler]:
+class InFlight:
+    """Generation requests being answered (from their arrival to their last byte, streams too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        with self._lock:
+            self.count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.count -= 1
+
+
+def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] = ()) -> type[JsonHandler]:
     keys = Tokens(api_keys)
 
     class Handler(JsonHandler):
@@ -294,11 +314,12 @@ def _handler(target: ApiTarget, api_keys: tuple[str, ...] = ()) -> type[JsonHand
             elif method == "GET" and path == "/v1/models":
                 self.send_json(HTTPStatus.OK, target.models())
             elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
-                answer = (target.complete if path == "/v1/completions" else target.chat)(self.read_json)
-                if isinstance(answer, dict):
-                    self.send_json(HTTPStatus.OK, answer)
-                else:
-                    self.send_event_stream(answer)
+                with in_flight.request():
+                    answer = (target.complete if path == "/v1/completions" else target.chat)(self.read_json)
+                    if isinstance(answer, dict):
+                        self.send_json(HTTPStatus.OK, answer)
+                    else:
+                        self.send_event_stream(answer)
             elif path in (
                 "/healthz",
                 "/readyz",
@@ -318,4 +339,5 @@ class ApiServer(BackgroundServer):
     """The HTTP API in a daemon thread (one thread per connection; generation runs in the scheduler)."""
 
     def __init__(self, target: ApiTarget, host: str, port: int, api_keys: tuple[str, ...] = ()) -> None:
-        super().__init__(_handler(target, api_keys), host, port, name="eaas-api")
+        self.in_flight = InFlight()
+        super().__init__(_handler(target, self.in_flight, api_keys), host, port, name="eaas-api")

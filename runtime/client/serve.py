@@ -130,6 +130,7 @@ class AttentionService:
         self.decoder: Decoder | None = None  # owned by the scheduler's worker thread
         self.experts: RemoteExperts | None = None
         self.placement: Placement | None = None
+        self.leaving_since: float | None = None  # monotonic time of SIGTERM (:meth:`begin_leaving`)
         self.placement_error = "no placement read yet"
         self._placement_text: str | None = None
         self._next: tuple[Placement, RemoteExperts] | None = None  # prepared, swapped in by the worker
@@ -196,6 +197,20 @@ class AttentionService:
         self.api.start()
         log.info("attention client serving %s on %s", self.options.model_name, self.url)
         return self
+
+    def begin_leaving(self) -> None:
+        """SIGTERM: report not ready (Kubernetes takes the pod out of the Service) and answer on;
+        requests still arriving through a stale endpoint are served too (see :meth:`idle`)."""
+        if self.leaving_since is None:
+            self.leaving_since = time.monotonic()
+            log.info("leaving: not ready any more; finishing the requests in flight")
+
+    def idle(self) -> bool:
+        """No request being answered, queued or generating."""
+        return self.api.in_flight.count == 0 and self._queued() == 0 and self._running() == 0
+
+    def _running(self) -> int:
+        return self.worker.running if self.worker is not None else 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -282,8 +297,8 @@ class AttentionService:
                 self.decoder.experts = experts
             self.experts, self.placement = experts, placement
             self.placement_error = ""
-            if old is not None:
-                old.close()
+            if old is not None:  # off the worker: releasing slots is a round trip to every server
+                threading.Thread(target=old.close, name="eaas-release-placement", daemon=True).start()
         if self.experts is not None:
             self.experts.refresh()
 
@@ -302,6 +317,8 @@ class AttentionService:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         experts, placement = self.experts, self.placement
+        if self.leaving_since is not None:
+            return False, {"ready": False, "reason": "leaving (SIGTERM): finishing the requests in flight"}
         if experts is None or placement is None:
             return False, {"ready": False, "reason": self.placement_error}
         live = experts.live.clone()

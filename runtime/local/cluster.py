@@ -187,10 +187,12 @@ class LocalCluster:
         return self.servers[ordinal].process.poll() is None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Terminates every server (SIGTERM, then SIGKILL after ``timeout_s``) and cleans shared memory."""
+        """Stops every server (SIGINT, then SIGKILL after ``timeout_s``) and cleans shared memory.
+        SIGINT, not SIGTERM: a server that follows a placement directory takes SIGTERM as the start
+        of a drain (it serves on until no placement names it), and nothing drains a whole cluster."""
         running = [s for s in self.servers.values() if s.process.poll() is None]
         for server in running:
-            server.process.terminate()
+            server.process.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for server in running:
             try:

@@ -14,7 +14,7 @@ import click
 from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
-from eaas.runtime.lease import LeaseOptions, lease_options
+from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
 from eaas.runtime.transport import transport_names
 
 
@@ -89,6 +89,9 @@ from eaas.runtime.transport import transport_names
 @click.option(
     "--exit-with-parent", type=int, default=None, hidden=True, help="stop when this parent pid is gone"
 )
+@drain_timeout_option(
+    "with --placement-dir, serve on until no placement names this server and no client holds a slot"
+)
 @lease_options
 @data_token_options
 @click.option("--log-level", default="INFO", show_default=True)
@@ -111,6 +114,7 @@ def expert_server(
     threads: int | None,
     ready_file: Path | None,
     exit_with_parent: int | None,
+    drain_timeout_seconds: float,
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
@@ -122,6 +126,7 @@ def expert_server(
     from eaas.runtime.lease import Heartbeat, pool_of
     from eaas.runtime.placement import Placement, PlacementError
     from eaas.runtime.server.client_leases import ClientLeaseWatch
+    from eaas.runtime.server.departure import Departure
     from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
     from eaas.runtime.server.loop import LoopOptions
     from eaas.runtime.server.placement_watch import PlacementFiles, PlacementWatcher, initial_target
@@ -166,7 +171,38 @@ def expert_server(
     except (PlacementError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
 
+    companions: list[PlacementWatcher | Heartbeat | ClientLeaseWatch | Departure] = []
+    watcher = PlacementWatcher(server, files, placement_poll_seconds) if files is not None else None
+    beats = (
+        Heartbeat(
+            heartbeat,
+            lambda: server.placement_version,
+            lambda: server.loop.busy_seconds,
+            routed_tokens=server.load.total,
+        )
+        if heartbeat is not None
+        else None
+    )
+
+    def named() -> bool | None:
+        """Whether a placement still names this server: not once the operator wrote on its Lease
+        that a committed one does not (a terminating pod's mounted files are not refreshed any
+        more), else as the placement files last said."""
+        if beats is not None and beats.released:
+            return False
+        return watcher.named if watcher is not None else None
+
+    departure = (
+        Departure(
+            server, named, drain_timeout_seconds, beats.leave if beats is not None else lambda deadline: None
+        )
+        if watcher is not None
+        else None
+    )
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and departure is not None and departure.begin():
+            return  # leaving: serves on until its experts are taken over (departure.py)
         server.loop.stop_event.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -191,18 +227,13 @@ def expert_server(
         server.url,
         ",".join(server.transports),
     )
-    companions: list[PlacementWatcher | Heartbeat | ClientLeaseWatch] = []
-    if files is not None:
-        companions.append(PlacementWatcher(server, files, placement_poll_seconds).start())
+    if watcher is not None:
+        companions.append(watcher.start())
+    if departure is not None:
+        companions.append(departure)
     if heartbeat is not None:
-        companions.append(
-            Heartbeat(
-                heartbeat,
-                lambda: server.placement_version,
-                lambda: server.loop.busy_seconds,
-                routed_tokens=server.load.total,
-            ).start()
-        )
+        assert beats is not None
+        companions.append(beats.start())
         if heartbeat.service:  # its attention clients' Leases: free the slots of those that expired
             watch = ClientLeaseWatch(
                 heartbeat.namespace,

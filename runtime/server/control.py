@@ -9,9 +9,12 @@
 | GET | ``/v1/stats`` | tokens per (layer, expert) since start (the placement planner's input) |
 | GET | ``/v1/slots`` | attached slots and their states |
 | POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?, "lease"?, "offer"?}`` → 201 |
-| DELETE | ``/v1/slots/<transport>/<slot>`` | release a slot → 204 (404 if not attached) |
+| DELETE | ``/v1/slots/<transport>/<slot>[?client_id=<id>]`` | release a slot → 204 (404 if not attached) |
 
-A POST answers 503 when every slot is taken, 400 when a field (or the transport's offer) is wrong.
+A DELETE that names ``client_id`` frees the slot only while that client holds it (404 otherwise): a
+release that arrives after the client's connection broke and the slot went to another client
+frees nothing. A POST answers 503 when every slot is taken, 400 when a field (or the transport's
+offer) is wrong.
 
 With data tokens configured, the three ``/v1/slots`` routes need ``Authorization: Bearer <token>``:
 without it they answer 401 and allocate, release and reveal nothing. The handle a granted slot
@@ -27,6 +30,7 @@ NetworkPolicy decides who reaches the port).
 from __future__ import annotations
 
 import re
+import urllib.parse
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -60,7 +64,7 @@ class ControlTarget(Protocol):
         lease: str | None = None,
         offer: dict[str, Any] | None = None,
     ) -> dict[str, Any]: ...
-    def detach(self, transport: str, slot: int) -> bool: ...
+    def detach(self, transport: str, slot: int, client_id: str | None = None) -> bool: ...
 
 
 def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
@@ -130,8 +134,11 @@ def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
                 parts = path.split("/")
                 if len(parts) != 5 or not parts[4].isdigit():
                     raise ControlError(HTTPStatus.NOT_FOUND, "use DELETE /v1/slots/<transport>/<slot>")
-                if not target.detach(parts[3], int(parts[4])):
-                    raise ControlError(HTTPStatus.NOT_FOUND, f"no attached {parts[3]} slot {parts[4]}")
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                holder = query["client_id"][0] if query.get("client_id") else None
+                if not target.detach(parts[3], int(parts[4]), holder):
+                    held = f" held by {holder}" if holder else ""
+                    raise ControlError(HTTPStatus.NOT_FOUND, f"no attached {parts[3]} slot {parts[4]}{held}")
                 self.send_bytes(HTTPStatus.NO_CONTENT, b"", "text/plain")
             else:
                 raise ControlError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")

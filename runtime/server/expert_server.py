@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,9 @@ class ExpertServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._closed = False
+        # Set on SIGTERM (:mod:`eaas.runtime.server.departure`): when the server will be gone. It
+        # serves on (slots and attaches) but reports not ready until then.
+        self.leaving_deadline: datetime | None = None
 
     @classmethod
     def from_placement(
@@ -294,8 +298,13 @@ class ExpertServer:
     def is_healthy(self) -> bool:
         return not self.loop.stop_event.is_set()
 
-    def is_ready(self) -> bool:
+    def is_serving(self) -> bool:
+        """Experts loaded and the loop running: slots may be attached (also while leaving)."""
         return self._ready.is_set() and not self.loop.stop_event.is_set()
+
+    def is_ready(self) -> bool:
+        """Serving and not leaving (``/readyz``)."""
+        return self.is_serving() and self.leaving_deadline is None
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -312,6 +321,7 @@ class ExpertServer:
             "pid": os.getpid(),
             "placement_version": self.placement_version,
             "placement_error": self.placement_error,
+            "leaving_by": self.leaving_deadline.isoformat() if self.leaving_deadline else None,
             "model": {
                 "family": m.family,
                 "hidden_size": m.hidden_size,
@@ -349,7 +359,7 @@ class ExpertServer:
         lease: str | None = None,
         offer: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        if not self.is_ready():
+        if not self.is_serving():
             raise ControlError(HTTPStatus.SERVICE_UNAVAILABLE, "server is not ready")
         if transport not in self.transports:
             raise ControlError(
@@ -386,14 +396,22 @@ class ExpertServer:
             "max_tokens": self.limits.max_tokens,
         }
 
-    def detach(self, transport: str, slot: int) -> bool:
+    def detach(self, transport: str, slot: int, client_id: str | None = None) -> bool:
+        """Frees a slot; with `client_id`, only while that client holds it (its connection may have
+        broken and the slot gone to another client before this release arrived)."""
         t = self.transports.get(transport)
         with self._slot_lock:
+            if client_id is not None and t is not None:
+                holders = {
+                    int(row["slot"]): row["client_id"] for row in t.slots() if row["state"] != "OFFLINE"
+                }
+                if holders.get(slot) != client_id:
+                    return False
             self._slot_versions.pop((transport, slot), None)
             self._slot_leases.pop((transport, slot), None)
             return t is not None and t.detach(slot)
 
-    def _attached(self) -> set[tuple[str, int]]:
+    def attached_slots(self) -> set[tuple[str, int]]:
         """(transport, slot) of the slots a client holds (not released, reaped or OFFLINE)."""
         return {(row["transport"], int(row["slot"])) for row in self.slots() if row["state"] != "OFFLINE"}
 
@@ -402,7 +420,7 @@ class ExpertServer:
         returns them as (transport, slot, lease)."""
         freed = []
         with self._slot_lock:
-            attached = self._attached()
+            attached = self.attached_slots()
             for key, (lease, attached_at) in list(self._slot_leases.items()):
                 if key not in attached:  # released or reaped since: its client is gone anyway
                     del self._slot_leases[key]
@@ -423,6 +441,6 @@ class ExpertServer:
         """The oldest placement version an attached client still routes by (None: none said).
 
         A slot whose client detached or whose connection died (OFFLINE) no longer counts."""
-        attached = self._attached()
+        attached = self.attached_slots()
         versions = [v for key, v in list(self._slot_versions.items()) if key in attached]
         return min(versions) if versions else None

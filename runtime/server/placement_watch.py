@@ -127,6 +127,9 @@ class PlacementWatcher(DaemonLoop):
         self._stamps: tuple[FileStamp, FileStamp] | None = None
         self._digest = ""
         self._lingering: Target | None = None  # the target whose drops wait for older clients
+        # Whether the files, as last read, name this server (None: none read yet). A leaving
+        # server (:mod:`eaas.runtime.server.departure`) goes once they do not.
+        self.named: bool | None = None
         super().__init__("eaas-placement-watch")
 
     def _run(self) -> None:
@@ -170,10 +173,13 @@ class PlacementWatcher(DaemonLoop):
             self._fail(str(error))
             return
         self.server.placement_error = None  # the files are good again
+        ordinal = self.server.config.ordinal
+        if committed is not None or pending is not None:
+            self.named = any(p is not None and ordinal in p.ordinals for p in (committed, pending))
         if committed is None and pending is None:
             log.warning("%s: no placement file; keeping placement v%d", self.files.directory, self._version())
             return
-        self._apply(target_for(self.server.config.ordinal, committed, pending))
+        self._apply(target_for(ordinal, committed, pending))
 
     def _apply(self, target: Target | None) -> None:
         server, version = self.server, self._version()

@@ -445,8 +445,20 @@ def test_pod_command_serves_from_environment_and_waits_for_the_placement(
                 {"model": "tiny", "prompt": [9, 10], "max_tokens": 3, "temperature": 0},
             )
             assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[9, 10]], [3])[0]
+            # SIGTERM: not ready any more, but a request that still arrives (an endpoint not yet
+            # updated) is answered; the process exits 0 once nothing has been in flight for a while.
             process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=15) == 0
+            wait_for(lambda: http("GET", f"{url}/readyz")[0] == 503, 10, "readiness to turn false")
+            assert "leaving" in http("GET", f"{url}/readyz")[1]["reason"]
+            status, body = http(
+                "POST",
+                f"{url}/v1/completions",
+                {"model": "tiny", "prompt": [9, 10], "max_tokens": 3, "temperature": 0},
+            )
+            assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[9, 10]], [3])[0]
+            assert process.wait(timeout=30) == 0
+            output = process.stdout.read().decode() if process.stdout else ""
+            assert "left: nothing in flight" in output
         finally:
             if process.poll() is None:
                 process.kill()
@@ -456,6 +468,20 @@ def test_pod_command_serves_from_environment_and_waits_for_the_placement(
 
 
 # --- pure pieces -----------------------------------------------------------------------------------
+def test_a_leaving_attention_client_lingers_then_goes_once_nothing_is_in_flight() -> None:
+    from eaas.runtime.client.cli import LINGER_S, QUIET_S, Drain
+
+    drain = Drain(timeout_s=25)
+    assert not drain.done(0.1, idle=True)  # requests may still come through stale endpoints
+    assert not drain.done(LINGER_S, idle=False)  # one in flight: wait for it
+    assert not drain.done(LINGER_S + 0.5, idle=True)
+    assert drain.done(LINGER_S + 0.5 + QUIET_S, idle=True) and "nothing in flight" in drain.reason
+    stuck = Drain(timeout_s=8)
+    assert not stuck.done(7.9, idle=False)
+    assert stuck.done(8.0, idle=False) and "still in flight" in stuck.reason
+    assert Drain(timeout_s=0).done(0.0, idle=True)  # no drain asked for: at once
+
+
 def test_expert_urls_follow_the_operator_naming() -> None:
     assert expert_urls((0, 2), "m-experts.models.svc", 9100) == {
         0: "http://m-experts-0.m-experts.models.svc:9100",

@@ -195,3 +195,22 @@ def test_large_requests_are_exact(mixtral: tuple[Path, Placement], transport: st
                 torch.testing.assert_close(y, reference(layer, x, ids, weights), rtol=1e-5, atol=1e-5)
         finally:
             connection.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_late_release_never_frees_a_slot_handed_to_another_client(
+    server: ExpertServer, transport: str
+) -> None:
+    """A client whose connection broke releases its slot late (it closes locally first): by then the
+    server may have handed the slot to another client. A release that names its client frees the
+    slot only while that client holds it."""
+    url = f"{server.url}/v1/slots"
+    first = json.loads(http("POST", url, {"client_id": "old", "transport": transport})[1])
+    assert http("DELETE", f"{url}/{transport}/{first['slot']}")[0] == 204  # gone (as its connection broke)
+    again = json.loads(http("POST", url, {"client_id": "new", "transport": transport})[1])
+    assert again["slot"] == first["slot"]  # handed on
+    late = http("DELETE", f"{url}/{transport}/{first['slot']}?client_id=old")
+    assert late[0] == 404 and b"held by old" in late[1]
+    holders = {(r["transport"], r["slot"]): (r["client_id"], r["state"]) for r in server.slots()}
+    assert holders[(transport, again["slot"])] == ("new", "IDLE")  # still the new client's
+    assert http("DELETE", f"{url}/{transport}/{again['slot']}?client_id=new")[0] == 204

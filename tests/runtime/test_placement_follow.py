@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,11 +66,12 @@ def model(tiny_checkpoints: dict[str, Path]) -> tuple[Path, list[int], int]:
     return checkpoint, list(config.moe_layers), config.num_experts
 
 
-@pytest.fixture
-def started(
-    model: tuple[Path, list[int], int], tmp_path: Path
-) -> Iterator[tuple[str, Path, Path, Callable[[], str]]]:
-    """Server 0 as a process following ``tmp_path/placement``: (url, directory, checkpoint, log)."""
+@contextlib.contextmanager
+def server_process(
+    model: tuple[Path, list[int], int], tmp_path: Path, *extra: str
+) -> Iterator[tuple[str, Path, subprocess.Popen[bytes], Callable[[], str]]]:
+    """Server 0 as a process following ``tmp_path/placement`` (it hosts the even experts, server
+    1 everything): (url, directory, process, log)."""
     checkpoint, layers, num_experts = model
     directory = tmp_path / "placement"
     directory.mkdir()
@@ -79,7 +82,7 @@ def started(
         sys.executable, "-m", "eaas.runtime.server", "--checkpoint", str(checkpoint),
         "--placement-dir", str(directory), "--placement-poll-seconds", "0.1", "--ordinal", "0",
         "--transports", "tcp", "--threads", "1", "--ready-file", str(ready),
-        "--exit-with-parent", str(os.getpid()),
+        "--exit-with-parent", str(os.getpid()), *extra,
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -87,15 +90,24 @@ def started(
         wait_for(lambda: ready.exists() or process.poll() is not None, "the server to start", 60)
         assert process.poll() is None, log_path.read_text()
         url = json.loads(ready.read_text())["url"]
-        yield url, directory, checkpoint, log_path.read_text
+        yield url, directory, process, log_path.read_text
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # at once (SIGTERM would start a drain)
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
         remove_segments_of(process.pid)
+
+
+@pytest.fixture
+def started(
+    model: tuple[Path, list[int], int], tmp_path: Path
+) -> Iterator[tuple[str, Path, Path, Callable[[], str]]]:
+    """Server 0 as a process following ``tmp_path/placement``: (url, directory, checkpoint, log)."""
+    with server_process(model, tmp_path) as (url, directory, _, log):
+        yield url, directory, model[0], log
 
 
 def info(url: str) -> dict[str, Any]:
@@ -271,3 +283,75 @@ def test_a_bad_placement_version_is_refused(started: tuple[str, Path, Path, Call
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=5)
         assert refused.value.code == 400 and b"placement_version" in refused.value.read()
+
+
+def without_server_0(layers: list[int], num_experts: int, version: int) -> Placement:
+    """The placement after server 0 was drained: server 1 alone hosts everything."""
+    everything = [(layer, e) for layer in layers for e in range(num_experts)]
+    return Placement(layers, num_experts, [Server(1, len(everything))], {1: everything}, 1, version)
+
+
+def probe(url: str, path: str) -> int:
+    try:
+        return get(f"{url}{path}")[0]
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_sigterm_drains_until_no_placement_names_the_server_and_no_client_holds_a_slot(
+    model: tuple[Path, list[int], int], tmp_path: Path
+) -> None:
+    """SIGTERM, as a deleted or evicted pod gets: the server reports not ready and says by when it
+    will be gone, but serves on (answers, new attaches) while a placement names it; once none does
+    it still waits for the client holding a slot, and exits 0 as soon as that one lets go."""
+    _, layers, num_experts = model
+    with server_process(model, tmp_path, "--drain-timeout-seconds", "60") as (url, directory, process, log):
+        client = ServerConnection(0, url, "tcp", "c1", 5.0, 2.0, placement_version=1)
+        client.connect()
+        process.send_signal(signal.SIGTERM)
+        wait_for(lambda: probe(url, "/readyz") == 503, "readiness to turn false")
+        assert probe(url, "/healthz") == 200
+        assert info(url)["leaving_by"] is not None
+        late = ServerConnection(0, url, "tcp", "c2", 5.0, 2.0, placement_version=1)
+        late.connect()  # a client that read the placement naming it late still gets a slot
+        late.close()
+        assert client.channel is not None
+        client.channel.send(layers[0], *inputs([0, 2]))
+        client.channel.receive(time.monotonic() + 5)
+        time.sleep(0.5)  # named by placement.json: it stays
+        assert process.poll() is None
+        write_atomically(directory / "placement.json", without_server_0(layers, num_experts, 2).to_json())
+        time.sleep(0.5)  # no placement names it, but a client still holds a slot: it stays
+        assert process.poll() is None, log()
+        client.channel.send(layers[0], *inputs([0]))  # and still answers it
+        client.channel.receive(time.monotonic() + 5)
+        left = time.monotonic()
+        client.close()
+        assert process.wait(timeout=10) == 0, log()
+        assert time.monotonic() - left < 3.0
+        assert "no placement names this server and no client holds a slot; exiting" in log()
+
+
+def test_sigterm_exits_by_the_drain_timeout_whatever_holds_it(
+    model: tuple[Path, list[int], int], tmp_path: Path
+) -> None:
+    """Nobody drains it (no operator, a client that never lets go): it goes at its deadline."""
+    with server_process(model, tmp_path, "--drain-timeout-seconds", "1") as (url, _, process, log):
+        client = ServerConnection(0, url, "tcp", "c1", 5.0, 2.0, placement_version=1)
+        client.connect()
+        try:
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0, log()
+            assert time.monotonic() - signalled >= 1.0
+            assert "exiting anyway" in log()
+        finally:
+            client.close()
+
+
+def test_a_second_sigterm_or_sigint_stops_at_once(model: tuple[Path, list[int], int], tmp_path: Path) -> None:
+    with server_process(model, tmp_path, "--drain-timeout-seconds", "60") as (url, _, process, log):
+        process.send_signal(signal.SIGTERM)
+        wait_for(lambda: probe(url, "/readyz") == 503, "readiness to turn false")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0, log()
