@@ -20,6 +20,15 @@ clients route by) and, during a change, the pending one (what servers load):
   placement, loaded and committed like any other change.
 * **repair**: a missing pod of a placed server is recreated under the same name; pods whose
   template changed are replaced one at a time while all others are Ready.
+* **release a leaving server** (make before break): a placed server whose pod is being deleted
+  (``kubectl delete``, an eviction, a node drain) or whose Lease announces that it received
+  SIGTERM keeps serving through its grace period (:mod:`eaas.runtime.server.departure`). Pending
+  = the placement without it, its experts re-homed on the others (R kept), any change in flight
+  abandoned; once that is committed the server exits on its own (no client routes to it any
+  more), and the pool grows back to ``replicas`` one server at a time. Survivors first rather
+  than a replacement first: they load only a share of the leaving server's experts each, in
+  parallel, which fits a grace period where a new server loading all of them may not. Where the
+  survivors cannot hold R copies, it serves until it goes and is recreated in place.
 * **re-place a lost server**: a placed server whose heartbeat stopped (its Lease expired, or its
   pod has not been Ready for longer than the heartbeat timeout, after it once served) is drained
   like a scale-down: pending = the placement without it, its experts re-homed on the survivors
@@ -66,6 +75,8 @@ class ServerReport:
     utilization_milli: int | None = None
     tokens_per_second: int | None = None
     owner_uid: str | None = None  # the pod the Lease belongs to (None: not recorded)
+    leaving: bool = False  # the server received SIGTERM and serves on until it is drained
+    released: bool = False  # the operator told it (on this Lease) that no committed placement names it
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,40 @@ class Observed:
             return f"its pod has not been Ready for {pod.unready_seconds:.0f} s"
         return ""
 
+    def leaving(self, ordinal: int) -> str:
+        """Why server `ordinal` is leaving on purpose ("" when it is not): its pod is being
+        deleted, or its Lease (of this pod) announces that it received SIGTERM."""
+        pod = self.pods.get(ordinal)
+        if pod is None:
+            return ""
+        if pod.terminating:
+            return "its pod is being deleted"
+        report = self.reports.get(ordinal)
+        if report is not None and report.leaving and not report.expired and self._owns(report, pod):
+            return "it received SIGTERM"
+        return ""
+
+    def is_serving(self, ordinal: int) -> bool:
+        """Answers its clients: live, or leaving with its heartbeat still renewed (it serves on
+        through its grace period until the placement without it is committed)."""
+        if self.is_live(ordinal):
+            return True
+        report = self.reports.get(ordinal)
+        pod = self.pods.get(ordinal)
+        return (
+            bool(self.leaving(ordinal))
+            and report is not None
+            and report.leaving
+            and not report.expired
+            and pod is not None
+            and self._owns(report, pod)
+        )
+
+    @staticmethod
+    def _owns(report: ServerReport, pod: PodState) -> bool:
+        """The Lease is this pod's (not one an earlier pod of the name left)."""
+        return report.owner_uid is None or not pod.uid or report.owner_uid == pod.uid
+
     def is_ready_for(self, ordinal: int, version: int) -> bool:
         """Live, and has loaded the experts of placement `version` (servers without a Lease: when Ready)."""
         report = self.reports.get(ordinal)
@@ -136,6 +181,7 @@ class Step:
     conditions: list[Observation] = field(default_factory=list)
     progressing: str = ""  # reason when a change is in flight
     progress_message: str = ""
+    release: list[int] = field(default_factory=list)  # leaving servers to tell they may go (on their Lease)
 
     def working(self, reason: str, message: str) -> Step:
         self.progressing, self.progress_message = reason, message
@@ -145,8 +191,29 @@ class Step:
 def plan(observed: Observed) -> Step:
     """The next step for one ExpertPool, with its conditions."""
     step = _decide(observed)
+    step.release = _releasable(observed)
     step.conditions = _conditions(observed, step)
     return step
+
+
+def _releasable(o: Observed) -> list[int]:
+    """Leaving servers that neither the committed nor the pending placement names and that have
+    not been told yet: their Lease gets :data:`~eaas.runtime.contract.RELEASED_ANNOTATION`, and
+    each exits once no client holds a slot on it (its own mounted placement is frozen while its
+    pod terminates)."""
+    if o.committed is None or o.placement_error:
+        return []
+    placed = set(o.committed.ordinals) | set(o.pending.ordinals if o.pending is not None else ())
+    return sorted(
+        n
+        for n, report in o.reports.items()
+        if report.leaving
+        and not report.released
+        and not report.expired
+        and n not in placed
+        and n in o.pods
+        and o._owns(report, o.pods[n])
+    )
 
 
 def _decide(o: Observed) -> Step:
@@ -181,6 +248,10 @@ def _decide(o: Observed) -> Step:
         lost = _lost_servers(o)
         if lost:
             return _replace_lost(o, step, lost)
+
+        departing = _leaving_servers(o)
+        if departing:
+            return _release_leaving(o, step, departing)
 
         if o.pending is not None:
             return _finish_pending(o, step, existing)
@@ -283,6 +354,58 @@ def _lost_servers(o: Observed) -> dict[int, str]:
         return {}
     target = o.pending if o.pending is not None else o.committed
     return {n: why for n in target.ordinals if (why := o.lost(n))}
+
+
+def _leaving_servers(o: Observed) -> dict[int, str]:
+    """Leaving servers of the placement being served or loaded (ordinal -> why)."""
+    if o.committed is None:
+        return {}
+    target = o.pending if o.pending is not None else o.committed
+    return {n: why for n in target.ordinals if (why := o.leaving(n))}
+
+
+def _release_leaving(o: Observed, step: Step, leaving: dict[int, str]) -> Step:
+    """Pending = the placement without the leaving servers, their experts re-homed on the others
+    while they serve on (see the module docstring)."""
+    assert o.committed is not None
+    names = ", ".join(f"{o.pool}-{n} ({why})" for n, why in leaving.items())
+    # From the pending placement where there is one (a server being added, e.g. the replacement of
+    # one that left before, takes its share), else from the committed one.
+    error: PlacementError | None = None
+    for base in (o.pending, o.committed) if o.pending is not None else (o.committed,):
+        assert base is not None
+        try:
+            target = base
+            for ordinal in leaving:
+                if ordinal in target.ordinals:
+                    target = planning.drain_server(target, o.shape, ordinal)
+            break
+        except PlacementError as failed:
+            error = failed
+    else:
+        message = (
+            f"expert server(s) {names} leaving; R cannot be kept without them ({error}): they serve "
+            "until they go, then are recreated"
+        )
+        step.events.append(Event("ServerLeaving", message, "Warning"))
+        return step.working("Leaving", message)
+    newest = max(o.committed.version, o.pending.version if o.pending else 0)
+    target = target.with_version(newest + 1)
+    step.publish = (o.committed, target)
+    abandoned = (
+        f"; placement v{o.pending.version} abandoned"
+        if o.pending is not None and base is o.committed
+        else (f"; replaces pending v{o.pending.version}" if o.pending is not None else "")
+    )
+    step.events.append(
+        Event(
+            "ServerLeaving",
+            f"expert server(s) {names} leaving: placement v{target.version} pending moves their "
+            f"experts to servers {list(target.ordinals)} (R={o.shape.replication}) while they "
+            f"serve on{abandoned}",
+        )
+    )
+    return step.working("ReleasingLeaving", f"draining leaving servers {sorted(leaving)}")
 
 
 def _replace_lost(o: Observed, step: Step, lost: dict[int, str]) -> Step:
@@ -425,7 +548,7 @@ def _conditions(o: Observed, step: Step) -> list[Observation]:
             progressing,
             Observation.of(DEGRADED, False, "PlacementPending", "nothing is serving yet"),
         ]
-    live = {n for n in o.committed.ordinals if o.is_live(n)}
+    live = {n for n in o.committed.ordinals if o.is_serving(n)}
     down = sorted(set(o.committed.ordinals) - live)
     fewest = live_replicas(o.committed, live)
     if fewest == 0:

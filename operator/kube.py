@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +46,15 @@ RESOURCES: dict[str, Resource] = {
     "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "Event": Resource("v1", "events"),
     "Deployment": Resource("apps/v1", "deployments"),
+    "PodDisruptionBudget": Resource("policy/v1", "poddisruptionbudgets"),
     "Lease": Resource("coordination.k8s.io/v1", "leases"),
     "HorizontalPodAutoscaler": Resource("autoscaling/v2", "horizontalpodautoscalers"),
     **{kind.kind: Resource(kind.api_version, kind.plural) for kind in KINDS},
 }
 
 RETRYABLE_STATUSES = frozenset({0, 409, 429, 500, 502, 503, 504})
+# Failures that say nothing about the objects, only that the operator cannot see them now.
+BLINDING_STATUSES = frozenset({0, 401, 403, 429})
 
 
 class KubeError(Exception):
@@ -82,6 +86,11 @@ class Kube:
     def __init__(self, api_client: client.ApiClient, request_timeout: float = 30.0) -> None:
         self.api_client = api_client
         self.request_timeout = request_timeout
+        # The last moment (Unix seconds) the operator could not read the API server: at start, and
+        # at every request that failed for the server's sake (unreachable, 5xx, throttled, or 401
+        # and 403 while a restarted server's authorizer warms up). Until a heartbeat period has
+        # passed since then, a Lease that looks old may only look so (see ``blind_since``).
+        self.unreadable_at = time.time()
 
     # -- plumbing --------------------------------------------------------------------------------
     def request(
@@ -106,12 +115,17 @@ class Kube:
             response = self.api_client.call_api(*serialized, _request_timeout=self.request_timeout)
             data = response.read()
         except client.ApiException as error:
-            raise _error(error.status or 0, error.reason or "", error.body, where) from None
+            raise self._failed(_error(error.status or 0, error.reason or "", error.body, where)) from None
         except Exception as error:  # urllib3 connection/timeout errors
-            raise KubeError(0, type(error).__name__, str(error), where) from None
+            raise self._failed(KubeError(0, type(error).__name__, str(error), where)) from None
         if response.status >= 400:
-            raise _error(response.status, response.reason or "", data, where)
+            raise self._failed(_error(response.status, response.reason or "", data, where))
         return json.loads(data) if data else {}
+
+    def _failed(self, error: KubeError) -> KubeError:
+        if error.status in BLINDING_STATUSES or error.status >= 500:
+            self.unreadable_at = time.time()
+        return error
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

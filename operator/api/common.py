@@ -205,6 +205,10 @@ class PodSettings(CRDModel):
     """Node labels the pods require."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Taints the pods tolerate."""
+    termination_grace_period_seconds: int = Field(default=30, ge=10, le=3600)
+    """How long a pod that is deleted, evicted or drained may take to leave. An expert server
+    serves on until its experts are re-homed and its clients moved (it exits sooner when done); an
+    attention client finishes its in-flight requests. Both keep 5 s of it for their exit."""
 
 
 class HeartbeatSpec(CRDModel):

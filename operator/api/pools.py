@@ -181,7 +181,8 @@ class ExpertPoolStatus(PoolStatus):
     servers: list[int] = Field(default_factory=list, max_length=4096)
     """Ordinals of the expert servers in the published placement."""
     down_servers: list[int] = Field(default_factory=list, max_length=4096)
-    """Servers of the published placement that are not live (pod not Ready, or heartbeat expired)."""
+    """Servers of the published placement that are not live (pod not Ready, or heartbeat expired);
+    a server that received SIGTERM and serves on while it is drained is not down."""
     fewest_live_replicas: int = Field(default=0, ge=0)
     """The fewest live replicas any (layer, expert) has (0: some expert cannot be served)."""
     utilization_milli: int | None = Field(default=None, ge=0, le=1000)

@@ -12,6 +12,7 @@ from eaas.operator.builders.common import (
     common_env,
     container_security_context,
     data_token_volume,
+    drain_timeout,
     env,
     http_probe,
     owned,
@@ -64,6 +65,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
         naming.ENV_PORT: spec.port,
         naming.ENV_EXPERT_SERVICE: f"{spec.expert_pool_name}.{namespace}.svc",
         naming.ENV_EXPERT_PORT: spec.expert_pool_port,
+        naming.ENV_DRAIN_TIMEOUT: drain_timeout(spec),
         **ucx_env(spec.transport, spec.ucx),
     }
     container = {
@@ -104,6 +106,24 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
                     **co_location(service, spec.transport),
                 },
             },
+        },
+    }
+    return owned(body, pool)
+
+
+def disruption_budget(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
+    """One attention pod out at a time by eviction: it stops taking new requests and finishes the
+    ones it has (its grace period), while the others serve. A pool of one replica has nobody to
+    take over: give it two where evictions happen."""
+    name = pool["metadata"]["name"]
+    body = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": pool["metadata"]["namespace"], "labels": labels(pool)},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
     return owned(body, pool)

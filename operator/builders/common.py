@@ -226,11 +226,20 @@ def resources(settings: PodSettings, gpus: int) -> dict[str, Any]:
     return result
 
 
+EXIT_MARGIN_S = 5  # of the grace period, kept for the process's exit after its drain
+
+
+def drain_timeout(settings: PodSettings) -> int:
+    """How long a pod's process serves on after SIGTERM (``EAAS_DRAIN_TIMEOUT_SECONDS``)."""
+    return settings.termination_grace_period_seconds - EXIT_MARGIN_S
+
+
 def scheduling(settings: PodSettings, service: str) -> dict[str, Any]:
-    """serviceAccountName (the spec's, else the operator-made ``<service>-runtime``), nodeSelector
-    and tolerations of a pod spec."""
+    """serviceAccountName (the spec's, else the operator-made ``<service>-runtime``), nodeSelector,
+    tolerations and the termination grace period of a pod spec."""
     spec: dict[str, Any] = {
-        "serviceAccountName": settings.service_account_name or naming.runtime_account_name(service)
+        "serviceAccountName": settings.service_account_name or naming.runtime_account_name(service),
+        "terminationGracePeriodSeconds": settings.termination_grace_period_seconds,
     }
     if settings.node_selector:
         spec["nodeSelector"] = dict(settings.node_selector)

@@ -14,6 +14,7 @@ from eaas.operator.builders.common import (
     container_security_context,
     content_hash,
     data_token_volume,
+    drain_timeout,
     env,
     http_probe,
     owned,
@@ -107,6 +108,7 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         # A GPU pod keeps its experts on its GPU and computes with the Triton kernels (by default).
         naming.ENV_DEVICE: "cuda" if spec.gpus_per_pod else "cpu",
         naming.ENV_KERNEL_BACKEND: spec.kernel_backend or ("triton" if spec.gpus_per_pod else "torch"),
+        naming.ENV_DRAIN_TIMEOUT: drain_timeout(spec),
         **ucx_env(spec.transport, spec.ucx),
     }
     container = {
@@ -158,6 +160,30 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
             "annotations": {naming.TEMPLATE_HASH_ANNOTATION: template_hash(spec)},
         },
         "spec": pod_spec,
+    }
+    return owned(body, pool)
+
+
+def disruption_budget(pool: Body, spec: ExpertPoolSpec) -> dict[str, Any]:
+    """At most ``max(1, R-1)`` expert servers out at once by eviction (``kubectl drain``, the
+    cluster autoscaler, node upgrades): an evicted server serves on until its experts are
+    re-homed, and the next eviction waits until the pool is back to ``replicas`` Ready servers, so
+    no expert loses its last replica to a drain. A budget of R-1 alone would block every drain of
+    an R = 1 pool; the drain path moves its experts first, so one at a time is safe there too. An
+    integer ``minAvailable``: the budget follows the pool's size as the operator writes it."""
+    name = pool["metadata"]["name"]
+    desired = max(spec.replicas, spec.replication_factor)
+    body = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": pool["metadata"]["namespace"], "labels": labels(pool)},
+        "spec": {
+            "minAvailable": max(0, desired - max(1, spec.replication_factor - 1)),
+            "selector": {"matchLabels": selector(name)},
+            # A server that is not Ready serves nobody: evicting it costs nothing, and must not
+            # wait on the budget (a stuck pod would otherwise block every drain of its node).
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
     return owned(body, pool)
 

@@ -16,6 +16,7 @@ from eaas.operator.api.kinds import EXPERTPOOL
 from eaas.operator.api.pools import ExpertPoolSpec
 from eaas.operator.builders import expertpool as build
 from eaas.operator.conditions import PROGRESSING, find
+from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.status import invalid_spec
 from eaas.runtime.placement.placement import Placement, PlacementError
@@ -41,13 +42,15 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         return
 
     ctx.kube.apply(build.headless_service(body, spec))
+    ctx.kube.apply(build.disruption_budget(body, spec))
     pods = {}
     uids = {}
     pod_objects = ctx.kube.list("Pod", namespace, selector)
+    blind = ctx.kube.unreadable_at  # nothing seen before then: heartbeats unknown until then
     for pod in pod_objects:
         ordinal = naming.ordinal_of(name, pod["metadata"]["name"])
         if ordinal is not None:
-            pods[ordinal] = pod_state(ordinal, pod, time.time())
+            pods[ordinal] = pod_state(ordinal, pod, time.time(), blind)
             uids[ordinal] = pod["metadata"]["uid"]
     config_map = ctx.kube.get("ConfigMap", namespace, naming.placement_config_map_name(name))
     committed, pending, placement_error = read_placements(config_map)
@@ -60,7 +63,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         pods=pods,
         committed=committed,
         pending=pending,
-        reports=server_reports(name, leases, time.time()),
+        reports=server_reports(name, leases, time.time(), blind),
         placement_error=placement_error,
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
         heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
@@ -84,6 +87,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ctx.kube.create(build.pod(body, spec, ordinal))
     for ordinal in step.delete_pods:
         ctx.kube.delete("Pod", namespace, naming.pod_name(name, ordinal), uid=uids.get(ordinal))
+    for ordinal in step.release:
+        release(ctx, body, ordinal, committed)
     acted = step.publish is not None or bool(step.create_pods or step.delete_pods)
     reported = find((body.get("status") or {}).get("conditions"), PROGRESSING) or {}
     for event in step.events:
@@ -92,7 +97,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ctx.post_event(body, event.type, event.reason, event.message)
 
     live = [n for n in pods if not pods[n].terminating]
-    live_servers = {n for n in (committed.ordinals if committed else ()) if observed.is_live(n)}
+    live_servers = {n for n in (committed.ordinals if committed else ()) if observed.is_serving(n)}
     status = {
         **base_status,
         "replicas": len(live),
@@ -107,6 +112,27 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ),
     }
     ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
+
+
+def release(ctx: Context, body: Mapping[str, Any], ordinal: int, committed: Placement | None) -> None:
+    """Tells a leaving server, on its Lease, that no committed placement names it any more."""
+    assert committed is not None
+    metadata = body["metadata"]
+    pod = naming.pod_name(metadata["name"], ordinal)
+    patch = {"metadata": {"annotations": {naming.RELEASED_ANNOTATION: str(committed.version)}}}
+    try:
+        ctx.kube.merge_patch("Lease", metadata["namespace"], pod, patch)
+    except KubeError as error:
+        if error.status != 404:  # gone already: nothing to tell
+            raise
+        return
+    ctx.post_event(
+        body,
+        "Normal",
+        "ServerReleased",
+        f"expert server {pod} may go: placement v{committed.version} does not name it (it exits once "
+        "no client holds a slot on it)",
+    )
 
 
 def propose_rebalance(
@@ -132,11 +158,17 @@ def propose_rebalance(
     return decision
 
 
-def pod_state(ordinal: int, pod: Mapping[str, Any], now: float) -> expert_step.PodState:
+def pod_state(
+    ordinal: int, pod: Mapping[str, Any], now: float, blind_until: float = 0.0
+) -> expert_step.PodState:
+    """The pod as observed; it counts as unready only since `blind_until` at the earliest (the
+    node lifecycle controller marks pods not Ready across an API-server outage)."""
     conditions = (pod.get("status") or {}).get("conditions") or []
     condition: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
     ready = condition.get("status") == "True"
     since = _timestamp(condition.get("lastTransitionTime")) if condition and not ready else None
+    if since is not None:
+        since = max(since, blind_until)
     annotations = pod["metadata"].get("annotations") or {}
     return expert_step.PodState(
         ordinal=ordinal,
@@ -164,15 +196,18 @@ def read_placements(config_map: Mapping[str, Any] | None) -> tuple[Placement | N
 
 
 def server_reports(
-    pool: str, leases: Sequence[Mapping[str, Any]], now: float
+    pool: str, leases: Sequence[Mapping[str, Any]], now: float, blind_until: float = 0.0
 ) -> dict[int, expert_step.ServerReport]:
-    """Heartbeats of the pool's servers from their Leases (named after their pods)."""
+    """Heartbeats of the pool's servers from their Leases (named after their pods). A Lease the
+    operator could not have seen renewed (it could not read the API server until `blind_until`,
+    Unix seconds: an outage, or its own start) is unknown, not expired: every server gets a full
+    Lease duration from then, as the node lifecycle controller gives nodes after an outage."""
     reports = {}
     for lease in leases:
         ordinal = naming.ordinal_of(pool, lease["metadata"]["name"])
         if ordinal is None:
             continue
-        expired = lease_expired(lease, now)
+        expired = lease_expired(lease, now, blind_until)
         annotations = lease["metadata"].get("annotations") or {}
         owners = [
             r.get("uid") for r in lease["metadata"].get("ownerReferences") or [] if r.get("kind") == "Pod"
@@ -183,15 +218,20 @@ def server_reports(
             utilization_milli=_within(_int(annotations.get(naming.UTILIZATION_ANNOTATION)), 1000),
             tokens_per_second=_within(_int(annotations.get(naming.TOKEN_RATE_ANNOTATION))),
             owner_uid=owners[0] if owners else None,
+            leaving=naming.LEAVING_ANNOTATION in annotations,
+            released=naming.RELEASED_ANNOTATION in annotations,
         )
     return reports
 
 
-def lease_expired(lease: Mapping[str, Any], now: float) -> bool:
-    """Not renewed within its duration (``now``: Unix seconds)."""
+def lease_expired(lease: Mapping[str, Any], now: float, blind_until: float = 0.0) -> bool:
+    """Not renewed within its duration (``now``: Unix seconds), counted from `blind_until` at the
+    earliest (what could not be seen before then is not held against it)."""
     spec = lease.get("spec") or {}
     renewed = _timestamp(spec.get("renewTime") or spec.get("acquireTime"))
-    return renewed is None or now > renewed + (spec.get("leaseDurationSeconds") or 0)
+    if renewed is None:
+        return now > blind_until + (spec.get("leaseDurationSeconds") or 0) if blind_until else True
+    return now > max(renewed, blind_until) + (spec.get("leaseDurationSeconds") or 0)
 
 
 def clients_expert_wait(leases: Sequence[Mapping[str, Any]], now: float) -> int | None:

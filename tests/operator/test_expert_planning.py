@@ -452,3 +452,103 @@ def test_scaling_a_deepseek_v3_sized_pool_is_quick() -> None:
     check_invariants(grown, shape)
     check_invariants(shrunk, shape)
     assert layer_spread(grown) <= 1 and layer_spread(shrunk) <= 2
+
+
+def leaving_report(ordinal: int, loaded: int = 1) -> ServerReport:
+    return ServerReport(False, loaded_version=loaded, owner_uid=f"uid-{ordinal}", leaving=True)
+
+
+def test_a_deleted_server_serves_on_while_its_experts_move_then_the_pool_grows_back() -> None:
+    """``kubectl delete pod``, an eviction or a drain: the pod is terminating, its server announced
+    on its Lease that it is leaving and serves on. Its experts move to the others (R kept) before
+    it goes; nothing counts as down meanwhile; then a new server brings the pool back."""
+    committed = placement(4)
+    going = {1: PodState(1, ready=False, terminating=True, template_hash=HASH, uid="uid-1")}
+    world = observed(
+        desired_replicas=4,
+        pods=with_uids(pods(0, 2, 3)) | going,
+        committed=committed,
+        reports=leased(0, 2, 3) | {1: leaving_report(1)},
+    )
+    step = plan(world)
+    assert step.progressing == "ReleasingLeaving" and not (step.delete_pods or step.create_pods)
+    assert step.publish is not None and step.publish[0] is committed
+    pending = step.publish[1]
+    assert pending is not None and pending.ordinals == (0, 2, 3) and pending.version == 2
+    check_invariants(pending, SHAPE)
+    assert (
+        step.events[0].reason == "ServerLeaving"
+        and "p-1 (its pod is being deleted)" in step.events[0].message
+    )
+    # It still serves: every expert has R serving replicas, nothing is down.
+    assert conditions(step)[READY] == ("True", "ExpertsServed")
+    assert conditions(step)[DEGRADED] == ("False", "AllServersLive")
+
+    loading = plan(replace(world, pending=pending, reports=world.reports | leased(0, 2, 3, loaded=2)))
+    assert loading.publish == (pending, None)  # committed without it; it was never waited for
+    assert loading.release == []  # still named by the committed placement: not yet
+    after = plan(replace(world, committed=pending, reports=world.reports | leased(0, 2, 3, loaded=2)))
+    assert after.delete_pods == []  # it exits on its own once no client routes to it
+    assert after.release == [1]  # told so on its Lease (its mounted placement is frozen)
+    assert after.progressing == "ScalingUp" and after.create_pods == [4]
+    told = {1: replace(leaving_report(1), released=True)}
+    assert plan(replace(world, committed=pending, reports=world.reports | told)).release == []
+
+
+def test_a_server_that_announced_sigterm_on_its_lease_is_drained_and_its_pod_deleted() -> None:
+    """SIGTERM that did not come from a pod deletion (a node's graceful shutdown): the Lease says
+    so; the server is drained the same way and its pod deleted once the change is committed."""
+    committed = placement(4)
+    world = observed(
+        desired_replicas=4,
+        pods=with_uids(pods(0, 2, 3)) | with_uids(pods(1, ready=False)),
+        committed=committed,
+        reports=leased(0, 2, 3) | {1: leaving_report(1)},
+    )
+    step = plan(world)
+    assert step.publish is not None and step.publish[1] is not None
+    assert step.publish[1].ordinals == (0, 2, 3) and "it received SIGTERM" in step.events[0].message
+    after = plan(replace(world, committed=step.publish[1]))
+    assert after.delete_pods == [1]
+    # The announcement of an earlier pod of the name means nothing for this one.
+    stale = {1: ServerReport(False, loaded_version=1, owner_uid="old-uid", leaving=True)}
+    assert (
+        plan(replace(world, pods=with_uids(pods(0, 1, 2, 3)), reports=leased(0, 2, 3) | stale)).publish
+        is None
+    )
+
+
+def test_a_leaving_server_the_survivors_cannot_replace_serves_until_it_goes() -> None:
+    going = {1: PodState(1, ready=False, terminating=True, template_hash=HASH, uid="uid-1")}
+    world = observed(
+        desired_replicas=2,
+        pods=with_uids(pods(0)) | going,
+        committed=placement(2),
+        reports=leased(0) | {1: leaving_report(1)},
+    )
+    step = plan(world)
+    assert step.publish is None and not (step.delete_pods or step.create_pods)
+    assert step.progressing == "Leaving" and "R cannot be kept" in step.events[0].message
+    gone = plan(replace(world, pods=with_uids(pods(0)), reports=leased(0)))
+    assert gone.create_pods == [1]  # recreated in place once it went
+
+
+def test_a_server_leaving_during_a_scale_up_hands_its_experts_to_the_new_one_too() -> None:
+    """A drain evicts the next server while the replacement of the one before is still loading:
+    the new pending placement keeps the server being added (it takes part of the share)."""
+    committed = placement(3)
+    growing = planning.add_server(committed, SHAPE, 3, "p-3", None)
+    going = {2: PodState(2, ready=False, terminating=True, template_hash=HASH, uid="uid-2")}
+    step = plan(
+        observed(
+            desired_replicas=4,
+            pods=with_uids(pods(0, 1, 3)) | going,
+            committed=committed,
+            pending=growing,
+            reports=leased(0, 1, 3) | {2: leaving_report(2)},
+        )
+    )
+    assert step.publish is not None and step.publish[0] is committed and step.publish[1] is not None
+    assert step.publish[1].ordinals == (0, 1, 3) and step.publish[1].version > growing.version
+    check_invariants(step.publish[1], SHAPE)
+    assert "replaces pending v2" in step.events[0].message

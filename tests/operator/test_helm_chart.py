@@ -36,7 +36,8 @@ EXPECTED_RULES = {
     ("", "configmaps"): {"get", "create", "patch"},
     ("", "secrets"): {"create"},  # the data-token Secret: created once, never read
     ("apps", "deployments"): {"create", "patch"},
-    ("coordination.k8s.io", "leases"): {"list"},
+    ("policy", "poddisruptionbudgets"): {"create", "patch"},  # one server or attention pod evicted at a time
+    ("coordination.k8s.io", "leases"): {"list", "patch"},  # patch: a leaving server is told it may go
     ("autoscaling", "horizontalpodautoscalers"): {"list"},  # an HPA on a pool the operator scales
     ("networking.k8s.io", "networkpolicies"): {"create", "patch", "delete"},
     ("", "events"): {"create"},

@@ -349,3 +349,40 @@ def test_builtin_expert_wait_reads_the_attention_clients_leases(
     if writes:
         ((_, reason, message),) = events
         assert reason == "ScaledUp" and reads in message
+
+
+def test_a_lease_the_operator_could_not_see_renewed_is_unknown_not_expired() -> None:
+    """After an API-server outage (or the operator's own start) every Lease looks as old as the
+    outage; they come back to life one by one as servers renew. Until a full Lease duration has
+    passed since the operator could read again, an old Lease is not held against its server."""
+    from eaas.operator.reconcile.expertpool import lease_expired, pod_state
+
+    lease = {"spec": {"renewTime": "2026-11-25T12:00:00.000000Z", "leaseDurationSeconds": 5}}
+    renewed = 1795608000.0  # 2026-11-25T12:00:00Z
+    assert lease_expired(lease, renewed + 6)  # seen all along: expired
+    back = renewed + 30  # the API server answered again 30 s later
+    assert not lease_expired(lease, back + 1, blind_until=back)
+    assert not lease_expired(lease, back + 5, blind_until=back)
+    assert lease_expired(lease, back + 5.1, blind_until=back)  # a full duration since: it is lost
+    unready = {
+        "metadata": {"name": "p-0", "uid": "u"},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": "2026-11-25T12:00:00Z"}]
+        },
+    }
+    assert pod_state(0, unready, back + 1).unready_seconds == 31
+    assert pod_state(0, unready, back + 1, blind_until=back).unready_seconds == 1
+
+
+def test_the_operator_is_blind_from_its_start_and_after_any_failure_that_is_not_the_objects() -> None:
+    from eaas.operator.kube import Kube, KubeError
+
+    kube = Kube.__new__(Kube)  # no API client needed for the bookkeeping
+    kube.unreadable_at = 0.0
+    kube._failed(KubeError(404, "NotFound", "", "GET x"))
+    kube._failed(KubeError(409, "Conflict", "", "PATCH x"))
+    assert kube.unreadable_at == 0.0  # about the objects: the operator sees fine
+    for status in (0, 403, 429, 503):
+        kube.unreadable_at = 0.0
+        kube._failed(KubeError(status, "", "", "GET x"))
+        assert kube.unreadable_at > 0.0, status

@@ -363,3 +363,37 @@ def test_nixl_network_policies_open_the_ucx_ports_between_the_two_pools(
 
     experts, attention = network_policies(moes_body, moes_spec, "eaas-system")  # tcp: no range
     assert "endPort" not in str(experts) + str(attention) and len(attention["spec"]["ingress"]) == 1
+
+
+@pytest.mark.parametrize(("replicas", "replication", "min_available"), [(3, 2, 2), (5, 3, 3), (4, 1, 3)])
+def test_expert_disruption_budget_never_lets_a_drain_take_the_last_replica(
+    pool_body: dict[str, Any], pool_spec: ExpertPoolSpec, replicas: int, replication: int, min_available: int
+) -> None:
+    """At most max(1, R-1) servers out by eviction at once: with R distinct hosts per expert, a
+    drain can never take every replica; R = 1 still drains (the leaving server moves its experts)."""
+    spec = pool_spec.model_copy(update={"replicas": replicas, "replication_factor": replication})
+    budget = expertpool.disruption_budget(pool_body, spec)
+    assert budget["apiVersion"] == "policy/v1" and budget["kind"] == "PodDisruptionBudget"
+    assert budget["spec"]["minAvailable"] == min_available
+    assert budget["spec"]["selector"]["matchLabels"] == expertpool.selector("tiny-experts")
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == pool_body["metadata"]["uid"]
+
+
+def test_pods_get_their_grace_period_and_serve_through_most_of_it(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    spec = pool_spec.model_copy(update={"termination_grace_period_seconds": 120})
+    expert = expertpool.pod(pool_body, spec, 0)
+    assert expert["spec"]["terminationGracePeriodSeconds"] == 120
+    assert env_of(expert["spec"]["containers"][0])[naming.ENV_DRAIN_TIMEOUT] == "115"
+    assert expertpool.template_hash(spec) != expertpool.template_hash(pool_spec)
+    pool = moeservice.attention_pool(moes_body, moes_spec)
+    pool["metadata"]["uid"] = "attention-uid"
+    attention = AttentionPoolSpec.from_k8s(pool["spec"])
+    template = attentionpool.deployment(pool, attention)["spec"]["template"]
+    assert template["spec"]["terminationGracePeriodSeconds"] == 30  # Kubernetes' default, said
+    assert env_of(template["spec"]["containers"][0])[naming.ENV_DRAIN_TIMEOUT] == "25"
+    budget = attentionpool.disruption_budget(pool, attention)
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == attentionpool.deployment(pool, attention)["spec"]["selector"]

@@ -28,6 +28,7 @@ class MemoryKube:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.status_patches: list[dict[str, Any]] = []
+        self.unreadable_at = 0.0  # never blind
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.objects.get((kind, name)))

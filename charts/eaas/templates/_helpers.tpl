@@ -84,10 +84,16 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["create", "patch"]
-# Heartbeats of the servers: expiry, loaded placement version, utilisation.
+# Disruption budgets of each pool (server-side apply): evictions and drains take one server, or
+# one attention pod, at a time.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "patch"]
+# Heartbeats of the servers: expiry, loaded placement version, utilisation; and a leaving server's
+# Lease is told (patch) when no committed placement names it any more.
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["list"]
+  verbs: ["list", "patch"]
 # The data-token Secret of each MoEService: created once, never read, listed or changed.
 - apiGroups: [""]
   resources: ["secrets"]
