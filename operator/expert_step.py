@@ -15,6 +15,11 @@ clients route by) and, during a change, the pending one (what servers load):
   Kubernetes never picks the victim; marking the same pod again changes nothing.
 * **commit**: once every server of the pending placement is ready for it (pod Ready, and its
   Lease, if it keeps one, reports that version loaded), pending becomes committed.
+* **spread over nodes**: once every placed server's pod is scheduled and live, the committed
+  placement records each server's node as its failure domain, and every expert's replicas cover
+  ``min(R, nodes)`` nodes (:func:`eaas.operator.planning.spread`: the same assignment where it
+  already does, else dealt again; a node with fewer servers gets the slots to hold its share). A
+  whole node lost then leaves every expert a replica.
 * **rebalance**: when nothing else is to be done and every server is live, a load-based proposal
   (:mod:`eaas.operator.rebalance`, passed in as ``Observed.rebalance``) becomes the pending
   placement, loaded and committed like any other change.
@@ -38,7 +43,9 @@ clients route by) and, during a change, the pending one (what servers load):
   and recreated in place, the only way back to R. When more than half of the placed servers go
   silent together the operator suspects its own view (an API-server outage stops every renewal)
   and acts on none of them, as the node lifecycle controller stops evicting in a full disruption;
-  the clients fail over on the data path either way.
+  the clients fail over on the data path either way. Silent servers that all ran on one node,
+  while servers on other nodes still renew, are a lost node, not a blind operator: they are acted
+  on.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class PodState:
     uid: str = ""
     unready_seconds: float = 0.0  # how long the pod has not been Ready (0 while Ready)
     retiring: bool = False  # marked for retirement (``eaas.io/retire``)
+    node: str = ""  # where it runs (its failure domain), "" until scheduled
 
 
 @dataclass(frozen=True)
@@ -321,6 +329,13 @@ def _decide(o: Observed) -> Step:
                 )
             return step.working("RollingUpdate", f"{len(outdated)} server(s) run an outdated template")
 
+        nodes = {n: o.pods[n].node for n in placed}
+        if all(nodes.values()) and all(map(o.is_live, placed)):
+            recorded = {server.ordinal: server.domain for server in o.committed.servers}
+            short = planning.spread_shortfall(o.committed, nodes)
+            if recorded != nodes or short:
+                return _spread(o, step, nodes, short)
+
         proposal = o.rebalance
         if proposal is not None and _is_rebalance_of(proposal, o.committed) and all(map(o.is_live, placed)):
             step.publish = (o.committed, proposal)
@@ -346,6 +361,35 @@ def _drain(o: Observed, step: Step, leaving: int, reason: str, doing: str, progr
         )
     )
     return step.working(reason, f"draining server {leaving} ({progress})")
+
+
+def _spread(o: Observed, step: Step, nodes: dict[int, str], short: int) -> Step:
+    """Pending = the committed placement with its servers' nodes recorded as failure domains, every
+    expert's replicas on ``min(R, nodes)`` of them (moved only where they were not)."""
+    assert o.committed is not None
+    try:
+        pending = planning.spread(o.committed, o.shape, nodes)
+    except PlacementError as error:
+        step.events.append(Event("SpreadFailed", str(error), "Warning"))
+        return step.working("SpreadFailed", str(error))
+    step.publish = (o.committed, pending)
+    domains = sorted(set(nodes.values()))
+    moved = (
+        f"{short} (layer, expert) pairs had every replica on one node: experts dealt again"
+        if short
+        else "no expert moves"
+    )
+    step.events.append(
+        Event(
+            "FailureDomains",
+            f"placement v{pending.version} records the nodes of servers {list(pending.ordinals)} "
+            f"({len(domains)} node(s)); every expert on {min(o.shape.replication, len(domains))} of them; "
+            f"{moved}",
+        )
+    )
+    return step.working(
+        "Spreading", f"placing every expert's replicas on distinct nodes (v{pending.version})"
+    )
 
 
 def _lost_servers(o: Observed) -> dict[int, str]:
@@ -413,7 +457,7 @@ def _replace_lost(o: Observed, step: Step, lost: dict[int, str]) -> Step:
     assert o.committed is not None
     placed = o.committed.ordinals
     names = ", ".join(f"{o.pool}-{n} ({why})" for n, why in lost.items())
-    if 2 * len(lost) > len(placed):
+    if 2 * len(lost) > len(placed) and not _one_node_lost(o, lost):
         message = (
             f"{len(lost)} of {len(placed)} servers silent at once: {names}; suspecting the control "
             "plane rather than the servers, so nothing is re-placed (clients fail over on their own)"
@@ -443,6 +487,17 @@ def _replace_lost(o: Observed, step: Step, lost: dict[int, str]) -> Step:
         )
     )
     return step.working("ReplacingLost", f"re-placing the experts of lost servers {sorted(lost)}")
+
+
+def _one_node_lost(o: Observed, lost: dict[int, str]) -> bool:
+    """Every silent server ran on one node while servers on other nodes still renew: a node was
+    lost (its servers with it), not the operator's view of the API server."""
+    assert o.committed is not None
+    nodes = {n: o.pods[n].node for n in o.committed.ordinals if n in o.pods}
+    silent = {nodes.get(n, "") for n in lost}
+    if len(silent) != 1 or "" in silent:
+        return False
+    return any(node and node not in silent and n not in lost for n, node in nodes.items())
 
 
 def _is_rebalance_of(proposal: Placement, committed: Placement) -> bool:

@@ -25,7 +25,17 @@ from eaas.runtime.placement import elastic
 from eaas.runtime.placement.builders import round_robin
 from eaas.runtime.placement.placement import LayerExpert, Placement, PlacementError, Server
 
-__all__ = ["Placement", "PlacementError", "PoolShape", "Server", "add_server", "drain_server", "initial"]
+__all__ = [
+    "Placement",
+    "PlacementError",
+    "PoolShape",
+    "Server",
+    "add_server",
+    "drain_server",
+    "initial",
+    "spread",
+    "spread_shortfall",
+]
 
 
 @dataclass(frozen=True)
@@ -249,6 +259,69 @@ def _even_out_layers(
             hosting.move(pair, holder, target)
             rehomed[pair] = target
             moved = True
+
+
+def spread_shortfall(placement: Placement, domains: dict[int, str]) -> int:
+    """(layer, expert) pairs whose replicas cover fewer than ``min(R, domains)`` of the failure
+    domains `domains` (ordinal -> domain, e.g. the node each server's pod runs on) say; 0 when
+    losing any one domain leaves every pair a replica elsewhere (or there is one domain only)."""
+    ordinals = placement.ordinals
+    names = sorted({domains[o] for o in ordinals})
+    needed = min(placement.replication, len(names))
+    if needed <= 1:
+        return 0
+    index = {name: i for i, name in enumerate(names)}
+    ids = np.array([index[domains[o]] for o in ordinals])
+    matrix = placement.hosting_matrix()  # [S, L, E]
+    covered = np.zeros((len(names), *matrix.shape[1:]), dtype=bool)
+    for domain in range(len(names)):
+        covered[domain] = matrix[ids == domain].any(axis=0)
+    return int((covered.sum(axis=0) < needed).sum())
+
+
+def spread(current: Placement, shape: PoolShape, domains: dict[int, str]) -> Placement:
+    """`current` with its servers' failure domains recorded (version + 1), every pair's replicas on
+    ``min(R, domains)`` domains: the same assignment where it already is so, else dealt again over
+    the domains. In auto mode a domain with fewer servers gets the slots it needs to hold its
+    share of every pair (a lone server in its own domain hosts one replica of everything, R = 2
+    over two domains): the price of surviving the loss of a whole domain."""
+    ordinals = current.ordinals
+    pairs = shape.num_pairs
+    per_domain: dict[str, int] = {}
+    for ordinal in ordinals:
+        per_domain[domains[ordinal]] = per_domain.get(domains[ordinal], 0) + 1
+    needed = min(shape.replication, len(per_domain))
+    used = current.used_slots()
+
+    def capacity(ordinal: int) -> int:
+        if shape.slots_per_server:
+            return shape.slots_per_server
+        domain_share = math.ceil(
+            min(pairs, math.ceil(needed * pairs / len(per_domain))) / per_domain[domains[ordinal]]
+        )
+        return max(shape.capacity(len(ordinals)), domain_share, used[ordinal])
+
+    servers = [
+        Server(ordinal=s.ordinal, capacity=capacity(s.ordinal), name=s.name, domain=domains[s.ordinal])
+        for s in current.servers
+    ]
+    version = current.version + 1
+    if spread_shortfall(current, domains) == 0:
+        return Placement.from_matrix(
+            current.layers,
+            current.num_experts,
+            servers,
+            current.hosting_matrix(),
+            current.replication,
+            version,
+        )
+    dealt = round_robin(current.layers, current.num_experts, servers, shape.replication, version=version)
+    if spread_shortfall(dealt, domains):
+        raise PlacementError(
+            f"cannot put the replicas of every expert on {needed} failure domains with these servers "
+            f"({per_domain}); add servers in other domains or raise expertSlotsPerServer"
+        )
+    return dealt
 
 
 def _rebuild(

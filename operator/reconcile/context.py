@@ -18,6 +18,7 @@ from eaas.operator.collector import Rebalancer, ServerUrls, pod_control_urls
 from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube
 from eaas.operator.metrics import OperatorMetrics
+from eaas.operator.renewals import RenewalClock
 
 FIELD_PATH = re.compile(r"[a-z][A-Za-z0-9]*(\.[a-z][A-Za-z0-9]*)*")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]  # (object, type, reason, message)
@@ -43,6 +44,7 @@ class Context:
     server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
     runtime_cluster_role: str | None = None  # bound to each MoEService's runtime ServiceAccount
     operator_namespace: str | None = None  # where the operator's pod runs (NetworkPolicies admit it)
+    renewals: RenewalClock = field(default_factory=RenewalClock)  # when servers' Leases were seen renewed
     _locks: dict[tuple[str, str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +17,7 @@ from eaas.operator.builders import expertpool as build
 from eaas.operator.conditions import PROGRESSING, find
 from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
+from eaas.operator.renewals import timestamp
 from eaas.operator.status import invalid_spec
 from eaas.runtime.placement.placement import Placement, PlacementError
 
@@ -55,6 +55,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
     config_map = ctx.kube.get("ConfigMap", namespace, naming.placement_config_map_name(name))
     committed, pending, placement_error = read_placements(config_map)
     leases = ctx.kube.list("Lease", namespace, {naming.POOL_LABEL: name})
+    now = time.time()
     observed = expert_step.Observed(
         pool=name,
         desired_replicas=spec.replicas,
@@ -63,7 +64,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         pods=pods,
         committed=committed,
         pending=pending,
-        reports=server_reports(name, leases, time.time(), blind),
+        reports=server_reports(name, leases, now, blind, ctx.renewals.ages(namespace, name, leases, now)),
         placement_error=placement_error,
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
         heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
@@ -166,7 +167,7 @@ def pod_state(
     conditions = (pod.get("status") or {}).get("conditions") or []
     condition: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
     ready = condition.get("status") == "True"
-    since = _timestamp(condition.get("lastTransitionTime")) if condition and not ready else None
+    since = timestamp(condition.get("lastTransitionTime")) if condition and not ready else None
     if since is not None:
         since = max(since, blind_until)
     annotations = pod["metadata"].get("annotations") or {}
@@ -178,6 +179,7 @@ def pod_state(
         uid=str(pod["metadata"].get("uid") or ""),
         retiring=annotations.get(naming.RETIRE_ANNOTATION, "false").lower() != "false",
         unready_seconds=max(0.0, now - since) if since is not None else 0.0,
+        node=str((pod.get("spec") or {}).get("nodeName") or ""),
     )
 
 
@@ -196,18 +198,29 @@ def read_placements(config_map: Mapping[str, Any] | None) -> tuple[Placement | N
 
 
 def server_reports(
-    pool: str, leases: Sequence[Mapping[str, Any]], now: float, blind_until: float = 0.0
+    pool: str,
+    leases: Sequence[Mapping[str, Any]],
+    now: float,
+    blind_until: float = 0.0,
+    ages: Mapping[str, float] | None = None,
 ) -> dict[int, expert_step.ServerReport]:
     """Heartbeats of the pool's servers from their Leases (named after their pods). A Lease the
     operator could not have seen renewed (it could not read the API server until `blind_until`,
     Unix seconds: an outage, or its own start) is unknown, not expired: every server gets a full
-    Lease duration from then, as the node lifecycle controller gives nodes after an outage."""
+    Lease duration from then, as the node lifecycle controller gives nodes after an outage. With
+    `ages` (:class:`RenewalClock`) a Lease's age is how long ago the operator saw its last renewal,
+    not ``now - renewTime``."""
     reports = {}
     for lease in leases:
         ordinal = naming.ordinal_of(pool, lease["metadata"]["name"])
         if ordinal is None:
             continue
-        expired = lease_expired(lease, now, blind_until)
+        if ages is not None and lease["metadata"]["name"] in ages:
+            duration = (lease.get("spec") or {}).get("leaseDurationSeconds") or 0
+            seen = now - ages[lease["metadata"]["name"]]
+            expired = now > max(seen, blind_until) + duration
+        else:
+            expired = lease_expired(lease, now, blind_until)
         annotations = lease["metadata"].get("annotations") or {}
         owners = [
             r.get("uid") for r in lease["metadata"].get("ownerReferences") or [] if r.get("kind") == "Pod"
@@ -228,7 +241,7 @@ def lease_expired(lease: Mapping[str, Any], now: float, blind_until: float = 0.0
     """Not renewed within its duration (``now``: Unix seconds), counted from `blind_until` at the
     earliest (what could not be seen before then is not held against it)."""
     spec = lease.get("spec") or {}
-    renewed = _timestamp(spec.get("renewTime") or spec.get("acquireTime"))
+    renewed = timestamp(spec.get("renewTime") or spec.get("acquireTime"))
     if renewed is None:
         return now > blind_until + (spec.get("leaseDurationSeconds") or 0) if blind_until else True
     return now > max(renewed, blind_until) + (spec.get("leaseDurationSeconds") or 0)
@@ -243,15 +256,6 @@ def clients_expert_wait(leases: Sequence[Mapping[str, Any]], now: float) -> int 
         if value is not None and value >= 0 and not lease_expired(lease, now):
             values.append(value)
     return round(sum(values) / len(values)) if values else None
-
-
-def _timestamp(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _within(value: int | None, most: int | None = None) -> int | None:

@@ -552,3 +552,49 @@ def test_a_server_leaving_during_a_scale_up_hands_its_experts_to_the_new_one_too
     assert step.publish[1].ordinals == (0, 1, 3) and step.publish[1].version > growing.version
     check_invariants(step.publish[1], SHAPE)
     assert "replaces pending v2" in step.events[0].message
+
+
+def on_nodes(states: dict[int, PodState], nodes: dict[int, str]) -> dict[int, PodState]:
+    return {n: replace(state, node=nodes[n]) for n, state in states.items()}
+
+
+def test_once_its_servers_are_scheduled_every_expert_gets_replicas_on_distinct_nodes() -> None:
+    """Three servers on two nodes, R = 2: the load-blind first placement put some experts on the
+    two servers of one node only; losing that node would lose them. Once the pods are scheduled the
+    operator records the nodes and deals again, the lone node's server taking one replica of
+    everything. Then nothing more happens."""
+    nodes = {0: "node-a", 1: "node-a", 2: "node-b"}
+    committed = placement(3)
+    assert planning.spread_shortfall(committed, nodes) > 0
+    world = observed(pods=on_nodes(with_uids(pods(0, 1, 2)), nodes), committed=committed)
+    step = plan(world)
+    assert step.progressing == "Spreading" and step.events[0].reason == "FailureDomains"
+    assert step.publish is not None and step.publish[1] is not None
+    spread = step.publish[1]
+    assert planning.spread_shortfall(spread, nodes) == 0 and spread.version == committed.version + 1
+    assert {server.domain for server in spread.servers} == {"node-a", "node-b"}
+    assert all(2 in spread.servers_of(layer, e) for layer in spread.layers for e in range(spread.num_experts))
+    assert plan(replace(world, committed=spread)).publish is None  # steady
+    # One node only: the nodes are recorded, nothing moves.
+    single = plan(
+        observed(pods=on_nodes(with_uids(pods(0, 1, 2)), dict.fromkeys(nodes, "n")), committed=committed)
+    )
+    assert single.publish is not None and single.publish[1] is not None
+    assert {server.domain for server in single.publish[1].servers} == {"n"}
+    assert np.array_equal(single.publish[1].hosting_matrix(), committed.hosting_matrix())
+    # Not yet scheduled, or not all live: nothing.
+    assert plan(observed(pods=with_uids(pods(0, 1, 2)), committed=committed)).publish is None
+
+
+def test_a_whole_node_lost_is_not_mistaken_for_a_control_plane_outage() -> None:
+    """Two of three servers silent at once, both on one node, while the server on the other node
+    renews: a node was lost. More than half silent across nodes is still blamed on the view."""
+    nodes = {0: "node-a", 1: "node-a", 2: "node-b"}
+    committed = planning.spread(placement(3), SHAPE, nodes)
+    states = on_nodes(with_uids(pods(0, 1, 2)), nodes)
+    node_lost = plan(observed(pods=states, committed=committed, reports=leased(0, 1, 2, expired=(0, 1))))
+    assert node_lost.progressing == "RecreatingLost"  # one survivor cannot hold R = 2: back in place
+    assert node_lost.delete_pods == [0, 1]
+    spread_out = on_nodes(with_uids(pods(0, 1, 2)), {0: "node-a", 1: "node-b", 2: "node-c"})
+    blind = plan(observed(pods=spread_out, committed=committed, reports=leased(0, 1, 2, expired=(0, 1))))
+    assert blind.progressing == "HeartbeatsLost"

@@ -386,3 +386,31 @@ def test_the_operator_is_blind_from_its_start_and_after_any_failure_that_is_not_
         kube.unreadable_at = 0.0
         kube._failed(KubeError(status, "", "", "GET x"))
         assert kube.unreadable_at > 0.0, status
+
+
+def test_a_lease_is_as_old_as_the_operator_last_saw_it_renewed_not_as_its_timestamp_says() -> None:
+    """After an API-server restart its cache can answer with an older renewTime than it already
+    gave, and a node's clock may differ from the operator's: neither makes a live server look
+    dead. Age = time since the operator first saw the newest renewal."""
+    from eaas.operator.reconcile.expertpool import server_reports
+    from eaas.operator.renewals import RenewalClock
+
+    def lease(renewed: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": "tiny-experts-0", "annotations": {}},
+            "spec": {"renewTime": renewed, "leaseDurationSeconds": 5},
+        }
+
+    clock = RenewalClock()
+    skewed = lease("2020-01-01T00:00:00.000000Z")  # a node clock years behind
+    assert clock.ages("ns", "tiny-experts", [skewed], 1000.0) == {"tiny-experts-0": 0.0}  # first seen
+    ages = clock.ages("ns", "tiny-experts", [skewed], 1004.0)
+    assert ages == {"tiny-experts-0": 4.0}
+    assert not server_reports("tiny-experts", [skewed], 1004.0, 0.0, ages)[0].expired
+    newer = lease("2020-01-01T00:00:02.000000Z")
+    assert clock.ages("ns", "tiny-experts", [newer], 1004.5) == {"tiny-experts-0": 0.0}  # renewed
+    stale = clock.ages("ns", "tiny-experts", [skewed], 1006.0)  # a lagging read: the older one again
+    assert stale == {"tiny-experts-0": 1.5}
+    late = clock.ages("ns", "tiny-experts", [newer], 1010.0)  # nothing new for 5.5 s: expired
+    assert server_reports("tiny-experts", [newer], 1010.0, 0.0, late)[0].expired
+    assert clock.ages("ns", "tiny-experts", [], 1011.0) == {}  # gone: forgotten

@@ -6,10 +6,15 @@ Each drill keeps a load generator running and asserts: no failed request, every 
 the single-process reference model, and it prints the interruption (the longest gap between two
 streamed chunks of any request during the drill, against the same before it) and the time until the
 pool is back to full R. docs/benchmarks.md records what they printed.
+
+Drills 9-11 are the disruptions on purpose (issue 33): SIGTERM of an expert server, of an
+attention pod, and `kubectl drain` of a node, where nothing may fail and R may never break (a
+server that received SIGTERM counts while it still serves).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane
@@ -45,6 +51,7 @@ from e2e.operator.system.workload import (
     completions_equal_reference,
     deploy,
     longest_gap,
+    longest_gap_at,
     pod_url,
     retried,
     sigkill_drill,
@@ -327,7 +334,13 @@ def test_api_server_outage_under_load(
         system_operator.check_alive()
         wait_until(lambda: load.completed_since(returned) >= 2, 120, "requests after")
         end = time.monotonic()
-    assert identities() == pods_before, "a pod was replaced or restarted because of the outage"
+    events = system.cluster.kubectl(
+        "get", "events", "-n", system.namespace, "--sort-by=.lastTimestamp", check=False
+    ).stdout
+    assert identities() == pods_before, (
+        f"a pod was replaced or restarted because of the outage\n{events[-4000:]}\n"
+        f"{system_operator.log_tail()}"
+    )
     assert committed_version() == version_before, "the placement changed because of the outage"
     started = time.monotonic()
     system.scale_attention(1)  # the operator acts again (and the drills go on with one attention pod)
@@ -494,3 +507,250 @@ def test_operator_restart_under_load_changes_nothing(
     assert before.keys() == after.keys()
     print(f"\ndrill 5 (operator restart): {len(load.outcomes)} requests, 0 failed, nothing changed")
     system.check(load.outcomes)
+
+
+def served_throughout(watch: ReplicaWatch, struck: float) -> int:
+    """The fewest serving replicas of any expert in the samples since `struck` (a leaving server
+    counts while its process answers); fails naming the first samples below R, and any attention
+    pod that saw a server down (what a failover would show)."""
+    samples = [s for s in watch.fewest if s[0] >= struck]
+    assert samples, "the replica watch took no sample"
+    fewest = min(f for _, _, f in samples)
+    assert fewest >= REPLICATION, [s for s in samples if s[2] < REPLICATION][:5]
+    seen = [(round(t - struck, 1), pod, down) for t, pod, down in watch.client_down if t >= struck]
+    assert not seen, f"attention clients saw servers down: {seen[:5]}"
+    return fewest
+
+
+def test_sigterm_of_an_expert_server_hands_its_experts_over_before_it_goes(system: System) -> None:
+    """Drill 9: `kubectl delete pod` of an expert server under load (SIGTERM, as an eviction or a
+    drain sends). It serves on, its Lease announces the departure, the operator moves its experts
+    to the others (R kept) and commits; the server exits once no client routes to it, and the pool
+    grows back to 3. No client ever loses a server, no request fails or stalls."""
+    ns = system.namespace
+    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+    victim = system.expert_pods()[1]
+    name, uid = victim.metadata.name, victim.metadata.uid
+    gone: list[float] = []
+
+    def victim_gone() -> bool:
+        if uid in {p.metadata.uid for p in system.expert_pods()}:
+            return False
+        if not gone:
+            gone.append(time.monotonic())
+        return True
+
+    with ReplicaWatch(system, serving=True) as watch, Load(system.url, system.model) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        before_start = time.monotonic()
+        time.sleep(3)
+        struck = time.monotonic()
+        system.cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=false")
+        try:
+            wait_until(
+                lambda: victim_gone() and system.full_strength(3), 180, "the victim gone, the pool at 3"
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
+        whole = time.monotonic() - struck
+        back = time.monotonic()
+        wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
+    system.check(load.outcomes)
+    fewest = served_throughout(watch, struck)
+    ordinal = int(name.rsplit("-", 1)[1])
+    without = next(
+        (
+            t
+            for t, (_, o) in zip(watch.commit_times, watch.commits, strict=True)
+            if t > struck and ordinal not in o
+        ),
+        None,
+    )
+    during, at = longest_gap_at(load.outcomes, struck, time.monotonic())
+    baseline = longest_gap(load.outcomes, before_start, struck)
+    assert without is not None, watch.commits
+    handover = longest_gap(load.outcomes, struck, without)
+    log = "\n".join(
+        p.read_text(errors="replace") for p in system.plane.pod_dir.glob(f"{ns}_{name}_{uid[:8]}*/*.log")
+    )
+    print(
+        f"\ndrill 9 (SIGTERM of {name}: kubectl delete pod): {len(load.outcomes)} requests, 0 failed; "
+        f"longest gap until the placement without it was committed ({without - struck:.1f} s) "
+        f"{handover:.2f} s, over the whole drill {during:.2f} s, ending {at - struck:.1f} s after the "
+        f"SIGTERM (before: {baseline:.2f} s); fewest serving replicas {fewest}, no client saw a server "
+        f"down; the server exited after {gone[0] - struck:.1f} s, pool at 3 again after {whole:.1f} s"
+    )
+    assert "no placement names this server and no client holds a slot; exiting" in log, log[-3000:]
+    # Target: 0.2 s over the machine's jitter. Here the replacement server starts (an interpreter
+    # and torch, seconds of CPU) on the same two cores as everything else: it is held to the
+    # crash path's bound, and docs/benchmarks.md records both windows.
+    assert during < baseline + 1.0
+
+
+def test_sigterm_of_an_attention_pod_finishes_its_requests(system: System) -> None:
+    """Drill 10: `kubectl delete pod` of one of two attention pods under load through the Service.
+    It turns unready (out of the Service), answers what it has and what still reaches it, and exits
+    when nothing is in flight: every request, on it or through the Service, succeeds."""
+    ns = system.namespace
+    system.scale_attention(2)
+    victim, _ = system.attention_pods()
+    with Load(system.url, system.model) as through, Load(pod_url(victim, "http"), system.model) as direct:
+        wait_until(
+            lambda: through.completed_since(0) >= 2 and direct.completed_since(0) >= 2, 120, "requests before"
+        )
+        direct.stop_new()  # what was sent to the victim is in flight; nothing more is sent there
+        struck = time.monotonic()
+        system.cluster.kubectl("delete", "pod", victim.metadata.name, "-n", ns, "--wait=false")
+        wait_until(direct.all_done, 90, "the leaving pod's requests to end")
+        try:
+            wait_until(
+                lambda: (
+                    system.attention_serving(2)
+                    and victim.metadata.uid not in {p.metadata.uid for p in system.attention_pods(True)}
+                ),
+                180,
+                "the victim gone and a replacement serving",
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
+        replaced = time.monotonic() - struck
+        back = time.monotonic()
+        wait_until(lambda: through.completed_since(back) >= 2, 120, "requests through the Service after")
+    in_flight = [o for o in direct.outcomes if o.done_at > struck]
+    assert in_flight, "no request was in flight on the leaving pod"
+    system.check(direct.outcomes)  # the leaving pod finished what it had
+    system.check(through.outcomes)
+    log = "\n".join(
+        p.read_text(errors="replace")
+        for p in system.plane.pod_dir.glob(f"{ns}_{victim.metadata.name}_{victim.metadata.uid[:8]}*/*.log")
+    )
+    print(
+        f"\ndrill 10 (SIGTERM of attention pod {victim.metadata.name}): {len(in_flight)} requests in "
+        f"flight on it, all finished; {len(through.outcomes)} through the Service, 0 failed; gone and "
+        f"replaced after {replaced:.1f} s"
+    )
+    assert "left: nothing in flight" in log, log[-3000:]
+
+
+def test_kubectl_drain_of_a_node_with_two_expert_servers(system: System) -> None:
+    """Drill 11: `kubectl drain` of the node that hosts two of the three expert servers, under
+    load. Evictions go through the pools' PodDisruptionBudgets: the second expert server is
+    evicted only once the first is replaced; each serves on until its experts are re-homed. R
+    never broken, no client loses a server, no request fails."""
+    ns = system.namespace
+    system.scale_attention(2)  # the attention pods on the node are evicted too: one at a time
+    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+    budgets = {
+        b.metadata.name: b
+        for b in client.PolicyV1Api(system.cluster.api_client).list_namespaced_pod_disruption_budget(ns).items
+    }
+    assert budgets[POOL].spec.min_available == 3 - (REPLICATION - 1), budgets[POOL].spec
+    assert budgets[ATTENTION].spec.max_unavailable == 1, budgets[ATTENTION].spec
+    hosts = collections.Counter(p.spec.node_name for p in system.expert_pods())
+    node, count = hosts.most_common(1)[0]
+    assert count >= 2, hosts  # three servers on two nodes
+    on_node = {p.metadata.uid for p in system.expert_pods() if p.spec.node_name == node}
+    with ReplicaWatch(system, serving=True) as watch, Load(system.url, system.model) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        before_start = time.monotonic()
+        time.sleep(3)
+        struck = time.monotonic()
+        try:
+            drained = system.cluster.kubectl(
+                "drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s",
+                timeout=330, check=False,
+            )  # fmt: skip
+            assert drained.returncode == 0, drained.stdout + drained.stderr
+            took = time.monotonic() - struck
+            wait_until(
+                lambda: (
+                    system.full_strength(3)
+                    and not on_node & {p.metadata.uid for p in system.expert_pods()}
+                    and system.attention_serving(2)
+                ),
+                180,
+                "the pool at 3 on the other node",
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
+        finally:
+            system.cluster.kubectl("uncordon", node, check=False)
+        whole = time.monotonic() - struck
+        back = time.monotonic()
+        wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
+    system.check(load.outcomes)
+    fewest = served_throughout(watch, struck)
+    during = longest_gap(load.outcomes, struck, time.monotonic())
+    baseline = longest_gap(load.outcomes, before_start, struck)
+    refusals = (drained.stdout + drained.stderr).count("disruption budget")
+    print(
+        f"\ndrill 11 (kubectl drain {node}, {count} expert servers on it): {len(load.outcomes)} requests, "
+        f"0 failed; longest gap {during:.2f} s (before: {baseline:.2f} s); fewest serving replicas "
+        f"{fewest}, no client saw a server down; drain done after {took:.1f} s ({refusals} evictions "
+        f"refused by a budget and retried); pool whole after {whole:.1f} s"
+    )
+    assert during < baseline + 1.0  # replacements start on these two cores too (see drill 9)
+
+
+def test_a_whole_node_lost_loses_no_request(system: System) -> None:
+    """Drill 12: every expert server on one node SIGKILLed at once (its GPUs, or the node, gone),
+    under load. The operator put every expert's replicas on distinct nodes once the pods were
+    scheduled, so the servers on the other node hold a replica of everything: clients fail over,
+    nothing fails, and the pool comes back to full R."""
+    ns = system.namespace
+    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+
+    def spread_committed() -> bool:
+        placement, pending = system.placement()
+        nodes = {int(p.metadata.labels["eaas.io/ordinal"]): p.spec.node_name for p in system.expert_pods()}
+        recorded = {server.ordinal: server.domain for server in placement.servers}
+        return not pending and recorded == {n: nodes.get(n) for n in placement.ordinals}
+
+    wait_until(spread_committed, 120, "the placement recording the servers' nodes")
+    placement, _ = system.placement()
+    hosts = collections.Counter(p.spec.node_name for p in system.expert_pods())
+    node, count = hosts.most_common(1)[0]
+    victims = [p for p in system.expert_pods() if p.spec.node_name == node]
+    lost = {int(p.metadata.labels["eaas.io/ordinal"]) for p in victims}
+    survivors_hold_all = all(
+        set(placement.servers_of(layer, e)) - lost
+        for layer in placement.layers
+        for e in range(placement.num_experts)
+    )
+    assert count >= 2 and survivors_hold_all, (hosts, placement.to_json())
+    restarts = {p.metadata.uid: p.status.container_statuses[0].restart_count for p in victims}
+
+    def recovered() -> bool:
+        pods = {p.metadata.uid: p for p in system.expert_pods()}
+        for uid, before in restarts.items():  # restarted in place, or replaced (a new UID)
+            statuses = pods[uid].status.container_statuses or [] if uid in pods else []
+            if uid in pods and (not statuses or statuses[0].restart_count <= before):
+                return False
+        return bool(system.full_strength(3))
+
+    with ReplicaWatch(system) as watch, Load(system.url, system.model) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        before_start = time.monotonic()
+        time.sleep(3)
+        struck = time.monotonic()
+        for pod in victims:
+            os.kill(system.pid_of(pod), signal.SIGKILL)
+        try:
+            wait_until(recovered, 240, "the node's servers back and the pool at full R")
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
+        whole = time.monotonic() - struck
+        back = time.monotonic()
+        wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
+    system.check(load.outcomes)
+    during = longest_gap(load.outcomes, struck, time.monotonic())
+    baseline = longest_gap(load.outcomes, before_start, struck)
+    samples = [f for t, _, f in watch.fewest if t >= struck]
+    print(
+        f"\ndrill 12 (every expert server on {node} SIGKILLed: {sorted(lost)}): {len(load.outcomes)} "
+        f"requests, 0 failed; interruption {during:.2f} s (before: {baseline:.2f} s); fewest Ready "
+        f"replicas of any expert {min(samples)} (the other node's server held one of each); pool at "
+        f"full R after {whole:.1f} s"
+    )
+    assert min(samples) >= 1  # never an expert without a Ready replica
+    assert during < baseline + 1.0  # as for one crashed server

@@ -181,13 +181,18 @@ def stream_completion(url: str, model: str, outcome: Outcome, timeout: float = 6
 
 def longest_gap(outcomes: list[Outcome], start: float, end: float) -> float:
     """The longest wait for the next chunk of any request, over waits that end in [start, end]."""
-    worst = 0.0
+    return longest_gap_at(outcomes, start, end)[0]
+
+
+def longest_gap_at(outcomes: list[Outcome], start: float, end: float) -> tuple[float, float]:
+    """:func:`longest_gap`, and when that wait ended (monotonic; 0 when there was none)."""
+    worst, when = 0.0, 0.0
     for outcome in outcomes:
         times = [outcome.started, *outcome.chunk_times]
         for before, after in itertools.pairwise(times):
-            if start <= after <= end:
-                worst = max(worst, after - before)
-    return worst
+            if start <= after <= end and after - before > worst:
+                worst, when = after - before, after
+    return worst, when
 
 
 @dataclass
@@ -237,13 +242,14 @@ class System:
             missing.append(f"nodes {nodes}")
         return Strength("; ".join(missing))
 
-    def attention_pods(self) -> list[Any]:
-        """The attention pods not being deleted, by name."""
+    def attention_pods(self, including_leaving: bool = False) -> list[Any]:
+        """The attention pods not being deleted (or all of them), by name."""
         pods = self.cluster.core.list_namespaced_pod(
             self.namespace, label_selector=f"eaas.io/pool={ATTENTION}"
         ).items
         return sorted(
-            (p for p in pods if p.metadata.deletion_timestamp is None), key=lambda p: p.metadata.name
+            (p for p in pods if including_leaving or p.metadata.deletion_timestamp is None),
+            key=lambda p: p.metadata.name,
         )
 
     def serving_endpoints(self) -> int:
@@ -526,21 +532,43 @@ class ReplicaWatch(DaemonLoop):
     """Samples, every 0.2 s, the committed placement and which placed servers are Ready: the
     fewest Ready replicas of any expert, and the sequence of committed placements. A server
     counts as Ready when its pod was Ready in the read before or after the ConfigMap's (a commit
-    between the two reads is then never mistaken for a lost replica)."""
+    between the two reads is then never mistaken for a lost replica).
 
-    def __init__(self, system: System) -> None:
+    With ``serving=True`` a server also counts while its pod is being deleted if its process still
+    answers (a server that received SIGTERM serves on until it is drained: drills 9-11); each
+    sample then also asks every attention pod's ``/readyz`` which servers it has lost
+    (``client_down``: what the clients saw, where a failover would show)."""
+
+    def __init__(self, system: System, serving: bool = False) -> None:
         super().__init__("replica-watch")
         self.system = system
+        self.serving = serving
         self.fewest: list[tuple[float, int, int]] = []  # (time, version, fewest Ready replicas)
         self.commits: list[tuple[int, tuple[int, ...]]] = []  # (version, ordinals), as they change
         self.commit_times: list[float] = []  # when each of `commits` was first seen
+        self.client_down: list[tuple[float, str, list[int]]] = []  # (time, attention pod, down servers)
 
     def _ready_ordinals(self) -> set[int]:
-        return {
-            int(p.metadata.labels["eaas.io/ordinal"])
-            for p in self.system.expert_pods()
-            if p.metadata.deletion_timestamp is None and ready(p)
-        }
+        ordinals = set()
+        for pod in self.system.expert_pods():
+            leaving = pod.metadata.deletion_timestamp is not None
+            if (ready(pod) and not leaving) or (self.serving and leaving and _answers(pod)):
+                ordinals.add(int(pod.metadata.labels["eaas.io/ordinal"]))
+        return ordinals
+
+    def _clients(self) -> None:
+        for pod in self.system.attention_pods(including_leaving=True):
+            if not pod.status.pod_ip:
+                continue
+            try:
+                with urllib.request.urlopen(f"{pod_url(pod, 'http')}/readyz", timeout=1) as response:
+                    detail = json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                detail = json.loads(error.read() or b"{}")
+            except OSError:
+                continue  # gone, or not listening yet
+            if detail.get("down_servers"):
+                self.client_down.append((time.monotonic(), pod.metadata.name, detail["down_servers"]))
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
@@ -557,3 +585,16 @@ class ReplicaWatch(DaemonLoop):
                 if not self.commits or self.commits[-1][0] != placement.version:
                     self.commits.append((placement.version, placement.ordinals))
                     self.commit_times.append(time.monotonic())
+                if self.serving:
+                    self._clients()
+
+
+def _answers(pod: Any) -> bool:
+    """The pod's expert server still answers on its control port (its process serves)."""
+    if not pod.status.pod_ip:
+        return False
+    try:
+        with urllib.request.urlopen(f"{pod_url(pod, 'control')}/healthz", timeout=0.5) as response:
+            return response.status == 200
+    except OSError:
+        return False
