@@ -58,8 +58,11 @@ def stats_url(base: str) -> str:
 ServerUrls = Callable[[str, Sequence[Mapping[str, Any]], int], dict[int, str]]  # (pool, pods, port)
 
 
-def pod_control_urls(pool: str, pods: Sequence[Mapping[str, Any]], port: int) -> dict[int, str]:
-    """``{ordinal: http://<pod IP>:<port>}`` of the pool's Ready, not terminating pods with an IP."""
+def pod_control_urls(
+    pool: str, pods: Sequence[Mapping[str, Any]], port: int, ready_only: bool = True
+) -> dict[int, str]:
+    """``{ordinal: http://<pod IP>:<port>}`` of the pool's not terminating pods with an IP (only the
+    Ready ones unless `ready_only` is false)."""
     urls = {}
     for pod in pods:
         metadata, status = pod["metadata"], pod.get("status") or {}
@@ -67,10 +70,19 @@ def pod_control_urls(pool: str, pods: Sequence[Mapping[str, Any]], port: int) ->
         conditions = status.get("conditions") or []
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
         ip = status.get("podIP")
-        if ordinal is not None and ready and ip and not metadata.get("deletionTimestamp"):
+        if ordinal is not None and (ready or not ready_only) and ip and not metadata.get("deletionTimestamp"):
             host = f"[{ip}]" if ":" in ip else ip
             urls[ordinal] = f"http://{host}:{port}"
     return urls
+
+
+def answers(url: str, timeout_s: float = 1.0) -> bool:
+    """The server at `url` answers ``/healthz`` with 200 within `timeout_s`."""
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 @dataclass

@@ -104,6 +104,10 @@ class Observed:
     rebalance: Placement | None = None  # a load-based proposal from the committed placement
     rebalance_message: str = ""
     heartbeat_timeout_s: float = 10.0
+    # Servers whose heartbeat lapsed (or whose pod reads not Ready) but whose control port answered
+    # the operator just now: alive, only cut off from the API server (after an outage its pods may
+    # regain their path to it later than the operator), so not lost.
+    answering: frozenset[int] = frozenset()
 
     def is_live(self, ordinal: int) -> bool:
         """Pod Ready and not terminating, and its heartbeat (if it keeps one) not expired."""
@@ -121,6 +125,8 @@ class Observed:
             return ""
         if report.owner_uid is not None and pod.uid and report.owner_uid != pod.uid:
             return ""  # the Lease of an earlier pod of that name
+        if ordinal in self.answering:
+            return ""
         if report.expired:
             return f"its Lease was not renewed for {self.heartbeat_timeout_s:.0f} s"
         if not pod.ready and pod.unready_seconds > self.heartbeat_timeout_s:

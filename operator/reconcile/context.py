@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.builders.common import merge_patch
-from eaas.operator.collector import Rebalancer, ServerUrls, pod_control_urls
+from eaas.operator.collector import Rebalancer, ServerUrls, answers, pod_control_urls
 from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube
 from eaas.operator.metrics import OperatorMetrics
@@ -42,6 +42,9 @@ class Context:
     rival_writers: set[tuple[str, str]] = field(default_factory=set)
     rebalancer: Rebalancer | None = None  # created from `metrics` when not given
     server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
+    answers: Callable[[str], bool] = (
+        answers  # a control URL answers /healthz (a second opinion on a lapsed heartbeat)
+    )
     runtime_cluster_role: str | None = None  # bound to each MoEService's runtime ServiceAccount
     operator_namespace: str | None = None  # where the operator's pod runs (NetworkPolicies admit it)
     renewals: RenewalClock = field(default_factory=RenewalClock)  # when servers' Leases were seen renewed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -9,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from eaas.operator import expert_step, naming, planning
+from eaas.operator import collector, expert_step, naming, planning
 from eaas.operator import rebalance as rebalance_plan
 from eaas.operator.api.kinds import EXPERTPOOL
 from eaas.operator.api.pools import ExpertPoolSpec
@@ -20,6 +21,8 @@ from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.renewals import timestamp
 from eaas.operator.status import invalid_spec
 from eaas.runtime.placement.placement import Placement, PlacementError
+
+log = logging.getLogger("eaas.operator.expertpool")
 
 
 def resync(ctx: Context, body: Mapping[str, Any]) -> None:
@@ -69,6 +72,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
         heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
     )
+    observed = second_opinion(ctx, name, pod_objects, spec.port, observed)
     step = expert_step.plan(observed)
     if rebalance and committed is not None and expert_step.idle(step):
         proposal = propose_rebalance(ctx, (namespace, name), spec, committed, pod_objects)
@@ -113,6 +117,29 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ),
     }
     ctx.write_status(EXPERTPOOL.kind, body, status, step.conditions)
+
+
+def second_opinion(
+    ctx: Context, pool: str, pods: Sequence[Mapping[str, Any]], port: int, observed: expert_step.Observed
+) -> expert_step.Observed:
+    """Before a server counts as lost for its lapsed heartbeat (or its pod reading not Ready), ask
+    its control port: one that answers is alive and only cut off from the API server (after an
+    outage, the pods' path to it can come back later than the operator's), so it is not re-placed.
+    A hung or dead server does not answer."""
+    placed = observed.committed.ordinals if observed.committed is not None else ()
+    suspects = [n for n in placed if observed.lost(n)]
+    if not suspects:
+        return observed
+    urls = collector.pod_control_urls(pool, pods, port, ready_only=False)
+    alive = frozenset(n for n in suspects if n in urls and ctx.answers(urls[n]))
+    for n in sorted(alive):
+        log.warning(
+            "expert server %s-%d: %s, but it answers on its control port: alive, not re-placed",
+            pool,
+            n,
+            observed.lost(n),
+        )
+    return replace(observed, answering=alive) if alive else observed
 
 
 def release(ctx: Context, body: Mapping[str, Any], ordinal: int, committed: Placement | None) -> None:

@@ -598,3 +598,14 @@ def test_a_whole_node_lost_is_not_mistaken_for_a_control_plane_outage() -> None:
     spread_out = on_nodes(with_uids(pods(0, 1, 2)), {0: "node-a", 1: "node-b", 2: "node-c"})
     blind = plan(observed(pods=spread_out, committed=committed, reports=leased(0, 1, 2, expired=(0, 1))))
     assert blind.progressing == "HeartbeatsLost"
+
+
+def test_a_server_that_answers_on_its_control_port_is_not_lost_for_a_lapsed_heartbeat() -> None:
+    """After an API-server outage a server's path to the API can come back later than the
+    operator's: its Lease lapses while it serves. The operator asked its control port first."""
+    world = observed(
+        pods=with_uids(pods(0, 1, 2)), committed=placement(3), reports=leased(0, 1, 2, expired=(1,))
+    )
+    assert plan(world).progressing == "ReplacingLost"
+    vouched = plan(replace(world, answering=frozenset({1})))
+    assert vouched.publish is None and vouched.progressing != "ReplacingLost"

@@ -154,3 +154,28 @@ def test_interval_zero_turns_rebalancing_off(pool: dict[str, Any]) -> None:
         fake.now += 600
     assert counts(metrics, "eaas_operator_stats_scrapes") == {}
     assert counts(metrics, "eaas_operator_rebalances") == {}
+
+
+def test_the_operator_asks_a_silent_servers_control_port_before_it_counts_it_lost() -> None:
+    from eaas.operator import expert_step, planning
+    from eaas.operator.reconcile.expertpool import second_opinion
+
+    def pod(n: int) -> dict[str, Any]:
+        return {"metadata": {"name": f"p-{n}"}, "status": {"podIP": f"10.0.0.{n + 1}", "conditions": []}}
+
+    shape = planning.PoolShape((1, 2), 4, 2)
+    committed = planning.initial(shape, dict.fromkeys(range(3)), {})
+    states = {n: expert_step.PodState(n, ready=True, uid=f"u{n}") for n in range(3)}
+    reports = {n: expert_step.ServerReport(n == 1, 1, owner_uid=f"u{n}") for n in range(3)}
+    world = expert_step.Observed("p", 3, shape, "", states, committed, None, reports)
+    asked: list[str] = []
+
+    def answering(url: str) -> bool:
+        asked.append(url)
+        return True
+
+    context = Context(kube=MemoryKube(), metrics=OperatorMetrics(CollectorRegistry()), answers=answering)  # type: ignore[arg-type]
+    vouched = second_opinion(context, "p", [pod(0), pod(1), pod(2)], 9100, world)
+    assert asked == ["http://10.0.0.2:9100"] and vouched.answering == frozenset({1})  # only the suspect
+    context.answers = lambda url: False
+    assert second_opinion(context, "p", [pod(0), pod(1), pod(2)], 9100, world).answering == frozenset()
