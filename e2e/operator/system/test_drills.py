@@ -754,3 +754,67 @@ def test_a_whole_node_lost_loses_no_request(system: System) -> None:
     )
     assert min(samples) >= 1  # never an expert without a Ready replica
     assert during < baseline + 1.0  # as for one crashed server
+
+
+def test_a_runtime_upgrade_rolls_one_server_at_a_time_and_a_revert_converges(system: System) -> None:
+    """Drill 13: a new runtime image for both pools under load, reverted halfway. Expert servers
+    are replaced one at a time: each outdated one is drained while it serves (the SIGTERM path)
+    and a server of the new template joins; the attention Deployment rolls with surge, old pods
+    finishing their requests. The revert rolls the new ones back the same way. No request fails,
+    no client loses a server, R is never broken, and the pool ends on the original template."""
+    ns = system.namespace
+    system.scale_attention(2)
+    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+    moe: Any = system.cluster.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME)
+    images = {pool: moe["spec"][pool]["image"] for pool in ("expertPool", "attentionPool")}
+    original = {p.metadata.annotations["eaas.io/template-hash"] for p in system.expert_pods()}
+    assert len(original) == 1, original
+
+    def set_images(suffix: str) -> None:
+        patch = {"spec": {pool: {"image": image + suffix} for pool, image in images.items()}}
+        system.cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME, patch)
+
+    def hashes() -> collections.Counter[str]:
+        return collections.Counter(
+            p.metadata.annotations["eaas.io/template-hash"] for p in system.expert_pods()
+        )
+
+    with ReplicaWatch(system, serving=True) as watch, Load(system.url, system.model) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        struck = time.monotonic()
+        set_images("-upgrade")
+        try:
+            wait_until(
+                lambda: any(h not in original for h, _ in hashes().items()) and system.full_strength(3),
+                180,
+                "a first server of the new template serving",
+            )
+            halfway = dict(hashes())
+            reverted = time.monotonic()
+            set_images("")  # the revert, mid-rollout
+            wait_until(
+                lambda: (
+                    set(hashes()) == original
+                    and system.full_strength(3)
+                    and system.attention_serving(2)
+                    and {p.spec.containers[0].image for p in system.attention_pods()}
+                    == {images["attentionPool"]}
+                ),
+                300,
+                "every pod back on the original template",
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{pod_logs(system.plane, ns)}") from None
+        converged = time.monotonic() - reverted
+        back = time.monotonic()
+        wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
+    system.check(load.outcomes)
+    fewest = served_throughout(watch, struck)
+    status = system.expert_pool()
+    assert status["status"]["observedGeneration"] == status["metadata"]["generation"]
+    print(
+        f"\ndrill 13 (runtime upgrade of both pools, reverted halfway at {reverted - struck:.1f} s with "
+        f"template hashes {halfway}): {len(load.outcomes)} requests, 0 failed; fewest serving replicas "
+        f"{fewest}, no client saw a server down; back on the original template after {converged:.1f} s; "
+        f"committed placements {len(watch.commits)}"
+    )
