@@ -530,6 +530,34 @@ def _finish_pending(o: Observed, step: Step, existing: set[int]) -> Step:
         return step.working(
             "LoadingPlacement", f"creating servers {missing} for placement v{o.pending.version}"
         )
+    # Once its servers are scheduled, the pending placement records their nodes and spreads every
+    # expert over them before it is committed (one change, not a second one after the commit).
+    nodes = {n: o.pods[n].node for n in o.pending.ordinals}
+    if all(nodes.values()):
+        recorded = {server.ordinal: server.domain for server in o.pending.servers}
+        short = planning.spread_shortfall(o.pending, nodes)
+        if recorded != nodes or short:
+            try:
+                spread = planning.spread(o.pending, o.shape, nodes)
+            except PlacementError:
+                pass  # committed as it is; the steady-state step reports why it cannot spread
+            else:
+                step.publish = (o.committed, spread)
+                step.events.append(
+                    Event(
+                        "FailureDomains",
+                        f"placement v{spread.version} (pending, replaces v{o.pending.version}) records the "
+                        f"nodes of servers {list(spread.ordinals)}"
+                        + (
+                            f"; {short} (layer, expert) pairs dealt again onto distinct nodes"
+                            if short
+                            else ""
+                        ),
+                    )
+                )
+                return step.working(
+                    "Spreading", f"placing every expert's replicas on distinct nodes (v{spread.version})"
+                )
     waiting = [n for n in o.pending.ordinals if not o.is_ready_for(n, o.pending.version)]
     if waiting:
         return step.working(

@@ -181,21 +181,34 @@ class RemoteExperts:
         return self
 
     def close(self) -> None:
+        self.release(self.close_channels())
+
+    def close_channels(self) -> list[tuple[ServerConnection, dict[str, Any]]]:
+        """Closes every channel here (no round trip to a server); returns the slots to release on
+        the servers (:meth:`release`), which the caller may do on another thread: the channels'
+        transports are only ever driven by this one."""
         self._stop.set()
         if self._rejoiner is not None:
             self._rejoiner.join(timeout=5)
         with self._lock:
             pending, self._rejoined = self._rejoined, {}
             stale, self._stale_handles = self._stale_handles, {}
+        slots = []
         for index, (channel, handle) in pending.items():
             channel.close()
-            self.connections[index].release_remote(handle)
-        for index, handle in stale.items():
-            self.connections[index].release_remote(handle)
-        for conn in self.connections:
-            conn.close()
+            slots.append((self.connections[index], handle))
+        slots += [(self.connections[index], handle) for index, handle in stale.items()]
+        slots += [(conn, conn.drop()) for conn in self.connections]
         self.live[:] = False
         self._prober.shutdown(wait=False, cancel_futures=True)
+        return slots
+
+    @staticmethod
+    def release(slots: list[tuple[ServerConnection, dict[str, Any]]]) -> None:
+        """DELETEs each slot on its server (best effort, naming this client: a slot the server has
+        handed on since is left alone)."""
+        for conn, handle in slots:
+            conn.release_remote(handle)
 
     def __enter__(self) -> RemoteExperts:
         return self.connect()

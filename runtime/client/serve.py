@@ -297,8 +297,11 @@ class AttentionService:
                 self.decoder.experts = experts
             self.experts, self.placement = experts, placement
             self.placement_error = ""
-            if old is not None:  # off the worker: releasing slots is a round trip to every server
-                threading.Thread(target=old.close, name="eaas-release-placement", daemon=True).start()
+            if old is not None:  # channels closed here; the slots released off the worker (round trips)
+                slots = old.close_channels()
+                threading.Thread(
+                    target=RemoteExperts.release, args=(slots,), name="eaas-release-slots", daemon=True
+                ).start()
         if self.experts is not None:
             self.experts.refresh()
 

@@ -609,3 +609,28 @@ def test_a_server_that_answers_on_its_control_port_is_not_lost_for_a_lapsed_hear
     assert plan(world).progressing == "ReplacingLost"
     vouched = plan(replace(world, answering=frozenset({1})))
     assert vouched.publish is None and vouched.progressing != "ReplacingLost"
+
+
+def test_a_pending_placement_is_spread_over_its_servers_nodes_before_it_is_committed() -> None:
+    """A scale-up places the new server before it is scheduled; once it is, the pending placement
+    records the nodes (and deals again where needed) before the commit: one change, not two."""
+    nodes = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+    committed = planning.spread(placement(3), SHAPE, {0: "node-a", 1: "node-a", 2: "node-b"})
+    growing = planning.add_server(committed, SHAPE, 3, "p-3", None)
+    states = on_nodes(with_uids(pods(0, 1, 2, 3)), nodes)
+    world = observed(
+        desired_replicas=4,
+        pods=states,
+        committed=committed,
+        pending=growing,
+        reports=leased(0, 1, 2, 3, loaded=growing.version),
+    )
+    step = plan(world)
+    assert step.progressing == "Spreading" and step.publish is not None and step.publish[0] is committed
+    spread = step.publish[1]
+    assert spread is not None and spread.version == growing.version + 1
+    assert {s.ordinal: s.domain for s in spread.servers} == nodes and planning.spread_shortfall(
+        spread, nodes
+    ) == 0
+    loaded = plan(replace(world, pending=spread, reports=leased(0, 1, 2, 3, loaded=spread.version)))
+    assert loaded.publish == (spread, None)  # committed as is

@@ -511,15 +511,33 @@ def test_operator_restart_under_load_changes_nothing(
 
 def served_throughout(watch: ReplicaWatch, struck: float) -> int:
     """The fewest serving replicas of any expert in the samples since `struck` (a leaving server
-    counts while its process answers); fails naming the first samples below R, and any attention
-    pod that saw a server down (what a failover would show)."""
+    counts while its process answers); fails naming the first samples below R (seconds after
+    `struck`), and any attention pod that saw a server down (what a failover would show), with the
+    ExpertPool's Events and the pods' logs."""
+    system = watch.system
     samples = [s for s in watch.fewest if s[0] >= struck]
     assert samples, "the replica watch took no sample"
     fewest = min(f for _, _, f in samples)
-    assert fewest >= REPLICATION, [s for s in samples if s[2] < REPLICATION][:5]
     seen = [(round(t - struck, 1), pod, down) for t, pod, down in watch.client_down if t >= struck]
-    assert not seen, f"attention clients saw servers down: {seen[:5]}"
+    if fewest < REPLICATION or seen:
+        short = [(round(t - struck, 1), v, f) for t, v, f in samples if f < REPLICATION][:5]
+        events = system.cluster.kubectl(
+            "get", "events", "-n", system.namespace, "--sort-by=.lastTimestamp", check=False
+        ).stdout
+        raise AssertionError(
+            f"below R: {short}; attention clients saw servers down: {seen[:5]}; committed "
+            f"{watch.commits}\n{events[-5000:]}\n{pod_logs(system.plane, system.namespace)}"
+        )
     return fewest
+
+
+def settled(system: System, servers: int = 3) -> None:
+    """The pool at full strength with no placement change in flight (a drill strikes a still pool)."""
+    wait_until(
+        lambda: system.full_strength(servers) and not system.placement()[1],
+        120,
+        "the pool settled, no change pending",
+    )
 
 
 def test_sigterm_of_an_expert_server_hands_its_experts_over_before_it_goes(system: System) -> None:
@@ -528,7 +546,7 @@ def test_sigterm_of_an_expert_server_hands_its_experts_over_before_it_goes(syste
     to the others (R kept) and commits; the server exits once no client routes to it, and the pool
     grows back to 3. No client ever loses a server, no request fails or stalls."""
     ns = system.namespace
-    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+    settled(system)
     victim = system.expert_pods()[1]
     name, uid = victim.metadata.name, victim.metadata.uid
     gone: list[float] = []
@@ -639,7 +657,7 @@ def test_kubectl_drain_of_a_node_with_two_expert_servers(system: System) -> None
     never broken, no client loses a server, no request fails."""
     ns = system.namespace
     system.scale_attention(2)  # the attention pods on the node are evicted too: one at a time
-    wait_until(lambda: system.full_strength(3), 120, "the pool settled")
+    settled(system)
     budgets = {
         b.metadata.name: b
         for b in client.PolicyV1Api(system.cluster.api_client).list_namespaced_pod_disruption_budget(ns).items
