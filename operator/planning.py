@@ -138,6 +138,8 @@ def drain_server(
     domains = {server.ordinal: server.domain for server in remaining}
     rehomed: dict[LayerExpert, int] = {}
     for pair in current.experts_of(ordinal):
+        if len(hosting.holders.get(pair, ())) >= shape.replication:
+            continue  # a hot expert with more than R replicas (a rebalance gave it one): R remain
         used_domains = {_domain(domains, o) for o in hosting.holders.get(pair, ())}
         candidates = [o for o in hosting.pairs if pair not in hosting.pairs[o]]
         # Prefer a new failure domain, then the server with the fewest pairs of this layer, then the

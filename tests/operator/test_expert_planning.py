@@ -20,7 +20,7 @@ from eaas.operator.expert_step import (
     plan,
     serving_utilization,
 )
-from eaas.runtime.placement.placement import Placement, PlacementError
+from eaas.runtime.placement.placement import Placement, PlacementError, Server
 
 SHAPE = planning.PoolShape(layers=(0, 1, 2), num_experts=8, replication=2)
 HASH = "t1"
@@ -634,3 +634,19 @@ def test_a_pending_placement_is_spread_over_its_servers_nodes_before_it_is_commi
     ) == 0
     loaded = plan(replace(world, pending=spread, reports=leased(0, 1, 2, 3, loaded=spread.version)))
     assert loaded.publish == (spread, None)  # committed as is
+
+
+def test_draining_a_server_that_holds_an_extra_replica_of_a_hot_expert_drops_it() -> None:
+    """A rebalance may give a hot expert more than R replicas, here one on every server: draining
+    any server leaves R of it, so nothing needs a new home (a fresh-clone run found the drain
+    crashing on it, which kept a leaving server from being drained)."""
+    committed = placement(3)
+    matrix = committed.hosting_matrix().copy()
+    matrix[:, 0, 0] = True  # (first layer, expert 0) on all three servers
+    servers = [Server(s.ordinal, s.capacity + 1, s.name, s.domain) for s in committed.servers]
+    hot = Placement.from_matrix(
+        committed.layers, committed.num_experts, servers, matrix, 2, committed.version
+    )
+    drained = planning.drain_server(hot, SHAPE, 1)
+    assert drained.ordinals == (0, 2) and sorted(drained.servers_of(committed.layers[0], 0)) == [0, 2]
+    check_invariants(drained, SHAPE)
