@@ -65,7 +65,6 @@ class Departure(DaemonLoop):
         self.announce = announce
         self.clock = clock
         self.started: float | None = None
-        self.reason = ""  # why it went: "released" or "timeout"
         self._begun = threading.Lock()
         super().__init__("eaas-departure")
 
@@ -103,7 +102,6 @@ class Departure(DaemonLoop):
         while not self._stop.wait(POLL_S):
             reason = self.may_go()
             if reason:
-                self.reason = reason
                 waited = self.clock() - (self.started or 0.0)
                 if reason == "timeout":
                     log.warning(
