@@ -77,18 +77,27 @@ def parse_chat(
 
     Chat's own spellings map to the completion fields: ``max_completion_tokens`` (or
     ``max_tokens``), ``logprobs: true`` with ``top_logprobs``. ``echo``, ``prompt`` and
-    ``suffix`` do not apply to chat and are refused.
+    ``suffix`` do not apply to chat and are refused; so are ``tools`` (and a ``tool_choice``
+    other than ``none``) until tool calls exist.
     """
     if not isinstance(body, dict):
         raise bad("body", "must be a JSON object")
     for name in ("prompt", "echo", "suffix", "best_of"):
         if name in body:
             raise bad(name, "does not apply to chat completions")
+    # Until tool calls exist they are refused, never ignored (a client would wait for a call).
+    if body.get("tools"):
+        raise bad("tools", "tool calls are not supported by this server yet")
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad("tool_choice", "tool calls are not supported by this server yet (only 'none')")
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise bad(name, "function calls are not supported by this server yet")
     messages = parse_messages(body.get("messages"))
     completion = {
         k: v
         for k, v in body.items()
-        if k not in ("messages", "logprobs", "top_logprobs", "max_completion_tokens")
+        if k not in ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice")
     }
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:

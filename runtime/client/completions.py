@@ -19,10 +19,11 @@ from http import HTTPStatus
 from typing import Any
 
 from eaas.runtime.client.engine_worker import EngineWorker, Events, Request
-from eaas.runtime.client.http_api import ApiError, CompletionRequest, overloaded
+from eaas.runtime.client.http_api import ApiError, CompletionRequest, bad, overloaded
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.scheduler import QueueFull
 from eaas.runtime.client.text_stream import TextStream
+from eaas.runtime.serving.grammar import GrammarError, Grammars
 from eaas.runtime.serving.sampling import Sampled
 
 Chunk = dict[str, Any]
@@ -37,8 +38,10 @@ class Completions:
         timeout_s: float,
         metrics: AttentionMetrics,
         to_api_error: Callable[[BaseException], ApiError],
+        grammars: Grammars | None = None,
     ) -> None:
         self.worker = worker
+        self.grammars = grammars
         self.decode = decode
         self.model_name = model_name
         self.timeout_s = timeout_s
@@ -46,7 +49,8 @@ class Completions:
         self.to_api_error = to_api_error
 
     def submit(self, call: CompletionRequest) -> list[Request]:
-        """Queues one request per (prompt, choice); choice j of a seeded call uses seed + j."""
+        """Queues one request per (prompt, choice); choice j of a seeded call uses seed + j. A
+        constrained call gives each choice its own matcher of the (cached) compiled grammar."""
         events: Events = queue.SimpleQueue()
         requests = []
         for i, prompt in enumerate(call.prompts):
@@ -54,12 +58,23 @@ class Completions:
                 params = call.params
                 if j and params.seed is not None:
                     params = replace(params, seed=params.seed + j)
-                requests.append(Request(prompt, params, index=i * call.n + j, events=events))
+                matcher = self._matcher(call)
+                requests.append(Request(prompt, params, index=i * call.n + j, events=events, matcher=matcher))
         try:
             self.worker.submit(requests)
         except QueueFull as exc:
             raise overloaded(str(exc)) from exc
         return requests
+
+    def _matcher(self, call: CompletionRequest) -> Any:
+        if call.constraint is None:
+            return None
+        if self.grammars is None:
+            raise bad(call.constraint.field, "structured outputs are not available on this server")
+        try:
+            return self.grammars.matcher(call.constraint)
+        except GrammarError as exc:
+            raise bad(exc.field, exc.message) from None
 
     def chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
         """The answer as stream chunks: per token per choice, then the usage if asked."""

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from eaas.runtime.client.scheduler import QueueFull
 from eaas.runtime.serving.engine import Engine, StepFailed
@@ -47,6 +48,7 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     seq: Sequence | None = None
+    matcher: Any = None  # structured outputs: this choice's own grammar matcher
 
     def wait(self, timeout: float) -> bool:
         return self.done.wait(timeout)
@@ -165,7 +167,7 @@ class EngineWorker:
         for request in new:
             assert engine is not None
             try:
-                request.seq = engine.add(request.prompt, request.params)
+                request.seq = engine.add(request.prompt, request.params, request.matcher)
             except ValueError as exc:  # the request cannot fit this server's KV cache, or bad ids
                 self._fail(request, self._on_error(exc))
                 continue
@@ -197,7 +199,10 @@ class EngineWorker:
                 request.tokens.append(event.sampled.token)
                 request.sampled.append(event.sampled)
                 request.events.put((request, event.sampled))
-            if event.finished:
+            if event.finished and event.seq.finish_reason == "error":
+                # the request's grammar led nowhere (its fault: a 400), or the grammar engine failed
+                self._fail(request, self._on_error(ValueError(event.seq.error or "the sequence failed")))
+            elif event.finished:
                 self._finish(request, event.seq.finish_reason or "length")
 
     def _finish(self, request: Request, reason: str) -> None:

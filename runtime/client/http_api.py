@@ -2,7 +2,7 @@
 
 | method | path | answer |
 |---|---|---|
-| POST | ``/v1/completions`` | completions: sampling, ``n``, stops, logprobs, echo, streaming (SSE) |
+| POST | ``/v1/completions`` | completions: sampling, ``n``, stops, logprobs, echo, JSON/regex/grammar, SSE |
 | POST | ``/v1/chat/completions`` | the same for a conversation, through the checkpoint's chat template |
 | GET | ``/v1/models`` | the one served model |
 | GET | ``/healthz`` | 200 while the process and its batch worker run (liveness) |
@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
+from eaas.runtime.serving.grammar import Constraint, GrammarError, parse_constraint
 from eaas.runtime.serving.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
@@ -47,17 +48,29 @@ class ApiError(HttpError):
         param: str | None = None,
         kind: str = "",
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(status, message, headers)
         self.param = param
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def bad(param: str, message: str) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, f"{param}: {message}", param)
+
+
+def unknown_model(asked: str, served: str) -> ApiError:
+    """404 with OpenAI's ``model_not_found`` (the ``openai`` client raises ``NotFoundError``)."""
+    return ApiError(
+        HTTPStatus.NOT_FOUND,
+        f"model: the model {asked!r} does not exist here; this server serves {served!r}",
+        "model",
+        code="model_not_found",
+    )
 
 
 def overloaded(message: str) -> ApiError:
@@ -87,6 +100,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     echo: bool = False
+    constraint: Constraint | None = None  # structured outputs (response_format, structured_outputs)
 
     @property
     def max_tokens(self) -> int:
@@ -142,7 +156,8 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     0 is greedy), ``top_p``, ``top_k`` (vLLM's extension), ``seed``, ``presence_penalty``,
     ``frequency_penalty``, ``n``, ``best_of`` (only equal to ``n``), ``stop`` (string or up to 4
     strings), ``stop_token_ids``, ``logprobs`` (0-20), ``echo``, ``stream``, ``stream_options``,
-    ``user``. ``suffix`` is refused.
+    ``user``, and structured outputs (``response_format``, ``structured_outputs``, ``guided_*``:
+    ``grammar.parse_constraint``). ``suffix`` is refused.
     """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object", "body")
@@ -237,7 +252,11 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
     )
-    return CompletionRequest(prompts, params, stops, model, n, stream, include_usage, echo)
+    try:
+        constraint = parse_constraint(body)
+    except GrammarError as exc:
+        raise bad(exc.field, exc.message) from None
+    return CompletionRequest(prompts, params, stops, model, n, stream, include_usage, echo, constraint)
 
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -49,6 +49,7 @@ from eaas.runtime.client.http_api import (
     bad,
     overloaded,
     parse_completion,
+    unknown_model,
 )
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
@@ -57,6 +58,7 @@ from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.grammar import Grammars
 from eaas.runtime.transport import RemoteError
 
 log = logging.getLogger("eaas.client.serve")
@@ -160,6 +162,7 @@ class AttentionService:
                 o.request_timeout_s,
                 self.metrics,
                 _api_error,
+                Grammars(self.tokenizer, self.config.vocab_size),
             )
         else:
             self.scheduler = BatchScheduler(
@@ -372,12 +375,14 @@ class AttentionService:
                 call = replace(call, params=replace(call.params, stop_token_ids=stop_ids))
             name = self.options.model_name
             if call.model is not None and call.model != name:
-                raise bad("model", f"unknown model {call.model!r}; this server serves {name!r}")
+                raise unknown_model(call.model, name)
             if self.experts is None:
                 raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
             if self.completions is None:
                 if chat:
                     raise bad("batching", "static batching serves /v1/completions only")
+                if call.constraint is not None:
+                    raise bad(call.constraint.field, "static batching has no structured outputs")
                 return self._complete_static(call, start)
             requests = self.completions.submit(call)
         except ApiError as exc:

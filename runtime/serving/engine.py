@@ -9,8 +9,10 @@
 Each step runs the scheduler's plan as one ``Decoder.forward`` over a right-padded batch (prefill
 chunks and decodes mixed), so every MoE layer sends one request per expert server for everything
 running. A sequence whose prompt is fully through the model gets a token sampled; it finishes on
-a stop token, at ``max_tokens``, or when aborted, and its blocks go back to the pool. Not
-thread-safe: one thread owns an engine (the service's worker).
+a stop token, at ``max_tokens``, or when aborted, and its blocks go back to the pool. A sequence
+with a grammar (structured outputs, ``grammar``) samples only what its grammar allows and ends
+with ``stop`` once the grammar can take nothing more. Not thread-safe: one thread owns an engine
+(the service's worker).
 Legend: B = sequences in the step, S = longest chunk of the step, V = vocabulary.
 """
 
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from eaas.runtime.model.decoder import Decoder
 from eaas.runtime.serving.blocks import BlockAllocator
+from eaas.runtime.serving.grammar import allowed_tokens, first_line
 from eaas.runtime.serving.paged_cache import KVPool, PagedView
 from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample
 from eaas.runtime.serving.scheduler import Scheduler, Sequence
@@ -76,7 +80,8 @@ class Engine:
             self.allocator.num_blocks * self.allocator.block_size, self.decoder.config.max_position_embeddings
         )
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
+    def add(self, prompt: list[int], params: SamplingParams, matcher: Any = None) -> Sequence:
+        """Queues ``prompt``; ``matcher`` (``Grammars.matcher``) constrains what it generates."""
         if not prompt:
             raise ValueError("prompt: must not be empty")
         vocab = self.decoder.config.vocab_size
@@ -87,7 +92,7 @@ class Engine:
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"{self.max_sequence_tokens} positions this server's KV cache can give one sequence"
             )
-        seq = Sequence(next(self._ids), list(prompt), params)
+        seq = Sequence(next(self._ids), list(prompt), params, matcher=matcher)
         self._generators[seq.id] = new_generator(params)
         self._counts[seq.id] = torch.zeros(vocab, dtype=torch.int64)
         self.scheduler.add(seq)
@@ -142,25 +147,63 @@ class Engine:
                 ready.append((row, seq))
         if not ready:
             return []
+        events: list[Event] = []
+        ready, allowed = self._constrain(ready, events)
+        if not ready:
+            return events
         sampled = sample(
             logits[[row for row, _ in ready]],
             [seq.params for _, seq in ready],
             [self._generators[seq.id] for _, seq in ready],
             [self._counts[seq.id] for _, seq in ready],
+            allowed,
         )
-        events = []
         for (_, seq), choice in zip(ready, sampled, strict=True):
             seq.output.append(choice.token)
             self._counts[seq.id][choice.token] += 1
             reason = None
-            if choice.token in seq.params.stop_token_ids:
+            if seq.matcher is not None:
+                if not seq.matcher.consume_token(choice.token):
+                    why = first_line(seq.matcher.get_error())
+                    reason, seq.error = (
+                        "error",
+                        f"structured outputs: the grammar refused token {choice.token}: {why}",
+                    )
+                elif seq.matcher.is_stopped():
+                    reason = "stop"  # the grammar is complete (or the model ended where it may)
+            if reason is None and choice.token in seq.params.stop_token_ids:
                 reason = "stop"
-            elif len(seq.output) >= seq.params.max_tokens:
+            elif reason is None and len(seq.output) >= seq.params.max_tokens:
                 reason = "length"
             if reason is not None:
                 self._finish(seq, reason)
             events.append(Event(seq, choice, reason is not None))
         return events
+
+    def _constrain(
+        self, ready: list[tuple[int, Sequence]], events: list[Event]
+    ) -> tuple[list[tuple[int, Sequence]], torch.Tensor | None]:
+        """The rows to sample and their allowed tokens (None: no row has a grammar). A row whose
+        grammar failed (a limit of the grammar engine) or allows nothing finishes with ``error``."""
+        constrained = [i for i, (_, seq) in enumerate(ready) if seq.matcher is not None]
+        if not constrained:
+            return ready, None
+        masks = allowed_tokens([ready[i][1].matcher for i in constrained], self.decoder.config.vocab_size)
+        allowed = torch.ones(len(ready), masks.shape[1], dtype=torch.bool)
+        allowed[constrained] = masks
+        failed = [i for i in constrained if ready[i][1].matcher.is_error() or not allowed[i].any()]
+        if not failed:
+            return ready, allowed
+        for i in failed:
+            seq = ready[i][1]
+            seq.error = (
+                f"structured outputs: the grammar allows no next token after {len(seq.output)} tokens "
+                f"({first_line(seq.matcher.get_error())})"
+            )
+            self._finish(seq, "error")
+            events.append(Event(seq, None, True))
+        keep = [i for i in range(len(ready)) if i not in set(failed)]
+        return [ready[i] for i in keep], allowed[keep]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = "finished"

@@ -74,9 +74,11 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     counts: list[torch.Tensor],  # per row [V] int64: how often each token was generated so far
+    allowed: torch.Tensor | None = None,  # [B, V] bool: the tokens a row may take (structured outputs)
 ) -> list[Sampled]:
     """One token per row, the whole batch at once. Log-probabilities are those of the model
-    (before penalties, temperature and truncation), as OpenAI reports them."""
+    (before penalties, temperature, truncation and a grammar's mask), as OpenAI reports them.
+    A row of ``allowed`` must allow at least one token."""
     logits = logits.to(torch.float32)
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     scores = logits
@@ -85,6 +87,8 @@ def sample(
         frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]
         presence = torch.tensor([p.presence_penalty for p in params])[:, None]
         scores = scores - frequency * seen - presence * (seen > 0).float()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     tokens = torch.argmax(scores, dim=-1)  # [B]: the greedy rows' answer
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from eaas.runtime.serving.blocks import BlockAllocator
 from eaas.runtime.serving.sampling import SamplingParams
@@ -35,8 +35,10 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose keys/values are in the KV cache
     status: Status = "waiting"
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     arrival: float = field(default_factory=time.monotonic)
+    matcher: Any = None  # structured outputs: the grammar's matcher (llguidance), fed each new token
+    error: str | None = None  # why it finished with "error"
 
     @property
     def tokens(self) -> list[int]:

@@ -204,7 +204,8 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 65}, "max_tokens"),
-        ({"prompt": "hi", "model": "gpt-4"}, "model"),
+        ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"prompt": "hi", "structured_outputs": {"regex": "[a"}}, "structured_outputs.regex"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": ["a"] * 9, "n": 4}, "n"),
@@ -217,6 +218,13 @@ def test_bad_requests_are_400_naming_the_field(service: AttentionService, body: 
     status, answer = http("POST", f"{service.url}/v1/completions", body)
     assert status == 400, answer
     assert answer["error"]["param"] == field and answer["error"]["message"].startswith(field)
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape(service: AttentionService) -> None:
+    status, answer = http("POST", f"{service.url}/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert status == 404
+    assert answer["error"]["param"] == "model" and answer["error"]["code"] == "model_not_found"
+    assert answer["error"]["message"].startswith("model: the model 'gpt-4' does not exist")
 
 
 def test_malformed_http_never_breaks_the_server(service: AttentionService) -> None:

@@ -1,8 +1,9 @@
 """The official ``openai`` client against ``eaas attention-client``'s API: a checkpoint with its own
 tokenizer (``tokenizer.json``) and chat template, over real expert-server processes.
 
-Covers completions and chat, streamed and not, seeded sampling, stop strings, a client that
-hangs up, the template sandbox, and a fuzz test: no JSON body gets a 500 or a hang.
+Covers completions and chat, streamed and not, seeded sampling, stop strings, structured outputs
+(``response_format``, ``parse()`` with a pydantic model, vLLM's ``structured_outputs``), a client
+that hangs up, the template sandbox, and a fuzz test: no JSON body gets a 500 or a hang.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import jsonschema
 import openai
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -166,6 +169,87 @@ def test_errors_reach_the_client_as_openai_errors(client: Any) -> None:
         client.completions.create(model=MODEL, prompt="x", temperature=9)
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.code == "model_not_found" and "'gpt-5' does not exist" in str(missing.value)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:  # refused, never silently ignored
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])
+    assert refused.value.param == "tools"
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "n"],
+    "additionalProperties": False,
+}
+
+
+class Answer(pydantic.BaseModel):
+    answer: Literal["yes", "no"]
+    n: int = pydantic.Field(ge=0, le=9)
+
+
+def test_structured_outputs_through_the_openai_client(client: Any) -> None:
+    """The random model's sampled output always parses and validates; one choice per matcher."""
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    answers = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=1.0, seed=3, n=4, max_tokens=64, response_format=schema
+    )
+    for choice in answers.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=messages, temperature=1.0, seed=4, max_tokens=64, response_format=Answer
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Answer)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=1.0,
+        seed=5,
+        max_tokens=64,
+        response_format=schema,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), ANSWER)
+    picked = client.completions.create(
+        model=MODEL,
+        prompt="pick one:",
+        max_tokens=16,
+        temperature=1.0,
+        seed=1,
+        n=6,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta gamma"]}},
+    )
+    assert {c.text for c in picked.choices} <= {"alpha", "beta gamma"}
+    assert all(c.finish_reason == "stop" for c in picked.choices)
+
+
+def test_malformed_structured_outputs_are_400s_naming_the_field(client: Any) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    cases = [
+        (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "frob"}}},
+            "response_format",
+        ),
+        ({"type": "yaml"}, "response_format.type"),
+    ]
+    for response_format, param in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format)
+        assert refused.value.param == param, refused.value
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"structured_outputs": {"regex": "(a"}})
+    assert refused.value.param == "structured_outputs.regex"
+    with pytest.raises(openai.BadRequestError) as refused:  # a language no token can start
+        client.completions.create(
+            model=MODEL, prompt="x", extra_body={"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}
+        )
+    assert refused.value.param == "structured_outputs.regex"
 
 
 def test_api_keys_are_required_when_configured(checkpoint: Path, cluster: LocalCluster) -> None:
@@ -220,7 +304,8 @@ _JSON = st.recursive(
 _FIELDS = st.sampled_from(
     ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop", "seed",
      "logprobs", "top_logprobs", "echo", "presence_penalty", "stream_options", "stop_token_ids", "model",
-     "max_completion_tokens"]
+     "max_completion_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
+     "guided_choice", "guided_grammar", "tools", "tool_choice"]
 )  # fmt: skip
 
 
@@ -243,7 +328,8 @@ def test_no_body_gets_a_500_or_a_hang(service: AttentionService, body: dict[str,
             status = response.status
     except urllib.error.HTTPError as exc:
         status = exc.code
-    assert status in (200, 400), (status, body)
+    unknown_model = isinstance(body.get("model"), str) and body["model"] != MODEL
+    assert status in ((404, 400) if unknown_model else (200, 400)), (status, body)
 
 
 def test_eaas_serve_serves_a_preset_until_interrupted(tmp_path: Path) -> None:
