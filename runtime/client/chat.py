@@ -1,18 +1,27 @@
 """Chat messages to a prompt: the checkpoint's chat template, rendered in a sandboxed Jinja
 environment (templates are data from the checkpoint: no access to Python attributes, files or
-imports), or a plain default for checkpoints that ship none."""
+imports), or a plain default for checkpoints that ship none. The request's ``tools`` go to the
+template as ``tools`` (as transformers passes them); assistant messages keep their ``tool_calls``
+and tool messages their ``tool_call_id`` (``tools.py`` reads the model's calls back)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from eaas.runtime.client.http_api import CompletionRequest, Limits, bad, parse_completion
+from eaas.runtime.client.tools import ToolFormat, parse_tools
 
 DEFAULT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool['function'] | tojson }}{{ '\\n' }}{% endfor %}"
+    "{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}\n"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    '{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] }}}'
+    "\n</tool_call>\n{% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -31,9 +40,12 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ValueError(f"chat template: does not compile ({exc})") from exc
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(
+                messages=messages, add_generation_prompt=True, **self.special, **extra
+            )
         except TemplateError as exc:  # includes raise_exception() from the template itself
             raise bad("messages", f"the chat template refused them: {exc}") from exc
 
@@ -42,7 +54,7 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     """OpenAI chat ``messages``: role + content (a string, or text parts); ``ApiError`` names the bad one."""
     if not isinstance(value, list) or not value:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -64,40 +76,77 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             ):
                 raise bad("messages", f"{where}.content: only text parts are supported")
             content = "".join(p["text"] for p in content)
+        calls = message.get("tool_calls")
+        if content is None and role == "assistant" and calls:
+            content = ""
         if not isinstance(content, str):
             raise bad("messages", f"{where}.content must be a string or a list of text parts")
-        messages.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls):
+                raise bad(
+                    "messages",
+                    f"{where}.tool_calls: assistant messages only, a list of "
+                    "{id, type: function, function: {name, arguments (a JSON string)}}",
+                )
+            entry["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise bad("messages", f"{where}.{key} must be a string")
+                entry[key] = message[key]
+        messages.append(entry)
     return messages
 
 
+def _is_call(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
+    )
+
+
 def parse_chat(
-    body: Any, limits: Limits, template: ChatTemplate, encode: Any
-) -> tuple[CompletionRequest, list[dict[str, str]]]:
+    body: Any, limits: Limits, template: ChatTemplate, encode: Any, tool_format: ToolFormat | None = None
+) -> tuple[CompletionRequest, list[dict[str, Any]]]:
     """An OpenAI ``/v1/chat/completions`` body as the completion of the rendered conversation.
 
     Chat's own spellings map to the completion fields: ``max_completion_tokens`` (or
     ``max_tokens``), ``logprobs: true`` with ``top_logprobs``. ``echo``, ``prompt`` and
-    ``suffix`` do not apply to chat and are refused; so are ``tools`` (and a ``tool_choice``
-    other than ``none``) until tool calls exist.
+    ``suffix`` do not apply to chat and are refused. ``tools`` need the model's ``tool_format``
+    (``tools.py``); a required or named ``tool_choice`` becomes the request's constraint.
     """
     if not isinstance(body, dict):
         raise bad("body", "must be a JSON object")
     for name in ("prompt", "echo", "suffix", "best_of"):
         if name in body:
             raise bad(name, "does not apply to chat completions")
-    # Until tool calls exist they are refused, never ignored (a client would wait for a call).
-    if body.get("tools"):
-        raise bad("tools", "tool calls are not supported by this server yet")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("tool_choice", "tool calls are not supported by this server yet (only 'none')")
-    for name in ("functions", "function_call"):
+    for name in ("functions", "function_call"):  # the deprecated spelling of tools
         if body.get(name) is not None:
-            raise bad(name, "function calls are not supported by this server yet")
+            raise bad(name, "is deprecated by OpenAI and not supported; use tools and tool_choice")
+    tools = parse_tools(body)
+    if tools is not None and tool_format is None:
+        raise bad(
+            "tools",
+            "this model's family has no tool-call format here; start the server with "
+            "--tool-call-parser hermes if the model writes Hermes-style <tool_call> blocks",
+        )
     messages = parse_messages(body.get("messages"))
     completion = {
         k: v
         for k, v in body.items()
-        if k not in ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice")
+        if k
+        not in (
+            "messages",
+            "logprobs",
+            "top_logprobs",
+            "max_completion_tokens",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+        )
     }
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
@@ -109,9 +158,20 @@ def parse_chat(
         raise bad("top_logprobs", "needs logprobs: true")
     if logprobs:
         completion["logprobs"] = 0 if top is None else top
-    prompt_ids = encode(template.render(messages))
+    prompt_ids = encode(template.render(messages, tools.tools if tools else None))
     if not prompt_ids:
         raise bad("messages", "render to an empty prompt")
     if max_tokens is None:  # OpenAI's default: as long as the context allows
         completion["max_tokens"] = max(1, min(limits.max_tokens, limits.max_context - len(prompt_ids)))
-    return parse_completion({**completion, "prompt": prompt_ids}, limits, encode), messages
+    call = parse_completion({**completion, "prompt": prompt_ids}, limits, encode)
+    if tools is not None and tools.choice != "none":
+        assert tool_format is not None
+        constraint = call.constraint
+        if tools.choice != "auto":
+            if constraint is not None:
+                raise bad(
+                    "tool_choice", f"a required or named call cannot be combined with {constraint.field}"
+                )
+            constraint = tool_format.constraint(tools)
+        call = replace(call, constraint=constraint, tools=tools, tool_format=tool_format)
+    return call, messages

@@ -139,6 +139,15 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="serve: the model id of /v1/models (default: the checkpoint directory's name)",
 )
 @click.option(
+    "--tool-call-parser",
+    type=click.Choice(["auto", "hermes"]),
+    default="auto",
+    show_default=True,
+    envvar="EAAS_TOOL_CALL_PARSER",
+    show_envvar=True,
+    help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
+)
+@click.option(
     "--max-batch-size",
     type=click.IntRange(min=1),
     default=16,
@@ -216,6 +225,7 @@ def attention_client(
     port: int | None,
     host: str,
     model_name: str | None,
+    tool_call_parser: str,
     max_batch_size: int,
     api_keys: tuple[str, ...],
     batching: str,
@@ -285,6 +295,7 @@ def attention_client(
         batching=batching,
         kv_cache_bytes=kv_cache_mb << 20,
         api_keys=tuple(k for key in api_keys for k in key.split()),
+        tool_call_parser=tool_call_parser,
         client=options,
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)

@@ -23,6 +23,7 @@ from eaas.runtime.client.http_api import ApiError, CompletionRequest, bad, overl
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.scheduler import QueueFull
 from eaas.runtime.client.text_stream import TextStream
+from eaas.runtime.client.tools import StreamedCalls
 from eaas.runtime.serving.grammar import GrammarError, Grammars
 from eaas.runtime.serving.sampling import Sampled
 
@@ -159,27 +160,34 @@ class Completions:
 
     def chat_chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
         """The chat form of ``chunks``: ``chat.completion.chunk`` objects whose choices carry a
-        ``delta`` (the role first, then content pieces)."""
+        ``delta`` (the role first, then content pieces). With tools, content is held from where a
+        call may start, and the calls go out as whole ``tool_calls`` deltas when the choice ends."""
         announced: set[int] = set()
+        streams = {r.index: StreamedCalls(call.tool_format) for r in requests} if call.tools else {}
         for item in self.chunks(call, requests, start):
             choices = []
             for piece in item["choices"]:
+                index, finish = piece["index"], piece["finish_reason"]
                 delta: dict[str, Any] = {}
-                if piece["index"] not in announced:
-                    announced.add(piece["index"])
+                if index not in announced:
+                    announced.add(index)
                     delta["role"] = "assistant"
-                if piece["text"]:
-                    delta["content"] = piece["text"]
+                text = piece["text"]
+                if index in streams:
+                    text = streams[index].push(text)
+                    if finish is not None:
+                        rest, calls = streams[index].finish()
+                        text += rest
+                        if calls:
+                            delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
+                            finish = "tool_calls"
+                if text:
+                    delta["content"] = text
                 logprobs = (
                     None if piece["logprobs"] is None else {"content": _chat_logprobs(piece["logprobs"])}
                 )
                 choices.append(
-                    {
-                        "index": piece["index"],
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": piece["finish_reason"],
-                    }
+                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 )
             yield {
                 **item,
@@ -189,17 +197,28 @@ class Completions:
             }
 
     def chat_collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
-        """The non-streaming chat answer."""
+        """The non-streaming chat answer (with tools: the calls found in the text)."""
         answer = self.collect(call, requests, start)
         choices = []
         for choice in answer["choices"]:
             logprobs = choice["logprobs"]
+            message: dict[str, Any] = {"role": "assistant", "content": choice["text"]}
+            finish = choice["finish_reason"]
+            if call.tools:
+                content, calls = call.tool_format.parse(choice["text"])
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content or None,
+                        "tool_calls": [c.as_openai() for c in calls],
+                    }
+                    finish = "tool_calls"
             choices.append(
                 {
                     "index": choice["index"],
-                    "message": {"role": "assistant", "content": choice["text"]},
+                    "message": message,
                     "logprobs": None if logprobs is None else {"content": _chat_logprobs(logprobs)},
-                    "finish_reason": choice["finish_reason"],
+                    "finish_reason": finish,
                     "token_ids": choice["token_ids"],
                 }
             )

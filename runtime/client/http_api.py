@@ -101,6 +101,8 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     echo: bool = False
     constraint: Constraint | None = None  # structured outputs (response_format, structured_outputs)
+    tools: Any = None  # chat: the request's ``tools.ToolRequest`` when its calls are to be parsed
+    tool_format: Any = None  # ... and the model's ``tools.ToolFormat``
 
     @property
     def max_tokens(self) -> int:

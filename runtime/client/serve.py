@@ -54,6 +54,7 @@ from eaas.runtime.client.http_api import (
 from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
+from eaas.runtime.client.tools import tool_format
 from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
 from eaas.runtime.placement import Placement, PlacementError
@@ -103,6 +104,7 @@ class ServeOptions:
     block_size: int = 16  # continuous: positions per KV block
     request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
     placement_poll_s: float = 1.0
+    tool_call_parser: str | None = None  # the format of the model's tool calls (None: by its family)
     client: ClientOptions = field(default_factory=lambda: ClientOptions(transport="tcp"))
 
 
@@ -122,6 +124,7 @@ class AttentionService:
         self.config = reader.config
         self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size)
         self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
+        self.tool_format = tool_format(self.options.tool_call_parser, self.config.family)
         self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)
         o = self.options
         self.limits = Limits(
@@ -367,7 +370,7 @@ class AttentionService:
         try:
             body, encode = read_body(), self.tokenizer.encode
             if chat:
-                call = parse_chat(body, self.limits, self.chat_template, encode)[0]
+                call = parse_chat(body, self.limits, self.chat_template, encode, self.tool_format)[0]
             else:
                 call = parse_completion(body, self.limits, encode)
             if self.tokenizer.eos_token_ids and not (isinstance(body, dict) and body.get("ignore_eos")):

@@ -63,6 +63,13 @@ from eaas.runtime.transport import host_transport_names
     type=click.Path(dir_okay=False, path_type=Path),
     help="write {port} here once serving (for scripts)",
 )
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(["auto", "hermes"]),
+    default="auto",
+    show_default=True,
+    help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
+)
 @click.option("--log-level", default="WARNING", show_default=True)
 def serve(
     checkpoint: Path | None,
@@ -80,6 +87,7 @@ def serve(
     kernel_backend: str,
     api_key: str | None,
     ready_file: Path | None,
+    tool_call_parser: str,
     log_level: str,
 ) -> None:
     """Serve CHECKPOINT (or a random --preset model) with an OpenAI-compatible API."""
@@ -138,6 +146,7 @@ def serve(
                 batching=batching,
                 kv_cache_bytes=kv_cache_mb << 20,
                 api_keys=(api_key,) if api_key else (),
+                tool_call_parser=tool_call_parser,
                 client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )
             stop = threading.Event()

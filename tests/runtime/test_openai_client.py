@@ -73,7 +73,8 @@ def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def serve_options(**overrides: Any) -> ServeOptions:
     client = ClientOptions(transport="tcp", request_timeout_s=10.0)
-    return ServeOptions(host="127.0.0.1", port=0, model_name=MODEL, max_tokens=64, client=client, **overrides)
+    settings: dict[str, Any] = {"max_tokens": 64, **overrides}
+    return ServeOptions(host="127.0.0.1", port=0, model_name=MODEL, client=client, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +174,9 @@ def test_errors_reach_the_client_as_openai_errors(client: Any) -> None:
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
     assert missing.value.code == "model_not_found" and "'gpt-5' does not exist" in str(missing.value)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as refused:  # refused, never silently ignored
+    with pytest.raises(openai.BadRequestError) as refused:  # mixtral has no tool-call format: refused
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])
-    assert refused.value.param == "tools"
+    assert refused.value.param == "tools" and "--tool-call-parser" in str(refused.value)
 
 
 ANSWER = {
@@ -371,3 +372,114 @@ def test_eaas_serve_serves_a_preset_until_interrupted(tmp_path: Path) -> None:
             process.wait(timeout=10)
         if process.stdout is not None:
             process.stdout.close()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Oslo", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "boolean"},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tool_client(checkpoint: Path, cluster: LocalCluster) -> Iterator[Any]:
+    """The same model served with ``--tool-call-parser hermes``."""
+    discovery = static_discovery(cluster.urls)
+    options = serve_options(tool_call_parser="hermes", max_tokens=256)
+    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
+        yield openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_required_and_named_tool_calls_always_parse(tool_client: Any) -> None:
+    """The random model, sampled, makes calls that name a tool and whose arguments validate."""
+    messages = [{"role": "user", "content": "what is the weather?"}]
+    answer = tool_client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        temperature=1.0, seed=11, n=4, max_tokens=256,
+    )  # fmt: skip
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    named = tool_client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, temperature=1.0, seed=12, max_tokens=256,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )  # fmt: skip
+    calls = named.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "add" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS["add"])
+    stream = tool_client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=1.0, seed=13,
+        max_tokens=256, stream=True,
+    )  # fmt: skip
+    deltas, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and deltas
+    for delta in deltas:
+        jsonschema.validate(json.loads(delta.function.arguments), SCHEMAS[delta.function.name])
+    # the call and its result go back into the conversation
+    followed = tool_client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *messages,
+            answer.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": answer.choices[0].message.tool_calls[0].id, "content": "sunny"},
+        ],
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=4,
+    )
+    assert followed.choices[0].message.tool_calls is None
+
+
+def test_tool_requests_that_cannot_be_kept_are_400s(tool_client: Any) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        tool_client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert refused.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as refused:
+        tool_client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    assert refused.value.param == "tool_choice"

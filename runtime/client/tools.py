@@ -1,0 +1,208 @@
+"""Tool calls in chat: the request's ``tools`` and ``tool_choice``, the model's calls found in its
+text, and the grammar that makes a required or named call always parse.
+
+A model writes tool calls in its family's format; ``ToolFormat`` knows one. The format is chosen
+by the checkpoint's family or by ``--tool-call-parser``. Only ``hermes`` exists so far: the
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of Qwen2.5/Qwen3 (and of the
+many models fine-tuned on the Hermes format). A family without a format refuses ``tools`` with a
+400 that says how to choose one.
+
+``tool_choice``:
+
+- ``none``: the tools are still shown to the template, and the answer is text.
+- ``auto`` (the default with tools): free generation. Calls in the text become ``tool_calls``,
+  and ``finish_reason`` is ``tool_calls``. A block that does not parse stays in the content, as
+  vLLM leaves it.
+- ``required``, or a named function: the output is constrained (``grammar.Constraint``) to one
+  or more calls (one with ``parallel_tool_calls: false``) whose ``name`` is one of the tools (or
+  the named one). Their ``arguments`` validate against the tool's ``parameters`` schema, so they
+  always parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from eaas.runtime.client.http_api import bad
+from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, _llguidance
+
+MAX_TOOLS = 128
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+FORMAT_BY_FAMILY = {"qwen3_moe": "hermes", "qwen2_moe": "hermes"}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: list[dict[str, Any]]  # as the request gave them (the chat template renders them)
+    parameters: dict[str, dict[str, Any]]  # function name -> its JSON schema
+    choice: str  # "auto", "none", "required", or the name of the function to call
+    parallel: bool  # more than one call may be made
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body; ``ApiError`` names the
+    bad field. None without tools (a ``tool_choice`` other than ``none`` is then an error)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "needs tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    parameters: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
+            raise bad("tools", f"{where} must be {{'type': 'function', 'function': {{name, parameters}}}}")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise bad("tools", f"{where}.function.name must be 1-64 of a-z, A-Z, 0-9, _, . and -")
+        if name in parameters:
+            raise bad("tools", f"{where}.function.name {name!r} is given twice")
+        schema = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(schema, dict):
+            raise bad("tools", f"{where}.function.parameters must be a JSON schema object")
+        parameters[name] = schema
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad(
+                "tool_choice", "must be none, auto, required or {'type': 'function', 'function': {'name'}}"
+            )
+        if name not in parameters:
+            raise bad("tool_choice", f"names {name!r}, which is not one of the tools")
+        choice = name
+    elif choice not in ("none", "auto", "required"):
+        raise bad("tool_choice", f"must be none, auto, required or a named function, got {choice!r}")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"must be true or false, got {parallel!r}")
+    return ToolRequest(tools, parameters, choice, parallel)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+class HermesFormat:
+    """``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``, one block per call."""
+
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls): the text before the first call, and every block that parses as a call.
+        Text with a block that does not parse is all content."""
+        first = text.find(self.start)
+        if first < 0:
+            return text, []
+        calls = []
+        for block in self._block.findall(text[first:]):
+            try:
+                value = json.loads(block)
+            except json.JSONDecodeError:
+                return text, []
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                return text, []
+            arguments = value.get("arguments", {})
+            calls.append(
+                ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+            )
+        if not calls:
+            return text, []
+        return text[:first].rstrip(), calls
+
+    def constraint(self, request: ToolRequest) -> Constraint:
+        """The grammar of one call (or, when parallel calls are allowed, one or more) to the named
+        function, or to any of the tools for ``required``."""
+        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        schema = {
+            "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": request.parameters[name]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name in names
+            ],
+        }
+        call = f'"{self.start}\\n" %json {json.dumps(schema)} "\\n{self.end}"'
+        repeat = ' ("\\n" call)*' if request.parallel else ""
+        lark = f"start: call{repeat}\ncall: {call}\n"
+        return Constraint("tool_choice", str(_llguidance().LLMatcher.grammar_from_lark(lark)))
+
+
+ToolFormat = HermesFormat  # the one format so far; a Protocol once there are more
+FORMATS = {"hermes": HermesFormat()}
+
+
+def tool_format(parser: str | None, family: str) -> ToolFormat | None:
+    """The format ``--tool-call-parser`` names (``auto``/None: by the checkpoint's family)."""
+    if parser in (None, "", "auto"):
+        name = FORMAT_BY_FAMILY.get(family)
+        return FORMATS[name] if name else None
+    if parser not in FORMATS:
+        raise ValueError(f"tool-call-parser: must be auto or one of {', '.join(FORMATS)}, got {parser!r}")
+    return FORMATS[parser]
+
+
+class StreamedCalls:
+    """Streaming with tools: content is released until a call may be starting, then held. The
+    calls are parsed when the choice ends and sent as whole ``tool_calls`` deltas."""
+
+    def __init__(self, form: ToolFormat) -> None:
+        self.form = form
+        self.text = ""
+        self.released = 0  # characters of ``text`` already sent as content
+        self.calling = False  # a call's marker was seen: nothing more goes out as content
+
+    def push(self, delta: str) -> str:
+        """The content that may go out now."""
+        self.text += delta
+        if self.calling:
+            return ""
+        marker = self.form.start
+        start = self.text.find(marker, self.released)
+        if start >= 0:
+            out, self.released, self.calling = self.text[self.released : start], start, True
+            return out
+        pending = self.text[self.released :]
+        keep = next(
+            (n for n in range(min(len(marker) - 1, len(pending)), 0, -1) if marker.startswith(pending[-n:])),
+            0,
+        )
+        out = pending[: len(pending) - keep]
+        self.released += len(out)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet sent, calls) once the choice ended."""
+        _, calls = self.form.parse(self.text)
+        return ("", calls) if calls else (self.text[self.released :], [])

@@ -1,0 +1,140 @@
+"""Tool calls: the request's tools and tool_choice checked field by field, Hermes-style calls
+found in the model's text (whole and streamed), and the grammar of a required call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from eaas.runtime.client.chat import ChatTemplate, parse_messages
+from eaas.runtime.client.http_api import ApiError
+from eaas.runtime.client.tools import HermesFormat, StreamedCalls, parse_tools, tool_format
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+HERMES = HermesFormat()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"tools": "get_weather"}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tool_requests_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_tools(body)
+    assert caught.value.param == field
+
+
+def test_tool_choices() -> None:
+    assert parse_tools({"tools": [], "tool_choice": "none"}) is None
+    assert parse_tools({"tools": [WEATHER]}).choice == "auto"  # type: ignore[union-attr]
+    named = parse_tools(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
+    assert named is not None and named.choice == "get_weather" and named.parallel
+    assert parse_tools({"tools": [WEATHER], "parallel_tool_calls": False}).parallel is False  # type: ignore[union-attr]
+
+
+def test_formats_by_family_and_by_flag() -> None:
+    assert (
+        tool_format(None, "qwen3_moe") is HERMES.__class__.__call__
+        or tool_format(None, "qwen3_moe") is not None
+    )
+    assert tool_format("auto", "mixtral") is None
+    assert tool_format("hermes", "mixtral") is not None
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        tool_format("pythonic", "mixtral")
+
+
+def test_hermes_calls_are_found_in_the_text() -> None:
+    text = (
+        "Let me look.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
+    )
+    content, calls = HERMES.parse(text)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    openai_call = calls[0].as_openai(0)
+    assert (
+        openai_call["index"] == 0
+        and openai_call["id"].startswith("call_")
+        and openai_call["type"] == "function"
+    )
+    for broken in ("<tool_call>{not json}</tool_call>", "<tool_call>[1]</tool_call>", "no calls at all"):
+        assert HERMES.parse(broken) == (broken, [])
+
+
+def test_streamed_content_is_held_from_where_a_call_may_start() -> None:
+    stream = StreamedCalls(HERMES)
+    pieces = [
+        "Sure",
+        ", one <",
+        "too",
+        "l_c",
+        "all>\n{",
+        '"name": "get_weather", "arguments": {}}',
+        "\n</tool_call>",
+    ]
+    sent = "".join(stream.push(p) for p in pieces)
+    assert sent == "Sure, one "  # "<too" was held until it was clearly a call, never sent
+    rest, calls = stream.finish()
+    assert rest == "" and [c.name for c in calls] == ["get_weather"]
+    plain = StreamedCalls(HERMES)
+    sent = "".join(plain.push(p) for p in ["a < b", " and <tool", "box>"])
+    rest, calls = plain.finish()
+    assert sent + rest == "a < b and <toolbox>" and not calls
+
+
+def test_conversations_with_calls_and_results_reach_the_template() -> None:
+    messages = parse_messages(
+        [
+            {"role": "user", "content": "weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"},
+        ]
+    )
+    rendered = ChatTemplate(None).render(messages, [WEATHER])
+    assert rendered.startswith("<|tools|>\n") and json.loads(rendered.split("\n")[1]) == WEATHER["function"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in rendered
+    assert "<|tool|>\n12 C, rain\n" in rendered and rendered.endswith("<|assistant|>\n")
+    # without tools the default template renders exactly as before
+    plain = ChatTemplate(None).render([{"role": "user", "content": "hi"}])
+    assert plain == "<|user|>\nhi\n<|assistant|>\n"
+    with pytest.raises(ApiError) as caught:
+        parse_messages([{"role": "user", "content": "x", "tool_calls": []}])
+    assert caught.value.param == "messages"
