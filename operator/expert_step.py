@@ -33,7 +33,9 @@ clients route by) and, during a change, the pending one (what servers load):
   more), and the pool grows back to ``replicas`` one server at a time. Survivors first rather
   than a replacement first: they load only a share of the leaving server's experts each, in
   parallel, which fits a grace period where a new server loading all of them may not. Where the
-  survivors cannot hold R copies, it serves until it goes and is recreated in place.
+  survivors cannot hold R copies, a new server is added in that same pending placement (one
+  change to load and commit); only if even that cannot keep R does it serve until it goes and is
+  recreated in place.
 * **re-place a lost server**: a placed server whose heartbeat stopped (its Lease expired, or its
   pod has not been Ready for longer than the heartbeat timeout, after it once served) is drained
   like a scale-down: pending = the placement without it, its experts re-homed on the survivors
@@ -414,6 +416,40 @@ def _leaving_servers(o: Observed) -> dict[int, str]:
     return {n: why for n in target.ordinals if (why := o.leaving(n))}
 
 
+def _replace_leaving(o: Observed, step: Step, leaving: dict[int, str], names: str) -> Step | None:
+    """Where the others cannot hold R copies without the leaving servers: a new server first,
+    in the same pending placement as the leaving servers' drain (one change to load and commit,
+    not an addition and then a drain, which may not fit a grace period). None if even that
+    cannot keep R."""
+    assert o.committed is not None
+    new = max([*o.pods, *o.committed.ordinals, *(o.pending.ordinals if o.pending else [])]) + 1
+    for base in (o.pending, o.committed) if o.pending is not None else (o.committed,):
+        assert base is not None
+        try:
+            target = planning.add_server(base, o.shape, new, _names(o, [new])[new], None)
+            for ordinal in leaving:
+                if ordinal in target.ordinals:
+                    target = planning.drain_server(target, o.shape, ordinal)
+            break
+        except PlacementError:
+            continue
+    else:
+        return None
+    newest = max(o.committed.version, o.pending.version if o.pending else 0)
+    target = target.with_version(newest + 1)
+    step.publish = (o.committed, target)
+    step.create_pods = [new]
+    step.events.append(
+        Event(
+            "ServerLeaving",
+            f"expert server(s) {names} leaving; the others cannot hold R={o.shape.replication} "
+            f"without them: adding {o.pool}-{new}, placement v{target.version} pending moves their "
+            f"experts to servers {list(target.ordinals)} while they serve on",
+        )
+    )
+    return step.working("ReleasingLeaving", f"replacing leaving servers {sorted(leaving)} with {new}")
+
+
 def _release_leaving(o: Observed, step: Step, leaving: dict[int, str]) -> Step:
     """Pending = the placement without the leaving servers, their experts re-homed on the others
     while they serve on (see the module docstring)."""
@@ -433,6 +469,9 @@ def _release_leaving(o: Observed, step: Step, leaving: dict[int, str]) -> Step:
         except PlacementError as failed:
             error = failed
     else:
+        replacing = _replace_leaving(o, step, leaving, names)
+        if replacing is not None:
+            return replacing
         message = (
             f"expert server(s) {names} leaving; R cannot be kept without them ({error}): they serve "
             "until they go, then are recreated"

@@ -518,7 +518,9 @@ def test_a_server_that_announced_sigterm_on_its_lease_is_drained_and_its_pod_del
     )
 
 
-def test_a_leaving_server_the_survivors_cannot_replace_serves_until_it_goes() -> None:
+def test_a_leaving_server_the_survivors_cannot_replace_gets_a_replacement_in_the_same_change() -> None:
+    """One survivor cannot hold R=2 copies: a new server is added in the pending placement that
+    drains the leaving one (one change to load and commit, which fits its grace period)."""
     going = {1: PodState(1, ready=False, terminating=True, template_hash=HASH, uid="uid-1")}
     world = observed(
         desired_replicas=2,
@@ -527,10 +529,14 @@ def test_a_leaving_server_the_survivors_cannot_replace_serves_until_it_goes() ->
         reports=leased(0) | {1: leaving_report(1)},
     )
     step = plan(world)
-    assert step.publish is None and not (step.delete_pods or step.create_pods)
-    assert step.progressing == "Leaving" and "R cannot be kept" in step.events[0].message
+    assert step.create_pods == [2] and step.publish is not None and step.publish[1] is not None
+    assert step.publish[1].ordinals == (0, 2) and step.progressing == "ReleasingLeaving"
+    check_invariants(step.publish[1], SHAPE)
+    assert "adding p-2" in step.events[0].message
+    after = plan(replace(world, pods=with_uids(pods(0, 2)) | going, committed=step.publish[1]))
+    assert after.release == [1] and not (after.create_pods or after.delete_pods)  # told it may go
     gone = plan(replace(world, pods=with_uids(pods(0)), reports=leased(0)))
-    assert gone.create_pods == [1]  # recreated in place once it went
+    assert gone.create_pods == [1]  # one that went before it could be replaced is recreated in place
 
 
 def test_a_server_leaving_during_a_scale_up_hands_its_experts_to_the_new_one_too() -> None:
