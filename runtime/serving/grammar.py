@@ -283,7 +283,6 @@ def first_line(error: str) -> str:
 
 _executor: Any = None
 _executor_lock = threading.Lock()
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def allowed_tokens(matchers: list[Any], vocab_size: int) -> torch.Tensor:
@@ -297,5 +296,5 @@ def allowed_tokens(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     _executor.unsafe_compute_mask_ptr(
         [(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, words * 4, len(matchers)
     )
-    bits = (torch.from_numpy(bitmask)[:, :, None] >> _BITS) & 1  # [b, words, 32]
-    return bits.reshape(len(matchers), words * 32)[:, :vocab_size].bool()
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits).bool()
