@@ -148,6 +148,15 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
 )
 @click.option(
+    "--reasoning-parser",
+    type=click.Choice(["auto", "none", "deepseek_r1", "qwen3"]),
+    default="auto",
+    show_default=True,
+    envvar="EAAS_REASONING_PARSER",
+    show_envvar=True,
+    help="how the model's thinking is marked in chat answers (auto: by its family; none: not split)",
+)
+@click.option(
     "--max-batch-size",
     type=click.IntRange(min=1),
     default=16,
@@ -226,6 +235,7 @@ def attention_client(
     host: str,
     model_name: str | None,
     tool_call_parser: str,
+    reasoning_parser: str,
     max_batch_size: int,
     api_keys: tuple[str, ...],
     batching: str,
@@ -296,6 +306,7 @@ def attention_client(
         kv_cache_bytes=kv_cache_mb << 20,
         api_keys=tuple(k for key in api_keys for k in key.split()),
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         client=options,
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)

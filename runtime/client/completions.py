@@ -21,6 +21,7 @@ from typing import Any
 from eaas.runtime.client.engine_worker import EngineWorker, Events, Request
 from eaas.runtime.client.http_api import ApiError, CompletionRequest, bad, overloaded
 from eaas.runtime.client.metrics import AttentionMetrics
+from eaas.runtime.client.reasoning import ReasoningStyle, StreamedReasoning
 from eaas.runtime.client.scheduler import QueueFull
 from eaas.runtime.client.text_stream import TextStream
 from eaas.runtime.client.tools import StreamedCalls
@@ -40,9 +41,11 @@ class Completions:
         metrics: AttentionMetrics,
         to_api_error: Callable[[BaseException], ApiError],
         grammars: Grammars | None = None,
+        reasoning: ReasoningStyle | None = None,
     ) -> None:
         self.worker = worker
         self.grammars = grammars
+        self.reasoning = reasoning  # chat: how the model's thinking is told from its answer
         self.decode = decode
         self.model_name = model_name
         self.timeout_s = timeout_s
@@ -160,10 +163,12 @@ class Completions:
 
     def chat_chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
         """The chat form of ``chunks``: ``chat.completion.chunk`` objects whose choices carry a
-        ``delta`` (the role first, then content pieces). With tools, content is held from where a
+        ``delta`` (the role first, then content pieces). A reasoning model's thinking goes out as
+        ``reasoning_content`` (and ``reasoning``) deltas. With tools, content is held from where a
         call may start, and the calls go out as whole ``tool_calls`` deltas when the choice ends."""
         announced: set[int] = set()
         streams = {r.index: StreamedCalls(call.tool_format) for r in requests} if call.tools else {}
+        thinking = {r.index: StreamedReasoning(self.reasoning) for r in requests} if self.reasoning else {}
         for item in self.chunks(call, requests, start):
             choices = []
             for piece in item["choices"]:
@@ -172,7 +177,14 @@ class Completions:
                 if index not in announced:
                     announced.add(index)
                     delta["role"] = "assistant"
-                text = piece["text"]
+                text, reasoning = piece["text"], ""
+                if index in thinking:
+                    reasoning, text = thinking[index].push(text)
+                    if finish is not None:
+                        more_reasoning, more_text = thinking[index].finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                if reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = reasoning
                 if index in streams:
                     text = streams[index].push(text)
                     if finish is not None:
@@ -197,15 +209,19 @@ class Completions:
             }
 
     def chat_collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
-        """The non-streaming chat answer (with tools: the calls found in the text)."""
+        """The non-streaming chat answer (a reasoning model's thinking apart; with tools, the calls
+        found in the answer)."""
         answer = self.collect(call, requests, start)
         choices = []
         for choice in answer["choices"]:
             logprobs = choice["logprobs"]
-            message: dict[str, Any] = {"role": "assistant", "content": choice["text"]}
+            text, reasoning = choice["text"], ""
+            if self.reasoning is not None:
+                reasoning, text = self.reasoning.split(text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = choice["finish_reason"]
             if call.tools:
-                content, calls = call.tool_format.parse(choice["text"])
+                content, calls = call.tool_format.parse(text)  # from the answer, never the thinking
                 if calls:
                     message = {
                         "role": "assistant",
@@ -213,6 +229,8 @@ class Completions:
                         "tool_calls": [c.as_openai() for c in calls],
                     }
                     finish = "tool_calls"
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
             choices.append(
                 {
                     "index": choice["index"],

@@ -52,6 +52,7 @@ from eaas.runtime.client.http_api import (
     unknown_model,
 )
 from eaas.runtime.client.metrics import AttentionMetrics
+from eaas.runtime.client.reasoning import reasoning_style
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
 from eaas.runtime.client.tools import tool_format
@@ -105,6 +106,7 @@ class ServeOptions:
     request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
     placement_poll_s: float = 1.0
     tool_call_parser: str | None = None  # the format of the model's tool calls (None: by its family)
+    reasoning_parser: str | None = None  # how its thinking is marked (None: by its family; "none")
     client: ClientOptions = field(default_factory=lambda: ClientOptions(transport="tcp"))
 
 
@@ -166,6 +168,7 @@ class AttentionService:
                 self.metrics,
                 _api_error,
                 Grammars(self.tokenizer, self.config.vocab_size),
+                reasoning_style(o.reasoning_parser, self.config.family),
             )
         else:
             self.scheduler = BatchScheduler(

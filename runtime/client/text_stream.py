@@ -74,10 +74,13 @@ class TextStream:
 
     def _held(self) -> int:
         """Characters at the end of ``text`` that a stop string may still claim."""
-        held = 0
-        for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(self.text) - self.emitted), held, -1):
-                if self.text.endswith(stop[:length]):
-                    held = length
-                    break
-        return held
+        return max((partial_suffix(self.text, stop, self.emitted) for stop in self.stops), default=0)
+
+
+def partial_suffix(text: str, marker: str, start: int = 0) -> int:
+    """Length of the longest end of ``text[start:]`` that is a proper beginning of ``marker``: what
+    a stream holds back because a stop string or a marker may be starting there."""
+    for length in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0

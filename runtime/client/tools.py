@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaas.runtime.client.http_api import bad
+from eaas.runtime.client.text_stream import partial_suffix
 from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, _llguidance
 
 MAX_TOOLS = 128
@@ -194,10 +195,7 @@ class StreamedCalls:
             out, self.released, self.calling = self.text[self.released : start], start, True
             return out
         pending = self.text[self.released :]
-        keep = next(
-            (n for n in range(min(len(marker) - 1, len(pending)), 0, -1) if marker.startswith(pending[-n:])),
-            0,
-        )
+        keep = partial_suffix(pending, marker)
         out = pending[: len(pending) - keep]
         self.released += len(out)
         return out

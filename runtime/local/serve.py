@@ -70,6 +70,13 @@ from eaas.runtime.transport import host_transport_names
     show_default=True,
     help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
 )
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(["auto", "none", "deepseek_r1", "qwen3"]),
+    default="auto",
+    show_default=True,
+    help="how the model's thinking is marked in chat answers (auto: by its family; none: not split)",
+)
 @click.option("--log-level", default="WARNING", show_default=True)
 def serve(
     checkpoint: Path | None,
@@ -88,6 +95,7 @@ def serve(
     api_key: str | None,
     ready_file: Path | None,
     tool_call_parser: str,
+    reasoning_parser: str,
     log_level: str,
 ) -> None:
     """Serve CHECKPOINT (or a random --preset model) with an OpenAI-compatible API."""
@@ -147,6 +155,7 @@ def serve(
                 kv_cache_bytes=kv_cache_mb << 20,
                 api_keys=(api_key,) if api_key else (),
                 tool_call_parser=tool_call_parser,
+                reasoning_parser=reasoning_parser,
                 client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )
             stop = threading.Event()

@@ -411,9 +411,9 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def tool_client(checkpoint: Path, cluster: LocalCluster) -> Iterator[Any]:
-    """The same model served with ``--tool-call-parser hermes``."""
+    """The same model served with ``--tool-call-parser hermes --reasoning-parser qwen3``."""
     discovery = static_discovery(cluster.urls)
-    options = serve_options(tool_call_parser="hermes", max_tokens=256)
+    options = serve_options(tool_call_parser="hermes", reasoning_parser="qwen3", max_tokens=256)
     with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
         yield openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
 
@@ -483,3 +483,49 @@ def test_tool_requests_that_cannot_be_kept_are_400s(tool_client: Any) -> None:
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert refused.value.param == "tool_choice"
+
+
+def test_thinking_is_told_from_the_answer_and_calls_are_read_from_the_answer(tool_client: Any) -> None:
+    """A regex makes the random model think, then answer (or call a tool): reasoning_content
+    (and reasoning) carry the thinking, whole and streamed, and the call is found after it."""
+    messages = [{"role": "user", "content": "think first"}]
+    thinking = {"structured_outputs": {"regex": "<think>\\n[a-z]{2,6}\\n</think>\\n\\n(yes|no)"}}
+    whole = (
+        tool_client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, seed=2, max_tokens=64, extra_body=thinking
+        )
+        .choices[0]
+        .message
+    )
+    assert whole.content in ("yes", "no") and whole.reasoning_content.isalpha()
+    assert whole.reasoning == whole.reasoning_content
+    stream = tool_client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=1.0,
+        seed=2,
+        max_tokens=64,
+        extra_body=thinking,
+        stream=True,
+    )
+    reasoning = content = ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning.strip(), content) == (whole.reasoning_content, whole.content)  # same seed
+    call = '<tool_call>\\n\\{"name": "add", "arguments": \\{"a": 7, "b": true\\}\\}\\n</tool_call>'
+    forced = {"structured_outputs": {"regex": f"<think>\\n[a-z]{{2,6}}\\n</think>\\n\\n{call}"}}
+    answer = tool_client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        temperature=1.0,
+        seed=3,
+        max_tokens=128,
+        extra_body=forced,
+    ).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.reasoning_content.isalpha()
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
+        ("add", {"a": 7, "b": True})
+    ]
