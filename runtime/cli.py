@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import signal
 from typing import NamedTuple
 
 import click
@@ -73,6 +75,9 @@ def main() -> None:
     Attention clients send each token to the expert servers hosting its experts; expert
     servers are stateless, scale one GPU at a time and fail over to replicas.
     """
+    # `kill -USR1 <pid>` writes every thread's stack to standard error (the container log), even
+    # while a thread is stuck in native code holding the GIL: how a hung process is diagnosed.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 if __name__ == "__main__":

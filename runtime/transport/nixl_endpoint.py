@@ -42,6 +42,7 @@ import secrets
 import struct
 import sys
 import threading
+import time
 from collections import defaultdict, deque
 from enum import Enum
 from types import ModuleType
@@ -58,6 +59,7 @@ AGENT_NAME = re.compile(r"^eaas-[a-z]+-[0-9]+-[0-9a-f]{12}$")
 
 NOTICE = struct.Struct("<cIIQ")
 PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write may land there
+RELEASE_RETRY_S = 1.0  # how often handles NIXL would not release yet are tried again
 
 # Transfer sizes: a request or answer goes out as one prepared descriptor whose length is the
 # frame's rounded up to a multiple of SIZE_STEP_BYTES below FINE_LIMIT_BYTES, and to 1/16 of its
@@ -190,8 +192,10 @@ def address(value: object, field: str) -> int:
 class Endpoint:
     """One NIXL agent (UCX backend) and the notifications it received, by (peer, slot).
 
-    Safe from several threads: the agent runs in NIXL's strict thread-sync mode and the mailboxes
-    are behind ``lock``.
+    Safe from several threads: every call into the agent, handle releases included, holds
+    ``lock``, and so do the mailboxes. NIXL's strict thread-sync mode alone is not enough: its
+    transfer status and release paths take its lock shared and progress the UCX worker, so two
+    threads could drive one worker at once, and its release runs holding the GIL.
     """
 
     def __init__(self, role: str) -> None:
@@ -215,6 +219,11 @@ class Endpoint:
         self.lock = threading.RLock()
         self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int]]] = defaultdict(deque)
         self._peer_holds: dict[str, int] = {}
+        # Transfer handles NIXL would not release yet (a write still in flight to a peer that hangs):
+        # kept here, so that no garbage collection releases them on some other thread, and tried
+        # again now and then (``deliver``).
+        self._unreleased: list[tuple[list[Any], list[Any]]] = []
+        self._retry_at = 0.0
 
     # --- memory --------------------------------------------------------------------------------
     def register(self, address: int, num_bytes: int) -> Any:
@@ -313,6 +322,32 @@ class Endpoint:
         with self.lock:
             for peer, kind, slot, generation, seq in self.collect():
                 self._mail[(peer, slot, generation)].append((kind, seq))
+            if self._unreleased and time.monotonic() >= self._retry_at:
+                self._retry_at = time.monotonic() + RELEASE_RETRY_S
+                waiting, self._unreleased = self._unreleased, []
+                for handles, lists in waiting:
+                    self.release(handles, lists)
+
+    def release(self, handles: list[Any], lists: list[Any]) -> None:
+        """Releases transfer handles, then the prepared descriptor lists they were made from. A
+        handle NIXL refuses to release (its write still in flight) is kept, with the lists, and
+        tried again later."""
+        with self.lock:
+            kept = [h for h in handles if not self._released(h)]
+            if kept:
+                self._unreleased.append((kept, lists))
+                return
+            for prepped in lists:
+                with contextlib.suppress(Exception):
+                    prepped.release()
+
+    @staticmethod
+    def _released(handle: Any) -> bool:
+        try:
+            handle.release()
+        except Exception:
+            return False
+        return True
 
     def take(self, peer: str, slot: int, generation: int) -> tuple[Notice, int] | None:
         """The oldest notification from ``peer`` about ``slot`` in its ``generation``, if any
@@ -381,16 +416,12 @@ class TransferSet:
             self._ping = self.handle(0)
 
     def release(self) -> None:
-        """Frees the handles (a WRITE still in flight is cancelled by NIXL, or leaked if it cannot)."""
-        for handle in self._handles.values():
-            with contextlib.suppress(Exception):
-                handle.release()
+        """Frees the handles and lists (a handle whose WRITE is still in flight, when NIXL cannot
+        cancel it, is released later: ``Endpoint.release``)."""
+        handles = list(self._handles.values())
         self._handles.clear()
         self._frame = self._ping = None
-        self._release_lists(remote=True)
+        self.endpoint.release(handles, [self.local, self.remote])
 
     def _release_lists(self, remote: bool) -> None:
-        lists = [self.local, self.remote] if remote else [self.local]
-        for prepped in lists:
-            with contextlib.suppress(Exception):
-                prepped.release()
+        self.endpoint.release([], [self.local, self.remote] if remote else [self.local])

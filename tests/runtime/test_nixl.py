@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,52 @@ def test_requests_of_every_size_round_trip_and_match_the_local_experts(
     finally:
         conn.close()
     wait_for(lambda: not attached(server), 5, "the slot released after close")
+
+
+def test_channels_opened_and_closed_on_one_thread_while_another_decodes(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    """What a placement switch does: one thread attaches the next placement's channels (and the
+    old ones close) while the decoding thread sends on its own. The process's one agent is driven
+    by both; every answer stays right and nothing hangs."""
+    placement, server = served
+    layer, x, ids, weights = request_for(placement, 7)
+    decoding = connection(server, "decoder")
+    decoding.connect()
+    assert decoding.channel is not None
+    decoding.channel.send(layer, x, ids, weights)
+    want = decoding.channel.receive(time.monotonic() + 10).clone()
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def switch() -> None:
+        try:
+            for i in range(12):
+                conn = connection(server, f"switch-{i}")
+                conn.connect()
+                assert conn.channel is not None
+                conn.channel.send(layer, x, ids, weights)
+                conn.channel.receive(time.monotonic() + 10)
+                conn.close()
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+        finally:
+            stop.set()
+
+    switcher = threading.Thread(target=switch)
+    switcher.start()
+    rounds = 0
+    try:
+        while not stop.is_set():
+            decoding.channel.send(layer, x, ids, weights)
+            torch.testing.assert_close(decoding.channel.receive(time.monotonic() + 10), want)
+            rounds += 1
+    finally:
+        switcher.join(timeout=60)
+        decoding.close()
+    assert not switcher.is_alive() and not failures, failures
+    assert rounds > 0
+    wait_for(lambda: not attached(server), 5, "every slot released")
 
 
 def test_a_refused_request_comes_back_as_a_remote_error_and_the_slot_stays_usable(

@@ -4,8 +4,11 @@ which this ``cluster`` overrides), a tiny checkpoint on the nodes and a MoEServi
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,7 +61,12 @@ def system_operator(
 
 
 def pod_logs(plane: ControlPlane, namespace: str, lines: int = 40) -> str:
-    """The end of every container log of `namespace` (printed when a drill fails)."""
+    """The end of every container log of `namespace` (printed when a drill fails), after every
+    running process of the namespace was asked for its threads' stacks (``eaas`` dumps them on
+    SIGUSR1), so a hung one shows where it hangs."""
+    if dump_stacks(namespace):
+        time.sleep(1.0)  # the dumps are written from a signal handler: let them reach the logs
+    lines = max(lines, 200)
     out = []
     for path in sorted(plane.pod_dir.glob(f"{namespace}_*/*.log")):
         text = path.read_text(errors="replace").splitlines()[-lines:]
@@ -67,3 +75,22 @@ def pod_logs(plane: ControlPlane, namespace: str, lines: int = 40) -> str:
     if runner.exists():
         out.append("--- podrunner\n" + "\n".join(runner.read_text(errors="replace").splitlines()[-lines:]))
     return "\n".join(out)
+
+
+def dump_stacks(namespace: str) -> int:
+    """Sends SIGUSR1 to every ``eaas`` process of a pod of `namespace`; returns how many."""
+    signalled = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            if (
+                f"EAAS_NAMESPACE={namespace}".encode() in environ
+                and b"eaas" in (proc / "cmdline").read_bytes()
+            ):
+                os.kill(int(proc.name), signal.SIGUSR1)
+                signalled += 1
+        except (OSError, ProcessLookupError):
+            continue  # gone, or not ours to read
+    return signalled
