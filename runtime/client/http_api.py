@@ -5,12 +5,14 @@
 | POST | ``/v1/completions`` | completions: sampling, ``n``, stops, logprobs, echo, JSON/regex/grammar, SSE |
 | POST | ``/v1/chat/completions`` | the same for a conversation, through the checkpoint's chat template |
 | GET | ``/v1/models`` | the one served model |
+| POST | ``/tokenize``, ``/detokenize`` | vLLM's: a prompt or messages to token ids, and back |
 | GET | ``/healthz`` | 200 while the process and its batch worker run (liveness) |
 | GET | ``/readyz`` | 200 when every expert of the current placement has a connected server, else 503 |
 | GET | ``/metrics`` | Prometheus text |
 
-With API keys configured, every ``/v1/`` route needs ``Authorization: Bearer <key>`` (401
-otherwise); the probes and ``/metrics`` stay open for the kubelet and Prometheus.
+With API keys configured, every ``/v1/`` route (and ``/tokenize``, ``/detokenize``) needs
+``Authorization: Bearer <key>`` (401 otherwise); the probes and ``/metrics`` stay open for the
+kubelet and Prometheus.
 
 Errors are JSON in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with
 ``param`` naming the offending field: 400 for a bad request, 503 when the queue is full or the
@@ -283,6 +285,14 @@ class ApiTarget(Protocol):
         """Answers a chat completion (as ``complete``)."""
         ...
 
+    def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: a prompt or chat messages -> ``count``, ``max_model_len``, ``tokens``."""
+        ...
+
+    def detokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``tokens`` -> ``prompt`` (the text)."""
+        ...
+
 
 class InFlight:
     """Generation requests being answered (from their arrival to their last byte, streams too)."""
@@ -316,7 +326,7 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
         def dispatch(self, method: str, path: str) -> None:
             if (
                 keys.required
-                and path.startswith("/v1/")
+                and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize"))
                 and not keys.allows(self.headers.get("Authorization"))
             ):
                 self.close_connection = True  # the body (if any) was not read
@@ -341,6 +351,11 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
                         self.send_json(HTTPStatus.OK, answer)
                     else:
                         self.send_event_stream(answer)
+            elif method == "POST" and path in ("/tokenize", "/detokenize"):
+                self.send_json(
+                    HTTPStatus.OK,
+                    (target.tokenize if path == "/tokenize" else target.detokenize)(self.read_json),
+                )
             elif path in (
                 "/healthz",
                 "/readyz",
@@ -348,6 +363,8 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
                 "/v1/models",
                 "/v1/completions",
                 "/v1/chat/completions",
+                "/tokenize",
+                "/detokenize",
             ):
                 raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}")
             else:

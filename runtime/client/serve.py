@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from eaas.runtime.client.chat import ChatTemplate, parse_chat
+from eaas.runtime.client.chat import ChatTemplate, parse_chat, parse_messages
 from eaas.runtime.client.completions import Completions, result_of
 from eaas.runtime.client.engine_worker import EngineWorker
 from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
@@ -55,7 +55,7 @@ from eaas.runtime.client.metrics import AttentionMetrics
 from eaas.runtime.client.reasoning import reasoning_style
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
-from eaas.runtime.client.tools import tool_format
+from eaas.runtime.client.tools import parse_tools, tool_format
 from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
 from eaas.runtime.placement import Placement, PlacementError
@@ -368,6 +368,48 @@ class AttentionService:
     def chat(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
         return self._answer(read_body, chat=True)
 
+    def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
+        body = read_body()
+        if not isinstance(body, dict):
+            raise bad("body", "must be a JSON object")
+        self._check_model(body.get("model"))
+        if ("prompt" in body) == ("messages" in body):
+            raise bad("prompt", "give either prompt (a string) or messages")
+        if "messages" in body:
+            tools = parse_tools(body)
+            text = self.chat_template.render(parse_messages(body["messages"]), tools.tools if tools else None)
+        elif isinstance(body["prompt"], str):
+            text = body["prompt"]
+        else:
+            raise bad("prompt", "must be a string")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise bad("add_special_tokens", f"must be true or false, got {special!r}")
+        ids = self.tokenizer.encode(text)
+        bos = self.tokenizer.bos_id
+        if not special and bos is not None and ids[:1] == [bos]:
+            ids = ids[1:]
+        return {"count": len(ids), "max_model_len": self.limits.max_context, "tokens": ids}
+
+    def detokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
+        body = read_body()
+        if not isinstance(body, dict):
+            raise bad("body", "must be a JSON object")
+        self._check_model(body.get("model"))
+        tokens = body.get("tokens")
+        vocab = self.config.vocab_size
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise bad("tokens", f"must be a list of token ids in [0, {vocab})")
+        return {"prompt": self.tokenizer.decode(tokens)}
+
+    def _check_model(self, model: Any) -> None:
+        if model is not None and not isinstance(model, str):
+            raise bad("model", "must be a string")
+        if model is not None and model != self.options.model_name:
+            raise unknown_model(model, self.options.model_name)
+
     def _answer(self, read_body: Callable[[], Any], chat: bool) -> dict[str, Any] | Iterator[dict[str, Any]]:
         start = time.monotonic()
         try:
@@ -379,9 +421,7 @@ class AttentionService:
             if self.tokenizer.eos_token_ids and not (isinstance(body, dict) and body.get("ignore_eos")):
                 stop_ids = tuple(sorted({*call.params.stop_token_ids, *self.tokenizer.eos_token_ids}))
                 call = replace(call, params=replace(call.params, stop_token_ids=stop_ids))
-            name = self.options.model_name
-            if call.model is not None and call.model != name:
-                raise unknown_model(call.model, name)
+            self._check_model(call.model)
             if self.experts is None:
                 raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {self.placement_error}")
             if self.completions is None:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # generation stops on these (the checkpoint's end-of-sequence ids)
+    bos_id: int | None  # the id ``encode`` puts first (None: it puts none)
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -28,6 +29,7 @@ class ByteTokenizer:
             raise ValueError(f"vocab_size: the byte tokenizer needs >= 256 ids, got {vocab_size}")
         self.vocab_size = vocab_size
         self.eos_token_ids: tuple[int, ...] = ()
+        self.bos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -54,13 +56,13 @@ class HFTokenizer:
         )
         self.eos_token_ids = tuple(sorted({i for i in eos_ids if isinstance(i, int)}))
         self.add_bos = bool(config.get("add_bos_token", False))
+        bos = self.backend.token_to_id(self.bos_token) if self.add_bos and self.bos_token else None
+        self.bos_id: int | None = bos
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token:
-            bos = self.backend.token_to_id(self.bos_token)
-            if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos, *ids]
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
         return list(ids)  # ids past the model's vocabulary are refused by the engine, naming the prompt
 
     def decode(self, ids: list[int]) -> str:

@@ -538,3 +538,26 @@ def test_scheduler_fails_only_the_failing_batch_and_refuses_past_the_queue() -> 
         assert scheduler.is_running
     finally:
         scheduler.stop()
+
+
+def test_tokenize_and_detokenize_as_vllm_answers_them(service: AttentionService) -> None:
+    status, answer = http("POST", f"{service.url}/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert status == 200 and answer["tokens"] == list("héllo".encode()) and answer["count"] == 6
+    assert answer["max_model_len"] == service.limits.max_context
+    status, chat = http("POST", f"{service.url}/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and bytes(chat["tokens"]).decode() == "<|user|>\nhi\n<|assistant|>\n"
+    status, back = http("POST", f"{service.url}/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and back == {"prompt": "héllo"}
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+        ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        status, error = http("POST", f"{service.url}{path}", body)
+        assert status == 400 and error["error"]["param"] == param, (path, body, error)
+    status, error = http("POST", f"{service.url}/detokenize", {"model": "other", "tokens": [1]})
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+    status, _ = http("GET", f"{service.url}/tokenize")
+    assert status == 405
