@@ -157,7 +157,8 @@ class HermesFormat:
         call = f'"{self.start}\\n" %json {json.dumps(schema)} "\\n{self.end}"'
         repeat = ' ("\\n" call)*' if request.parallel else ""
         lark = f"start: call{repeat}\ncall: {call}\n"
-        return Constraint("tool_choice", str(_llguidance().LLMatcher.grammar_from_lark(lark)))
+        # A tool's parameters schema that does not compile is the tools' fault: the 400 names them.
+        return Constraint("tools", str(_llguidance().LLMatcher.grammar_from_lark(lark)))
 
 
 ToolFormat = HermesFormat  # the one format so far; a Protocol once there are more

@@ -262,7 +262,7 @@ class Grammars:
         llg = _llguidance()
         error = llg.LLMatcher.validate_grammar(constraint.grammar, tokenizer)
         if error:
-            raise GrammarError(constraint.field, error)
+            raise GrammarError(constraint.field, first_line(error))
         compiled = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)  # drops the GIL
         if compiled.is_error():
             raise GrammarError(constraint.field, first_line(compiled.get_error()))

@@ -483,6 +483,12 @@ def test_tool_requests_that_cannot_be_kept_are_400s(tool_client: Any) -> None:
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert refused.value.param == "tool_choice"
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]
+    with pytest.raises(openai.BadRequestError) as refused:  # its schema cannot constrain a call
+        tool_client.chat.completions.create(
+            model=MODEL, messages=messages, tools=broken, tool_choice="required"
+        )
+    assert refused.value.param == "tools" and "frob" in str(refused.value)
 
 
 def test_thinking_is_told_from_the_answer_and_calls_are_read_from_the_answer(tool_client: Any) -> None:
