@@ -27,15 +27,25 @@ PROMPT_LEN = (8, 48)
 OUTPUT_LEN = (8, 64)
 
 
-def workload(count: int, rate: float, seed: int, vocab: int) -> list[tuple[float, list[int], int]]:
-    """(arrival offset s, prompt ids, max_tokens) per request."""
+def workload(
+    count: int,
+    rate: float,
+    seed: int,
+    vocab: int,
+    system_len: int = 0,
+    prompt_len: tuple[int, int] = PROMPT_LEN,
+    output_len: tuple[int, int] = OUTPUT_LEN,
+) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt ids, max_tokens) per request. With ``system_len``, every prompt
+    starts with the same ``system_len`` tokens (a shared system prompt), then its own."""
     rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(system_len)]
     arrival = 0.0
     requests = []
     for _ in range(count):
         arrival += rng.expovariate(rate)
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))]
-        requests.append((arrival, prompt, rng.randint(*OUTPUT_LEN)))
+        prompt = system + [rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))]
+        requests.append((arrival, prompt, rng.randint(*output_len)))
     return requests
 
 
@@ -76,21 +86,27 @@ def send(url: str, prompt: list[int], max_tokens: int, streaming: bool) -> dict[
 
 
 def start_client(
-    mode: str, checkpoint: Path, cluster: LocalCluster, workdir: Path
+    mode: str,
+    checkpoint: Path,
+    cluster: LocalCluster,
+    workdir: Path,
+    extra: tuple[str, ...] = (),
+    label: str = "",
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The attention client as its own process (as a pod runs it), so the load generator here does
     not share its interpreter. It runs one torch thread: OpenMP threads spinning against other work
     on a loaded 2-core machine made its p50 TPOT 10x worse (0.42 s against 0.04 s at 1.1 req/s)."""
-    ready = workdir / f"client-{mode}.ready.json"
+    label = label or mode
+    ready = workdir / f"client-{label}.ready.json"
     ready.unlink(missing_ok=True)  # a run before this one left its own
     command = [
         sys.executable, "-m", "eaas.runtime.cli", "attention-client", "--checkpoint", str(checkpoint),
         "--placement", str(cluster.placement_path), "--port", "0", "--host", "127.0.0.1",
         "--ready-file", str(ready), "--batching", mode, "--max-batch-size", "32", "--max-queue", "4096",
-        "--max-tokens", "256", "--transport", "tcp", "--log-level", "WARNING",
+        "--max-tokens", "256", "--transport", "tcp", "--log-level", "WARNING", *extra,
         *(arg for ordinal, url in cluster.urls.items() for arg in ("--server", f"{ordinal}={url}")),
     ]  # fmt: skip
-    log = (workdir / f"client-{mode}.log").open("wb")
+    log = (workdir / f"client-{label}.log").open("wb")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 120

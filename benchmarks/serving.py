@@ -19,12 +19,20 @@ single-process reference (a mismatch counts as a failed request).
 Target (issue 14): continuous >= 2x static's request throughput at a rate where static
 saturates, with p99 per-output-token latency no worse.
 
+Part B, prefix caching (issue 37): continuous streamed, with the cache and without it
+(``--no-enable-prefix-caching``), on two workloads: every prompt starting with the same
+``SYSTEM_LEN``-token system prompt (most prompt tokens shared), and the prompts of Part A (none
+shared). Reported: TTFT and throughput of each, the cache's hit rate (from the client's
+``/metrics``). Targets: TTFT p50 <= 0.5x with the cache on the shared workload; throughput
+>= 0.97x with it on the unshared one (the cache costs nothing where it cannot help).
+
 Usage: python benchmarks/serving.py [--quick] [--rate R] [--requests N] [--json-out PATH]
 """
 
 from __future__ import annotations
 
 import tempfile
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +106,8 @@ def main() -> None:
                     if not same or (not streaming and result["tokens"] != want[0]):
                         result["error"] = "the answer differs from the reference"
                 rows.append(summarize(mode + (" stream" if streaming else ""), results, load))
-    static, continuous, streamed = rows
+            prefix_rows = prefix_runs(checkpoint, cluster, Path(tmp), reference, count, rate, args.seed)
+    static, continuous, _ = rows
     for row in rows:
         print(
             f"{row['mode']:17s} {row['throughput_rps']:6.2f} req/s {row['output_tokens_per_s']:7.1f} tok/s  "
@@ -109,18 +118,77 @@ def main() -> None:
     ratio = continuous["throughput_rps"] / static["throughput_rps"]
     per_token_ratio = continuous["per_output_token_p99_s"] / static["per_output_token_p99_s"]
     print(f"continuous / static throughput {ratio:.2f}x; p99 per-token latency ratio {per_token_ratio:.2f}")
+    for row in prefix_rows:
+        print(
+            f"{row['mode']:34s} {row['throughput_rps']:6.2f} req/s  TTFT p50 {row['ttft_p50_s'] * 1e3:6.1f} "
+            f"p99 {row['ttft_p99_s'] * 1e3:6.1f} ms  hit rate {row['prefix_hit_rate']:.2f}  "
+            f"shared {row['shared_fraction']:.2f}  failed {row['failed']}"
+        )
+    shared_on, shared_off, unshared_on, unshared_off = prefix_rows
+    ttft_ratio = shared_on["ttft_p50_s"] / shared_off["ttft_p50_s"]
+    kept = unshared_on["throughput_rps"] / unshared_off["throughput_rps"]
+    print(
+        f"prefix caching: TTFT p50 {ttft_ratio:.2f}x on the shared workload; throughput {kept:.2f}x unshared"
+    )
     emit(
         "serving",
-        rows,
+        rows + prefix_rows,
         {
             "throughput_vs_static": target(ratio, 2.0),
             "p99_per_token_latency_vs_static": target(per_token_ratio, 1.0, higher_is_better=False),
+            "prefix_cache_ttft_p50_vs_off_shared": target(ttft_ratio, 0.5, higher_is_better=False),
+            "prefix_cache_throughput_vs_off_unshared": target(kept, 0.97),
             "failed_requests": target(
-                static["failed"] + continuous["failed"] + streamed["failed"], 0, higher_is_better=False
+                sum(row["failed"] for row in rows + prefix_rows), 0, higher_is_better=False
             ),
         },
         args.json_out,
     )
+
+
+SYSTEM_LEN = 192  # the shared system prompt of Part B (user parts: PROMPT_LEN)
+
+
+def prefix_runs(
+    checkpoint: Path, cluster: LocalCluster, workdir: Path, reference: Any, count: int, rate: float, seed: int
+) -> list[dict[str, Any]]:
+    """Part B: (shared, unshared) x (cache on, off), each checked against the reference."""
+    vocab = reference.config.vocab_size
+    tokenizer = ByteTokenizer(vocab)
+    rows = []
+    for name, system in (("shared system prompt", SYSTEM_LEN), ("no sharing", 0)):
+        load = workload(count, rate, seed + 1, vocab, system_len=system, output_len=(4, 16))
+        shared = system * len(load) / sum(len(prompt) for _, prompt, _ in load)
+        expected = [reference.generate([prompt], max_tokens)[0][0] for _, prompt, max_tokens in load]
+        for caching in (True, False):
+            flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+            label = f"prefix-{system}-{caching}"
+            process, url = start_client("continuous", checkpoint, cluster, workdir, (flag,), label)
+            try:
+                results = run_mode("continuous", True, url, load)
+                queries, hits = prefix_counters(url)
+            finally:
+                process.terminate()
+                process.wait(timeout=30)
+            for result, want in zip(results, expected, strict=True):
+                if "error" not in result and result["text"] != tokenizer.decode(want):
+                    result["error"] = "the answer differs from the reference"
+            row = summarize(f"{name}, cache {'on' if caching else 'off'} stream", results, load)
+            row.update(prefix_hit_rate=hits / queries if queries else 0.0, shared_fraction=shared)
+            rows.append(row)
+    return rows
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    """(queries, hits) of the client's prefix cache, from its /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("queries", "hits"):
+            if line.startswith(f"eaas_attention_prefix_cache_{name}_total "):
+                values[name] = float(line.split()[1])
+    return values.get("queries", 0.0), values.get("hits", 0.0)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,15 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="how the model's thinking is marked in chat answers (auto: by its family; none: not split)",
 )
 @click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    "prefix_caching",
+    default=True,
+    show_default=True,
+    envvar="EAAS_PREFIX_CACHING",
+    show_envvar=True,
+    help="reuse the computed KV blocks of prompts' shared prefixes (continuous batching)",
+)
+@click.option(
     "--max-batch-size",
     type=click.IntRange(min=1),
     default=16,
@@ -236,6 +245,7 @@ def attention_client(
     model_name: str | None,
     tool_call_parser: str,
     reasoning_parser: str,
+    prefix_caching: bool,
     max_batch_size: int,
     api_keys: tuple[str, ...],
     batching: str,
@@ -307,6 +317,7 @@ def attention_client(
         api_keys=tuple(k for key in api_keys for k in key.split()),
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        prefix_caching=prefix_caching,
         client=options,
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)

@@ -111,6 +111,12 @@ class EngineWorker:
         return self.engine.kv_usage if self.engine else 0.0
 
     @property
+    def prefix_cache(self) -> tuple[int, int]:
+        """(queries, hits) of the prefix cache, in tokens."""
+        allocator = self.engine.allocator if self.engine else None
+        return (allocator.queries, allocator.hits) if allocator else (0, 0)
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
 

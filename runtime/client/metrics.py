@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 RESULTS = ("ok", "bad_request", "rejected", "unavailable", "timeout", "error")
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -77,6 +79,8 @@ class AttentionMetrics:
         self.live_servers = Gauge(
             "eaas_attention_live_expert_servers", "Expert servers of the placement connected", registry=r
         )
+        self.prefix_cache = PrefixCacheCounters()
+        r.register(self.prefix_cache)
 
     def bind(
         self,
@@ -85,8 +89,10 @@ class AttentionMetrics:
         live_servers: Callable[[], float],
         running: Callable[[], float] = lambda: 0.0,
         kv_cache_usage: Callable[[], float] = lambda: 0.0,
+        prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
-        """Gauges read at scrape time."""
+        """Gauges (and the prefix cache's counters) read at scrape time."""
+        self.prefix_cache.read = prefix_cache
         self.running.set_function(running)
         self.kv_cache_usage.set_function(kv_cache_usage)
         self.queued.set_function(queued)
@@ -95,3 +101,24 @@ class AttentionMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCounters(Collector):
+    """``eaas_attention_prefix_cache_{queries,hits}_total``: tokens of admitted sequences looked up
+    in the prefix cache, and those found computed (read from the engine at scrape time)."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[int, int]] = lambda: (0, 0)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        queries, hits = self.read()
+        yield CounterMetricFamily(
+            "eaas_attention_prefix_cache_queries",
+            "Tokens of admitted sequences looked up in the prefix cache (a preempted one is looked up again)",
+            value=queries,
+        )
+        yield CounterMetricFamily(
+            "eaas_attention_prefix_cache_hits",
+            "Of those, tokens found computed (not computed again)",
+            value=hits,
+        )

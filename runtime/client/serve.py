@@ -102,6 +102,7 @@ class ServeOptions:
     max_tokens: int = 1024  # most new tokens one request may ask for
     batching: str = "continuous"  # or "static": one generate() call per batch (the baseline)
     kv_cache_bytes: int = 256 << 20  # continuous: the paged KV cache
+    prefix_caching: bool = True  # continuous: reuse the KV blocks of shared prefixes
     block_size: int = 16  # continuous: positions per KV block
     request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
     placement_poll_s: float = 1.0
@@ -185,6 +186,7 @@ class AttentionService:
             lambda: len(self.experts.live_servers) if self.experts is not None else 0,
             running=lambda: self.worker.running if self.worker else 0,
             kv_cache_usage=lambda: self.worker.kv_usage if self.worker else 0.0,
+            prefix_cache=lambda: self.worker.prefix_cache if self.worker else (0, 0),
         )
         if any(not key.strip() for key in o.api_keys):
             raise ValueError("api_keys: keys must not be empty")
@@ -522,6 +524,7 @@ class AttentionService:
                 block_size=o.block_size,
                 max_batch_tokens=o.max_batch_tokens,
                 max_seqs=o.max_batch_size,
+                prefix_caching=o.prefix_caching,
             ),
         )
 

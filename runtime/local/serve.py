@@ -77,6 +77,13 @@ from eaas.runtime.transport import host_transport_names
     show_default=True,
     help="how the model's thinking is marked in chat answers (auto: by its family; none: not split)",
 )
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    "prefix_caching",
+    default=True,
+    show_default=True,
+    help="reuse the computed KV blocks of prompts' shared prefixes (continuous batching)",
+)
 @click.option("--log-level", default="WARNING", show_default=True)
 def serve(
     checkpoint: Path | None,
@@ -96,6 +103,7 @@ def serve(
     ready_file: Path | None,
     tool_call_parser: str,
     reasoning_parser: str,
+    prefix_caching: bool,
     log_level: str,
 ) -> None:
     """Serve CHECKPOINT (or a random --preset model) with an OpenAI-compatible API."""
@@ -156,6 +164,7 @@ def serve(
                 api_keys=(api_key,) if api_key else (),
                 tool_call_parser=tool_call_parser,
                 reasoning_parser=reasoning_parser,
+                prefix_caching=prefix_caching,
                 client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )
             stop = threading.Event()

@@ -6,6 +6,10 @@
         for event in engine.step():   # tokens sampled this step, and sequences that finished
             ...
 
+Blocks of computed prefixes are shared between sequences (prefix caching, ``blocks``): a new
+sequence starts computing after the longest cached prefix of its tokens, and each step names the
+blocks it filled.
+
 Each step runs the scheduler's plan as one ``Decoder.forward`` over a right-padded batch (prefill
 chunks and decodes mixed), so every MoE layer sends one request per expert server for everything
 running. A sequence whose prompt is fully through the model gets a token sampled; it finishes on
@@ -38,6 +42,7 @@ class EngineOptions:
     block_size: int = 16  # positions per KV block
     max_batch_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
     max_seqs: int = 64  # sequences running at once
+    prefix_caching: bool = True  # reuse the computed KV blocks of shared prefixes (``blocks``)
 
 
 class StepFailed(RuntimeError):
@@ -66,7 +71,7 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={o.kv_cache_bytes} holds no block of {per_block} bytes")
         self.pool = KVPool(config, num_blocks, o.block_size, dtype=decoder.side.dtype)
-        self.allocator = BlockAllocator(num_blocks, o.block_size)
+        self.allocator = BlockAllocator(num_blocks, o.block_size, o.prefix_caching)
         self.scheduler = Scheduler(self.allocator, o.max_batch_tokens, o.max_seqs)
         self._ids = itertools.count()
         self._generators: dict[int, torch.Generator] = {}
@@ -143,6 +148,8 @@ class Engine:
         ready = []
         for row, (seq, want) in enumerate(plan):
             seq.num_computed += want
+            if self.allocator.uncommitted(seq.id, seq.num_computed):  # it filled a block: name it
+                self.allocator.commit(seq.id, seq.tokens, seq.num_computed)
             if seq.pending == 0:  # caught up: the row's logits predict its next token
                 ready.append((row, seq))
         if not ready:

@@ -9,7 +9,9 @@ Every step has a budget of ``max_batch_tokens`` new tokens over at most ``max_se
    sequence (its blocks are freed and it goes back to the front of the queue, to be recomputed
    from its tokens when it is admitted again), or itself if it is the newest.
 2. Then waiting sequences, first come first served, while budget, sequence slots and free blocks
-   last (admission control: a new sequence never preempts a running one).
+   last (admission control: a new sequence never preempts a running one). A sequence admitted
+   with nothing computed first takes the cached blocks its tokens start with (prefix caching,
+   ``blocks.BlockAllocator.match``): those positions are not computed again.
 """
 
 from __future__ import annotations
@@ -94,8 +96,16 @@ class Scheduler:
             budget -= want
         while self.waiting and budget and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
+            matched = seq.num_computed == 0 and not self.allocator.tables.get(seq.id)
+            if matched:  # the computed blocks its tokens start with (prefix caching)
+                seq.num_computed = self.allocator.match(seq.id, seq.tokens)
             want = min(seq.pending, budget)
             if not self.allocator.can_hold(seq.id, seq.num_computed + want):
+                if matched:  # not admitted: its hits go back (and are counted again next time)
+                    self.allocator.release(seq.id)
+                    self.allocator.queries -= len(seq.tokens)
+                    self.allocator.hits -= seq.num_computed
+                    seq.num_computed = 0
                 break
             self.waiting.popleft()
             self.allocator.grow(seq.id, seq.num_computed + want)

@@ -64,7 +64,7 @@ def test_a_full_cache_preempts_the_newest_and_recomputes_it_later() -> None:
     scheduler.add(old)
     scheduler.add(new)
     run(scheduler, scheduler.schedule())  # both prefilled: 2 + 2 blocks, all used
-    assert old.pending == new.pending == 1 and scheduler.allocator.free == []
+    assert old.pending == new.pending == 1 and not scheduler.allocator.free
     plan = scheduler.schedule()  # old needs a third block for position 8: new is preempted
     assert [(s.id, n) for s, n in plan] == [(0, 1)]
     assert scheduler.preemptions == 1 and new.status == "waiting" and new.num_computed == 0
