@@ -45,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     started_at: float | None = None  # first scheduled (the end of its queue time)
     first_token_at: float | None = None
+    last_token_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     seq: Sequence | None = None
@@ -64,6 +65,7 @@ class EngineWorker:
         busy_housekeeping_s: float = 0.5,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
         on_step: Callable[[int], None] = lambda sequences: None,
+        on_token_gap: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self._engine_for = engine_for
         self.max_queue = max_queue
@@ -73,6 +75,7 @@ class EngineWorker:
         self.busy_seconds = 0.0  # spent in engine steps since start (the heartbeat's busy fraction)
         self._on_error = on_error
         self._on_step = on_step
+        self._on_token_gap = on_token_gap  # seconds between two tokens of a sequence
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
         self._live: dict[int, Request] = {}  # sequence id -> request
@@ -111,10 +114,12 @@ class EngineWorker:
         return self.engine.kv_usage if self.engine else 0.0
 
     @property
-    def prefix_cache(self) -> tuple[int, int]:
-        """(queries, hits) of the prefix cache, in tokens."""
-        allocator = self.engine.allocator if self.engine else None
-        return (allocator.queries, allocator.hits) if allocator else (0, 0)
+    def engine_counters(self) -> tuple[int, int, int]:
+        """(queries, hits) of the prefix cache, in tokens, and preemptions so far."""
+        engine = self.engine
+        if engine is None:
+            return 0, 0, 0
+        return engine.allocator.queries, engine.allocator.hits, engine.scheduler.preemptions
 
     @property
     def is_running(self) -> bool:
@@ -202,6 +207,9 @@ class EngineWorker:
             if event.sampled is not None:
                 if request.first_token_at is None:
                     request.first_token_at = time.monotonic()
+                else:
+                    self._on_token_gap(now - request.last_token_at)
+                request.last_token_at = now
                 request.tokens.append(event.sampled.token)
                 request.sampled.append(event.sampled)
                 request.events.put((request, event.sampled))

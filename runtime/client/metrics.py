@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 RESULTS = ("ok", "bad_request", "rejected", "unavailable", "timeout", "error")
@@ -15,7 +15,7 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5
 
 
 class AttentionMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -79,8 +79,15 @@ class AttentionMetrics:
         self.live_servers = Gauge(
             "eaas_attention_live_expert_servers", "Expert servers of the placement connected", registry=r
         )
-        self.prefix_cache = PrefixCacheCounters()
-        r.register(self.prefix_cache)
+        self.inter_token_latency = Histogram(
+            "eaas_attention_inter_token_latency_seconds",
+            "Time between two consecutive generated tokens of a sequence",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.engine = EngineCounters()
+        r.register(self.engine)
+        r.register(VllmNames(self, model_name))
 
     def bind(
         self,
@@ -89,10 +96,10 @@ class AttentionMetrics:
         live_servers: Callable[[], float],
         running: Callable[[], float] = lambda: 0.0,
         kv_cache_usage: Callable[[], float] = lambda: 0.0,
-        prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        engine: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
     ) -> None:
-        """Gauges (and the prefix cache's counters) read at scrape time."""
-        self.prefix_cache.read = prefix_cache
+        """Gauges (and the engine's counters) read at scrape time."""
+        self.engine.read = engine
         self.running.set_function(running)
         self.kv_cache_usage.set_function(kv_cache_usage)
         self.queued.set_function(queued)
@@ -103,15 +110,16 @@ class AttentionMetrics:
         return generate_latest(self.registry)
 
 
-class PrefixCacheCounters(Collector):
-    """``eaas_attention_prefix_cache_{queries,hits}_total``: tokens of admitted sequences looked up
-    in the prefix cache, and those found computed (read from the engine at scrape time)."""
+class EngineCounters(Collector):
+    """The engine's own counters, read at scrape time: ``eaas_attention_prefix_cache_queries_total``
+    and ``..._hits_total`` (tokens of admitted sequences looked up in the prefix cache, and those
+    found computed) and ``eaas_attention_preemptions_total``."""
 
     def __init__(self) -> None:
-        self.read: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self.read: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)  # queries, hits, preemptions
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        queries, hits = self.read()
+        queries, hits, preemptions = self.read()
         yield CounterMetricFamily(
             "eaas_attention_prefix_cache_queries",
             "Tokens of admitted sequences looked up in the prefix cache (a preempted one is looked up again)",
@@ -122,3 +130,61 @@ class PrefixCacheCounters(Collector):
             "Of those, tokens found computed (not computed again)",
             value=hits,
         )
+        yield CounterMetricFamily(
+            "eaas_attention_preemptions",
+            "Running sequences preempted for lack of KV blocks (recomputed when admitted again)",
+            value=preemptions,
+        )
+
+
+# The names vLLM's metrics carry, which the Gateway API Inference Extension's endpoint picker,
+# KEDA recipes and vLLM dashboards read: ours -> theirs, the same numbers (``VllmNames``).
+VLLM_NAMES = {
+    "eaas_attention_running_sequences": "vllm:num_requests_running",
+    "eaas_attention_queued_sequences": "vllm:num_requests_waiting",
+    "eaas_attention_kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "eaas_attention_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "eaas_attention_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "eaas_attention_preemptions": "vllm:num_preemptions",
+    "eaas_attention_prompt_tokens": "vllm:prompt_tokens",
+    "eaas_attention_generated_tokens": "vllm:generation_tokens",
+    "eaas_attention_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "eaas_attention_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "eaas_attention_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "eaas_attention_request_seconds": "vllm:e2e_request_latency_seconds",
+}
+
+
+class VllmNames(Collector):
+    """Our series again under vLLM's names, with its ``model_name`` label: collected from the same
+    metrics at scrape time, so the two never disagree."""
+
+    def __init__(self, metrics: AttentionMetrics, model_name: str) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in (
+            self.metrics.running,
+            self.metrics.queued,
+            self.metrics.kv_cache_usage,
+            self.metrics.engine,
+            self.metrics.prompt_tokens,
+            self.metrics.generated_tokens,
+            self.metrics.time_to_first_token,
+            self.metrics.inter_token_latency,
+            self.metrics.time_per_output_token,
+            self.metrics.request_seconds,
+        ):
+            for family in collector.collect():
+                theirs = VLLM_NAMES.get(family.name)
+                if theirs is None:
+                    continue
+                renamed = Metric(theirs, family.documentation, family.type)
+                for sample in family.samples:
+                    if sample.name.endswith("_created"):
+                        continue
+                    name = theirs + sample.name[len(family.name) :]
+                    labels = {**sample.labels, "model_name": self.model_name}
+                    renamed.add_sample(name, labels, sample.value, sample.timestamp, sample.exemplar)
+                yield renamed

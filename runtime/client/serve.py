@@ -147,7 +147,7 @@ class AttentionService:
         self.expert_wait: tuple[float, int] = (0.0, 0)  # every step's expert seconds, and steps (the Lease)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.metrics = AttentionMetrics()
+        self.metrics = AttentionMetrics(o.model_name)
         if o.batching not in ("continuous", "static"):
             raise ValueError(f"batching: must be 'continuous' or 'static', got {o.batching!r}")
         self.worker: EngineWorker | None = None
@@ -160,6 +160,7 @@ class AttentionService:
                 on_idle=self._housekeeping,
                 on_error=_api_error,
                 on_step=self._on_step,
+                on_token_gap=self.metrics.inter_token_latency.observe,
             )
             self.completions = Completions(
                 self.worker,
@@ -186,7 +187,7 @@ class AttentionService:
             lambda: len(self.experts.live_servers) if self.experts is not None else 0,
             running=lambda: self.worker.running if self.worker else 0,
             kv_cache_usage=lambda: self.worker.kv_usage if self.worker else 0.0,
-            prefix_cache=lambda: self.worker.prefix_cache if self.worker else (0, 0),
+            engine=lambda: self.worker.engine_counters if self.worker else (0, 0, 0),
         )
         if any(not key.strip() for key in o.api_keys):
             raise ValueError("api_keys: keys must not be empty")

@@ -262,6 +262,34 @@ def test_models_health_and_metrics(service: AttentionService) -> None:
     assert metric(text, "eaas_attention_live_expert_servers") == 2.0
 
 
+def test_metrics_also_carry_the_names_vllm_dashboards_and_routers_read(service: AttentionService) -> None:
+    prompt = [5, 6, 7, 8] * 9  # 36 tokens: two full blocks of 16, found again the second time
+    for _ in range(2):
+        status, _ = http(
+            "POST", f"{service.url}/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+        )
+        assert status == 200
+    text = http("GET", f"{service.url}/metrics")[1]
+    label = f'{{model_name="{MODEL}"}}'
+    for ours, theirs in [
+        ("eaas_attention_generated_tokens_total", "vllm:generation_tokens_total"),
+        ("eaas_attention_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("eaas_attention_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+        ("eaas_attention_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("eaas_attention_preemptions_total", "vllm:num_preemptions_total"),
+        ("eaas_attention_running_sequences", "vllm:num_requests_running"),
+        ("eaas_attention_queued_sequences", "vllm:num_requests_waiting"),
+        ("eaas_attention_kv_cache_usage", "vllm:kv_cache_usage_perc"),
+        ("eaas_attention_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("eaas_attention_inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        ("eaas_attention_request_seconds_count", "vllm:e2e_request_latency_seconds_count"),
+    ]:
+        assert metric(text, ours) == metric(text, theirs + label), theirs
+    assert metric(text, "vllm:prefix_cache_hits_total" + label) >= 32  # the second request's two blocks
+    assert metric(text, "vllm:inter_token_latency_seconds_count" + label) >= 4  # 2 gaps per request
+    assert f'vllm:time_to_first_token_seconds_bucket{{le="0.005",model_name="{MODEL}"}}' in text
+
+
 def stream(url: str, body: dict[str, Any], max_chunks: int | None = None) -> list[Any]:
     """POSTs a streaming completion; returns the parsed ``data:`` items ("[DONE]" kept as a string).
     With ``max_chunks``, hangs up after that many (a client that goes away)."""
