@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
+import io
 import signal
+import sys
 from typing import NamedTuple
 
 import click
@@ -77,7 +80,9 @@ def main() -> None:
     """
     # `kill -USR1 <pid>` writes every thread's stack to standard error (the container log), even
     # while a thread is stuck in native code holding the GIL: how a hung process is diagnosed.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # (Not where standard error is no file, as under a test's CLI runner.)
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
 
 
 if __name__ == "__main__":
