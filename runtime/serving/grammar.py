@@ -102,6 +102,8 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
         given = [k for k in SOURCES if outputs.get(k) not in (None, False)]
         if len(given) != 1:
             raise GrammarError("structured_outputs", f"give exactly one of {', '.join(SOURCES)}")
+        if given == ["json_object"] and outputs["json_object"] is not True:
+            raise GrammarError("structured_outputs.json_object", "must be true")
         found.append((f"structured_outputs.{given[0]}", dict(outputs)))
     for name, source in LEGACY.items():
         if body.get(name) is not None:

@@ -172,6 +172,7 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type":
         ),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn"),
+        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
         ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
