@@ -2,7 +2,8 @@
 # Build (once) the binaries of the local Kubernetes test control plane and cache them outside the repo:
 #   etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns
 #   prometheus prometheus-adapter (the metrics pipeline of the autoscaling drills)
-# and KEDA's ScaledObject CRD (keda-crds/, from the module source; KEDA itself is not built).
+# and KEDA's ScaledObject CRD (keda-crds/, from the module source; KEDA itself is not built), and
+# the Gateway API Inference Extension's InferencePool CRD (inference-crds/, likewise).
 # into ${EAAS_CACHE_DIR:-~/.cache/eaas}/k8s-<version>/bin (or $EAAS_K8S_BIN_DIR).
 #
 # Everything comes from the Go module proxy; no Docker, no downloads of prebuilt binaries.
@@ -11,7 +12,7 @@
 # Usage: e2e/bin/build-k8s.sh [--print-bin-dir] [--force]
 # Environment: EAAS_CACHE_DIR, EAAS_K8S_BIN_DIR, EAAS_K8S_VERSION, EAAS_ETCD_VERSION, EAAS_HELM_VERSION,
 #              EAAS_KWOK_VERSION, EAAS_COREDNS_VERSION, EAAS_PROMETHEUS_VERSION, EAAS_PROMETHEUS_ADAPTER_VERSION,
-#              EAAS_KEDA_VERSION
+#              EAAS_KEDA_VERSION, EAAS_INFERENCE_EXTENSION_VERSION
 #              (defaults in e2e/versions.env), EAAS_GO_BUILD_JOBS (default: nproc),
 #              GOSUMDB / GOPROXY / GOFLAGS as usual for Go.
 set -Eeuo pipefail
@@ -238,6 +239,25 @@ fetch_keda_crds() {
     echo "keda CRDs v$v: fetched"
 }
 fetch_keda_crds
+# The Gateway API Inference Extension: only its InferencePool CRD (from the module source), to
+# validate manifests/inferencepool.yaml.
+fetch_inference_crds() {
+    local v=$EAAS_INFERENCE_EXTENSION_VERSION out=$bin_dir/inference-crds info dir
+    [[ $force == 0 && "$(cat "$out/.version" 2>/dev/null)" == "v$v" ]] && { echo "inference CRDs v$v: cached"; return 0; }
+    current_step=inference-crds
+    current_log=$log_dir/inference-crds.log
+    if ! info=$(cd "$work_dir" && go mod download -json "sigs.k8s.io/gateway-api-inference-extension@v$v" 2>&1); then
+        echo "$info" >>"$current_log"
+        false
+    fi
+    dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$info")
+    mkdir -p "$out"
+    cp "$dir/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" "$out/"
+    chmod u+w "$out"/*.yaml
+    echo "v$v" >"$out/.version"
+    echo "inference CRDs v$v: fetched"
+}
+fetch_inference_crds
 current_step=verify
 for name in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns \
     prometheus prometheus-adapter; do
