@@ -21,10 +21,12 @@ saturates, with p99 per-output-token latency no worse.
 
 Part B, prefix caching (issue 37): continuous streamed, with the cache and without it
 (``--no-enable-prefix-caching``), on two workloads: every prompt starting with the same
-``SYSTEM_LEN``-token system prompt (most prompt tokens shared), and the prompts of Part A (none
-shared). Reported: TTFT and throughput of each, the cache's hit rate (from the client's
-``/metrics``). Targets: TTFT p50 <= 0.5x with the cache on the shared workload; throughput
->= 0.97x with it on the unshared one (the cache costs nothing where it cannot help).
+``SYSTEM_LEN``-token system prompt (most prompt tokens shared) at a sixth of the rate (one the
+pool sustains without the cache too), and the prompts of Part A (none shared) as one burst, so
+that its throughput is the pool's capacity (3 rounds each way, alternating; the median). Reported: TTFT and throughput of each, the
+cache's hit rate (from the client's ``/metrics``). Targets: TTFT p50 <= 0.5x with the cache on
+the shared workload; throughput >= 0.97x with it on the unshared one (the cache costs nothing
+where it cannot help).
 
 Usage: python benchmarks/serving.py [--quick] [--rate R] [--requests N] [--json-out PATH]
 """
@@ -106,7 +108,9 @@ def main() -> None:
                     if not same or (not streaming and result["tokens"] != want[0]):
                         result["error"] = "the answer differs from the reference"
                 rows.append(summarize(mode + (" stream" if streaming else ""), results, load))
-            prefix_rows = prefix_runs(checkpoint, cluster, Path(tmp), reference, count, rate, args.seed)
+            prefix_rows = prefix_runs(
+                checkpoint, cluster, Path(tmp), reference, count, rate, args.seed, 1 if args.quick else 3
+            )
     static, continuous, _ = rows
     for row in rows:
         print(
@@ -147,35 +151,59 @@ def main() -> None:
 
 
 SYSTEM_LEN = 192  # the shared system prompt of Part B (user parts: PROMPT_LEN)
+# Part B's shared workload runs at --rate / this: a rate the pool sustains without the cache too
+# (~2.7 requests/s of these prompts on the 2-core machine), so TTFT compares prefill, not queues.
+SHARED_RATE_DIVISOR = 6.0
 
 
 def prefix_runs(
-    checkpoint: Path, cluster: LocalCluster, workdir: Path, reference: Any, count: int, rate: float, seed: int
+    checkpoint: Path,
+    cluster: LocalCluster,
+    workdir: Path,
+    reference: Any,
+    count: int,
+    rate: float,
+    seed: int,
+    rounds: int,
 ) -> list[dict[str, Any]]:
-    """Part B: (shared, unshared) x (cache on, off), each checked against the reference."""
+    """Part B: (shared, unshared) x (cache on, off), each checked against the reference. The
+    shared workload runs at a rate both sustain (what a user waits: TTFT); the unshared one as a burst
+    (every request within ~0.1 s), so that its throughput is the pool's capacity, not the offered
+    rate, ``rounds`` times each way in alternating order (its row: the median throughput)."""
     vocab = reference.config.vocab_size
     tokenizer = ByteTokenizer(vocab)
     rows = []
-    for name, system in (("shared system prompt", SYSTEM_LEN), ("no sharing", 0)):
-        load = workload(count, rate, seed + 1, vocab, system_len=system, output_len=(4, 16))
+    for name, system, offered, repeats in (
+        ("shared system prompt", SYSTEM_LEN, rate / SHARED_RATE_DIVISOR, 1),
+        ("no sharing", 0, count * 10.0, rounds),
+    ):
+        load = workload(count, offered, seed + 1, vocab, system_len=system, output_len=(4, 16))
         shared = system * len(load) / sum(len(prompt) for _, prompt, _ in load)
         expected = [reference.generate([prompt], max_tokens)[0][0] for _, prompt, max_tokens in load]
+        runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+        for round_ in range(repeats):
+            for caching in (True, False) if round_ % 2 == 0 else (False, True):
+                flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+                label = f"prefix-{system}-{caching}"
+                process, url = start_client("continuous", checkpoint, cluster, workdir, (flag,), label)
+                try:
+                    results = run_mode("continuous", True, url, load)
+                    queries, hits = prefix_counters(url)
+                finally:
+                    process.terminate()
+                    process.wait(timeout=30)
+                for result, want in zip(results, expected, strict=True):
+                    if "error" not in result and result["text"] != tokenizer.decode(want):
+                        result["error"] = "the answer differs from the reference"
+                row = summarize(f"{name}, cache {'on' if caching else 'off'} stream", results, load)
+                row.update(prefix_hit_rate=hits / queries if queries else 0.0, shared_fraction=shared)
+                runs[caching].append(row)
         for caching in (True, False):
-            flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
-            label = f"prefix-{system}-{caching}"
-            process, url = start_client("continuous", checkpoint, cluster, workdir, (flag,), label)
-            try:
-                results = run_mode("continuous", True, url, load)
-                queries, hits = prefix_counters(url)
-            finally:
-                process.terminate()
-                process.wait(timeout=30)
-            for result, want in zip(results, expected, strict=True):
-                if "error" not in result and result["text"] != tokenizer.decode(want):
-                    result["error"] = "the answer differs from the reference"
-            row = summarize(f"{name}, cache {'on' if caching else 'off'} stream", results, load)
-            row.update(prefix_hit_rate=hits / queries if queries else 0.0, shared_fraction=shared)
-            rows.append(row)
+            ordered = sorted(runs[caching], key=lambda row: row["throughput_rps"])
+            median = dict(ordered[len(ordered) // 2])
+            median["failed"] = sum(row["failed"] for row in ordered)
+            median["rounds"] = len(ordered)
+            rows.append(median)
     return rows
 
 
