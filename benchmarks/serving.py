@@ -23,10 +23,10 @@ Part B, prefix caching (issue 37): continuous streamed, with the cache and witho
 (``--no-enable-prefix-caching``), on two workloads: every prompt starting with the same
 ``SYSTEM_LEN``-token system prompt (most prompt tokens shared) at a sixth of the rate (one the
 pool sustains without the cache too), and the prompts of Part A (none shared) as one burst, so
-that its throughput is the pool's capacity (3 rounds each way, alternating; the median). Reported: TTFT and throughput of each, the
-cache's hit rate (from the client's ``/metrics``). Targets: TTFT p50 <= 0.5x with the cache on
-the shared workload; throughput >= 0.97x with it on the unshared one (the cache costs nothing
-where it cannot help).
+that its throughput is the pool's capacity (3 rounds each way, alternating; the median).
+Reported: TTFT and throughput of each, and the cache's hit rate (from the client's ``/metrics``).
+Targets: TTFT p50 <= 0.5x with the cache on the shared workload; throughput >= 0.97x with it on
+the unshared one (the cache costs nothing where it cannot help).
 
 Usage: python benchmarks/serving.py [--quick] [--rate R] [--requests N] [--json-out PATH]
 """

@@ -143,12 +143,22 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._route("OPTIONS")
 
 
+# Connections the kernel queues before they are accepted. The standard library's default is 5:
+# a burst of clients beyond it (a load test, a router's reconnects) had connections reset or
+# left waiting for SYN retransmits. The kernel caps it at net.core.somaxconn (4096 by default).
+LISTEN_BACKLOG = 4096
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
 class BackgroundServer:
     """A ``ThreadingHTTPServer`` for ``handler`` in a daemon thread (one thread per connection)."""
 
     def __init__(self, handler: type[JsonHandler], host: str, port: int, name: str) -> None:
-        self._http = ThreadingHTTPServer((host, port), handler)
-        self._http.daemon_threads = True
+        self._http = _Server((host, port), handler)
         self.host = host
         self.port: int = self._http.server_address[1]
         self._thread = threading.Thread(

@@ -7,6 +7,7 @@ command (``eaas attention-client`` configured by ``EAAS_*`` variables).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -589,3 +590,37 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(service: AttentionService)
     assert status == 404 and error["error"]["code"] == "model_not_found"
     status, _ = http("GET", f"{service.url}/tokenize")
     assert status == 405
+
+
+def test_a_burst_of_connections_is_answered_every_one(service: AttentionService) -> None:
+    """300 clients connect at once (more than the queue takes): every one gets an HTTP answer
+    (200, or 429 at once when the queue is full), none a reset or a wait for SYN retransmits."""
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}).encode()
+    barrier = threading.Barrier(300)
+    statuses: list[int | str] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        host, port = service.url.removeprefix("http://").split(":")
+        barrier.wait()
+        started = time.monotonic()
+        try:
+            connection = HTTPConnection(host, int(port), timeout=60)
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            status: int | str = connection.getresponse().status
+            connection.close()
+        except OSError as exc:
+            status = f"{type(exc).__name__}: {exc}"
+        if isinstance(status, int) and time.monotonic() - started > 30:
+            status = f"{status} after {time.monotonic() - started:.0f} s"
+        with lock:
+            statuses.append(status)
+
+    threads = [threading.Thread(target=client) for _ in range(300)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    counts = collections.Counter(statuses)
+    assert set(counts) <= {200, 429} and sum(counts.values()) == 300, counts
+    assert counts[200] >= 8  # the queue's worth at least was served
