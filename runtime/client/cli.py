@@ -26,6 +26,7 @@ import click
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
+from eaas.runtime.serving.cli_options import serving_feature_options
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -139,33 +140,6 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="serve: the model id of /v1/models (default: the checkpoint directory's name)",
 )
 @click.option(
-    "--tool-call-parser",
-    type=click.Choice(["auto", "hermes"]),
-    default="auto",
-    show_default=True,
-    envvar="EAAS_TOOL_CALL_PARSER",
-    show_envvar=True,
-    help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
-)
-@click.option(
-    "--reasoning-parser",
-    type=click.Choice(["auto", "none", "deepseek_r1", "qwen3"]),
-    default="auto",
-    show_default=True,
-    envvar="EAAS_REASONING_PARSER",
-    show_envvar=True,
-    help="how the model's thinking is marked in chat answers (auto: by its family; none: not split)",
-)
-@click.option(
-    "--enable-prefix-caching/--no-enable-prefix-caching",
-    "prefix_caching",
-    default=True,
-    show_default=True,
-    envvar="EAAS_PREFIX_CACHING",
-    show_envvar=True,
-    help="reuse the computed KV blocks of prompts' shared prefixes (continuous batching)",
-)
-@click.option(
     "--max-batch-size",
     type=click.IntRange(min=1),
     default=16,
@@ -233,6 +207,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     show_default=True,
     help="seconds before a server that answers probes but not a request is failed over (hung: ~1 s)",
 )
+@serving_feature_options
 def attention_client(
     checkpoint: Path,
     placement_path: Path,

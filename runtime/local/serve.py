@@ -24,6 +24,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES
+from eaas.runtime.serving.cli_options import serving_feature_options
 from eaas.runtime.transport import host_transport_names
 
 
@@ -63,28 +64,8 @@ from eaas.runtime.transport import host_transport_names
     type=click.Path(dir_okay=False, path_type=Path),
     help="write {port} here once serving (for scripts)",
 )
-@click.option(
-    "--tool-call-parser",
-    type=click.Choice(["auto", "hermes"]),
-    default="auto",
-    show_default=True,
-    help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
-)
-@click.option(
-    "--reasoning-parser",
-    type=click.Choice(["auto", "none", "deepseek_r1", "qwen3"]),
-    default="auto",
-    show_default=True,
-    help="how the model's thinking is marked in chat answers (auto: by its family; none: not split)",
-)
-@click.option(
-    "--enable-prefix-caching/--no-enable-prefix-caching",
-    "prefix_caching",
-    default=True,
-    show_default=True,
-    help="reuse the computed KV blocks of prompts' shared prefixes (continuous batching)",
-)
 @click.option("--log-level", default="WARNING", show_default=True)
+@serving_feature_options
 def serve(
     checkpoint: Path | None,
     preset_spec: str | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eaas.runtime.client.reasoning import STYLES, StreamedReasoning, reasoning_style
+from eaas.runtime.serving.cli_options import REASONING_PARSERS
 
 R1, QWEN3 = STYLES["deepseek_r1"], STYLES["qwen3"]
 
@@ -47,3 +48,4 @@ def test_parsers_by_family_and_by_flag() -> None:
     )
     with pytest.raises(ValueError, match="reasoning-parser"):
         reasoning_style("harmony", "gpt_oss")
+    assert set(REASONING_PARSERS) == {"auto", "none", *STYLES}  # the CLI offers exactly the styles

@@ -10,7 +10,8 @@ import pytest
 
 from eaas.runtime.client.chat import ChatTemplate, parse_messages
 from eaas.runtime.client.http_api import ApiError
-from eaas.runtime.client.tools import HermesFormat, StreamedCalls, parse_tools, tool_format
+from eaas.runtime.client.tools import FORMATS, HermesFormat, StreamedCalls, parse_tools, tool_format
+from eaas.runtime.serving.cli_options import TOOL_CALL_PARSERS
 
 WEATHER = {
     "type": "function",
@@ -65,6 +66,7 @@ def test_formats_by_family_and_by_flag() -> None:
     assert tool_format("hermes", "mixtral") is not None
     with pytest.raises(ValueError, match="tool-call-parser"):
         tool_format("pythonic", "mixtral")
+    assert set(TOOL_CALL_PARSERS) == {"auto", *FORMATS}  # the CLI offers exactly the formats
 
 
 def test_hermes_calls_are_found_in_the_text() -> None:
