@@ -131,6 +131,26 @@ class Cluster:
         args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
         self.kubectl(*args, input=manifest)
 
+    @contextlib.contextmanager
+    def custom_resource_definition(self, manifest: str, plural: str, group: str) -> Iterator[str]:
+        """The CRD of ``manifest`` (text) applied server-side, Established and known to kubectl's
+        discovery, for the duration of the ``with`` block; yields its name."""
+        name = f"{plural}.{group}"
+        self.kubectl("apply", "--server-side", "-f", "-", input=manifest)
+
+        def established() -> bool:
+            status = self.apiextensions.read_custom_resource_definition(name).status
+            conditions = (status.conditions if status else None) or []
+            return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+        wait_until(established, 60, f"CRD {name} Established")
+        # Discovery (used by kubectl) can lag the Established condition by a moment.
+        wait_until(lambda: self.kubectl("get", plural, "-A", check=False).returncode == 0, 30, "discovery")
+        try:
+            yield name
+        finally:
+            self.apiextensions.delete_custom_resource_definition(name)
+
     # -- namespaces and nodes ------------------------------------------------------------------
     def create_namespace(self, prefix: str = "e2e", timeout: float = 60) -> str:
         """Create a uniquely named namespace and wait until its ``default`` ServiceAccount exists

@@ -12,7 +12,6 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import Cluster, CommandError
-from e2e.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -60,20 +59,8 @@ spec:
 @pytest.fixture(scope="module")
 def widget_crd(cluster: Cluster) -> Iterator[str]:
     """The Widget CRD, Established; deleted after the module."""
-    cluster.apply(CRD)
-    name = f"{PLURAL}.{GROUP}"
-
-    def established() -> bool:
-        conditions = cluster.apiextensions.read_custom_resource_definition(name).status.conditions or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-
-    wait_until(established, 60, f"CRD {name} to be Established")
-    # Discovery (used by kubectl) can lag the Established condition by a moment.
-    wait_until(
-        lambda: cluster.kubectl("get", PLURAL, "-A", check=False).returncode == 0, 30, "kubectl discovery"
-    )
-    yield name
-    cluster.apiextensions.delete_custom_resource_definition(name)
+    with cluster.custom_resource_definition(CRD, PLURAL, GROUP) as name:
+        yield name
 
 
 def _widget(name: str, replicas: int, model: str = "tiny-moe") -> dict:

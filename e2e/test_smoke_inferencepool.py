@@ -18,7 +18,6 @@ import yaml
 
 from e2e import binaries
 from e2e.cluster import Cluster, CommandError
-from e2e.waiting import wait_until
 from eaas.operator.api.moeservice import MoEServiceSpec
 from eaas.operator.api.pools import AttentionPoolSpec
 from eaas.operator.builders import attentionpool, moeservice
@@ -27,7 +26,6 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "manifests" / "inferencepool.yaml"
-CRD_NAME = "inferencepools.inference.networking.k8s.io"
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +33,10 @@ def inferencepool_crd(cluster: Cluster) -> Iterator[str]:
     path = binaries.bin_dir() / "inference-crds" / "inference.networking.k8s.io_inferencepools.yaml"
     if not path.exists():
         pytest.fail(f"the InferencePool CRD is missing ({path}): run `make k8s-bins`", pytrace=False)
-    cluster.kubectl("apply", "--server-side", "-f", str(path))
-
-    def established() -> bool:
-        conditions = cluster.apiextensions.read_custom_resource_definition(CRD_NAME).status.conditions or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-
-    wait_until(established, 60, f"CRD {CRD_NAME} Established")
-    wait_until(
-        lambda: cluster.kubectl("get", "inferencepools", "-A", check=False).returncode == 0, 30, "discovery"
-    )
-    yield CRD_NAME
-    cluster.apiextensions.delete_custom_resource_definition(CRD_NAME)
+    with cluster.custom_resource_definition(
+        path.read_text(), "inferencepools", "inference.networking.k8s.io"
+    ) as name:
+        yield name
 
 
 def test_the_inferencepool_manifest_is_valid_and_selects_the_attention_pods(

@@ -18,13 +18,11 @@ import yaml
 
 from e2e import binaries
 from e2e.cluster import Cluster, CommandError
-from e2e.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "manifests" / "expertpool-keda.yaml"
-CRD_NAME = "scaledobjects.keda.sh"
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +30,8 @@ def scaledobject_crd(cluster: Cluster) -> Iterator[str]:
     path = binaries.bin_dir() / "keda-crds" / "keda.sh_scaledobjects.yaml"
     if not path.exists():
         pytest.fail(f"KEDA's ScaledObject CRD is missing ({path}): run `make k8s-bins`", pytrace=False)
-    cluster.kubectl("apply", "--server-side", "-f", str(path))
-
-    def established() -> bool:
-        conditions = cluster.apiextensions.read_custom_resource_definition(CRD_NAME).status.conditions or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-
-    wait_until(established, 60, f"CRD {CRD_NAME} Established")
-    wait_until(
-        lambda: cluster.kubectl("get", "scaledobjects", "-A", check=False).returncode == 0, 30, "discovery"
-    )
-    yield CRD_NAME
-    cluster.apiextensions.delete_custom_resource_definition(CRD_NAME)
+    with cluster.custom_resource_definition(path.read_text(), "scaledobjects", "keda.sh") as name:
+        yield name
 
 
 def test_the_keda_manifest_is_a_valid_scaledobject(

@@ -220,44 +220,29 @@ GO_TAGS=remove_all_sd,enable_kubernetes_sd go_install prometheus github.com/prom
 # refuses for prometheus-adapter: build it in a wrapper module from the exact version instead.
 go_build_wrapped prometheus-adapter sigs.k8s.io/prometheus-adapter/cmd/adapter \
     sigs.k8s.io/prometheus-adapter "$EAAS_PROMETHEUS_ADAPTER_VERSION"
-# KEDA is not built (its operator pulls every scaler's SDK: far beyond the CI budget); its
-# ScaledObject CRD is taken from the module's source so the manifest is validated by the API server.
-fetch_keda_crds() {
-    local v=$EAAS_KEDA_VERSION out=$bin_dir/keda-crds info dir
-    [[ $force == 0 && "$(cat "$out/.version" 2>/dev/null)" == "v$v" ]] && { echo "keda CRDs v$v: cached"; return 0; }
-    current_step=keda-crds
-    current_log=$log_dir/keda-crds.log
-    if ! info=$(cd "$work_dir" && go mod download -json "github.com/kedacore/keda/v2@v$v" 2>&1); then
+# CRDs of projects that are not built here, taken from their module's source so that manifests for
+# them are validated by the API server: KEDA (its operator pulls every scaler's SDK, far beyond the
+# CI budget) and the Gateway API Inference Extension.
+# fetch_crds DIR MODULE VERSION FILE: config/crd/bases/FILE of MODULE@vVERSION into $bin_dir/DIR.
+fetch_crds() {
+    local name=$1 module=$2 v=$3 file=$4 out=$bin_dir/$1 info dir
+    [[ $force == 0 && "$(cat "$out/.version" 2>/dev/null)" == "v$v" ]] && { echo "$name v$v: cached"; return 0; }
+    current_step=$name
+    current_log=$log_dir/$name.log
+    if ! info=$(cd "$work_dir" && go mod download -json "$module@v$v" 2>&1); then
         echo "$info" >>"$current_log"
         false
     fi
     dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$info")
     mkdir -p "$out"
-    cp "$dir/config/crd/bases/keda.sh_scaledobjects.yaml" "$out/"
+    cp "$dir/config/crd/bases/$file" "$out/"
     chmod u+w "$out"/*.yaml
     echo "v$v" >"$out/.version"
-    echo "keda CRDs v$v: fetched"
+    echo "$name v$v: fetched"
 }
-fetch_keda_crds
-# The Gateway API Inference Extension: only its InferencePool CRD (from the module source), to
-# validate manifests/inferencepool.yaml.
-fetch_inference_crds() {
-    local v=$EAAS_INFERENCE_EXTENSION_VERSION out=$bin_dir/inference-crds info dir
-    [[ $force == 0 && "$(cat "$out/.version" 2>/dev/null)" == "v$v" ]] && { echo "inference CRDs v$v: cached"; return 0; }
-    current_step=inference-crds
-    current_log=$log_dir/inference-crds.log
-    if ! info=$(cd "$work_dir" && go mod download -json "sigs.k8s.io/gateway-api-inference-extension@v$v" 2>&1); then
-        echo "$info" >>"$current_log"
-        false
-    fi
-    dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$info")
-    mkdir -p "$out"
-    cp "$dir/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" "$out/"
-    chmod u+w "$out"/*.yaml
-    echo "v$v" >"$out/.version"
-    echo "inference CRDs v$v: fetched"
-}
-fetch_inference_crds
+fetch_crds keda-crds github.com/kedacore/keda/v2 "$EAAS_KEDA_VERSION" keda.sh_scaledobjects.yaml
+fetch_crds inference-crds sigs.k8s.io/gateway-api-inference-extension "$EAAS_INFERENCE_EXTENSION_VERSION" \
+    inference.networking.k8s.io_inferencepools.yaml
 current_step=verify
 for name in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl helm kwok coredns \
     prometheus prometheus-adapter; do
