@@ -29,7 +29,13 @@ from _common import emit, parser, target
 from eaas.runtime.model import ByteTokenizer, load_reference, write_random_checkpoint
 from eaas.runtime.model.presets import preset
 from eaas.runtime.serving.engine import Engine, EngineOptions
-from eaas.runtime.serving.grammar import Constraint, Grammars, _llguidance, allowed_tokens, parse_constraint
+from eaas.runtime.serving.grammar import (
+    Constraint,
+    Grammars,
+    allowed_tokens,
+    load_llguidance,
+    parse_constraint,
+)
 from eaas.runtime.serving.sampling import SamplingParams
 
 NOTE = {
@@ -91,7 +97,7 @@ class RandomVocabulary:
 
 
 def mask_run(vocab: int, batch: int, steps: int) -> dict[str, Any]:
-    llg = _llguidance()
+    llg = load_llguidance()
     tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(RandomVocabulary(vocab)), n_vocab=vocab)
     constraint = parse_constraint({"structured_outputs": {"json": NOTE}})
     assert isinstance(constraint, Constraint)

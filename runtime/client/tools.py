@@ -29,7 +29,7 @@ from typing import Any
 
 from eaas.runtime.client.http_api import bad
 from eaas.runtime.client.text_stream import partial_suffix
-from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, _llguidance
+from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, load_llguidance
 
 MAX_TOOLS = 128
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -158,7 +158,7 @@ class HermesFormat:
         repeat = ' ("\\n" call)*' if request.parallel else ""
         lark = f"start: call{repeat}\ncall: {call}\n"
         # A tool's parameters schema that does not compile is the tools' fault: the 400 names them.
-        return Constraint("tools", str(_llguidance().LLMatcher.grammar_from_lark(lark)))
+        return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
 
 ToolFormat = HermesFormat  # the one format so far; a Protocol once there are more

@@ -74,7 +74,8 @@ class Constraint:
     grammar: str  # llguidance's grammar text
 
 
-def _llguidance() -> Any:
+def load_llguidance() -> Any:
+    """The llguidance module, imported on first use (a server that never sees a grammar never loads it)."""
     import llguidance
 
     return llguidance
@@ -146,7 +147,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 
 
 def _grammar(field: str, spec: dict[str, Any]) -> str:
-    matcher = _llguidance().LLMatcher
+    matcher = load_llguidance().LLMatcher
     if "json" in spec or "json_object" in spec:
         schema = spec.get("json")
         if schema is None:
@@ -228,7 +229,7 @@ class Grammars:
 
     def _ll_tokenizer(self, field: str) -> Any:
         if self._tokenizer is None and self._unavailable is None:
-            llg = _llguidance()
+            llg = load_llguidance()
             source = self.source
             try:
                 if isinstance(source, HFTokenizer):
@@ -261,7 +262,7 @@ class Grammars:
             if compiled is not None:
                 self._cache.move_to_end(constraint.grammar)
                 return compiled.deep_copy()
-        llg = _llguidance()
+        llg = load_llguidance()
         error = llg.LLMatcher.validate_grammar(constraint.grammar, tokenizer)
         if error:
             raise GrammarError(constraint.field, first_line(error))
@@ -292,7 +293,7 @@ def allowed_tokens(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = _llguidance().LLExecutor()
+            _executor = load_llguidance().LLExecutor()
     words = (vocab_size + 31) // 32
     bitmask = np.full((len(matchers), words), -1, dtype=np.int32)
     _executor.unsafe_compute_mask_ptr(
