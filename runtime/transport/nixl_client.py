@@ -152,6 +152,7 @@ class NixlChannel(Channel):
         if not isinstance(offer, NixlOffer):
             raise ChannelClosed("transport nixl: the client's offer must be made before the handshake")
         peer = None
+        writes: TransferSet | None = None
         try:
             slot, generation = handle["slot"], handle["generation"]
             if type(slot) is not int or slot < 0 or type(generation) is not int or generation < 0:
@@ -170,10 +171,10 @@ class NixlChannel(Channel):
             )
             offer.endpoint.connect(peer)
         except (KeyError, ValueError, TransportUnavailable) as exc:
-            cls._undo(offer, peer)
+            cls._undo(offer, peer, writes)
             raise ChannelClosed(f"cannot open nixl slot {handle.get('slot')}: {exc}") from exc
         except Exception as exc:
-            cls._undo(offer, peer)
+            cls._undo(offer, peer, writes)
             raise ChannelClosed(
                 f"cannot open nixl slot {handle.get('slot')} on {host}: {type(exc).__name__}: {exc}"
             ) from exc
@@ -181,7 +182,11 @@ class NixlChannel(Channel):
         return cls(offer, slot, generation, peer, writes)
 
     @staticmethod
-    def _undo(offer: NixlOffer, peer: str | None) -> None:
+    def _undo(offer: NixlOffer, peer: str | None, writes: TransferSet | None) -> None:
+        """Nothing was written yet: everything is let go of at once (here, on this thread: a
+        dropped NIXL handle would be released by the garbage collector, outside the endpoint's lock)."""
+        if writes is not None:
+            writes.release()
         if peer is not None:
             offer.endpoint.release_peer(peer)
         offer.close()
@@ -291,8 +296,8 @@ class NixlChannel(Channel):
                 endpoint.deliver()  # a chance for the goodbye to leave
             except Exception:
                 pass
-        self.writes.release()
         endpoint.forget(self.peer, self.slot, self.generation)
-        endpoint.release_peer(self.peer)
         del self.send_buffer, self.answer_buffer
-        self.offer_made.close()
+        # The areas stay registered, and the peer connected, until nothing of ours is in flight to
+        # it (a hung server: until it answers or dies; nixl_endpoint's "Letting go").
+        endpoint.retire(self.writes, then=self.offer_made.close)

@@ -25,6 +25,14 @@ Progress: by default nobody runs NIXL's progress thread (it polls a core with ze
 server loop and a waiting client make progress themselves, each time they look for notifications
 (``EAAS_NIXL_PROGRESS_THREAD=1`` turns the thread on, for comparison: docs/data-path.md).
 
+Letting go (``Endpoint.retire``): a channel's or slot's WRITEs are released, and its hold on the
+peer dropped, only once nothing of it can still be in flight to that peer: its last WRITE settled
+and a final 4-byte ping completed (the peer took everything before it) or failed (the peer is gone).
+NIXL 1.5's UCX backend frees its endpoint object when the last peer is removed while UCX keeps the
+connection closing in the background; a peer that hangs with a WRITE or notification in flight and
+dies later then makes UCX call back into the freed object, and the process crashes. A hung peer's
+connection is therefore kept until it answers or dies (bounded: one per hung peer).
+
 UCX chooses its transports and devices from the environment (``UCX_TLS``, ``UCX_NET_DEVICES``;
 the operator sets them from the pool's ``spec.ucx``).
 """
@@ -44,6 +52,8 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
 from typing import Any
@@ -59,7 +69,7 @@ AGENT_NAME = re.compile(r"^eaas-[a-z]+-[0-9]+-[0-9a-f]{12}$")
 
 NOTICE = struct.Struct("<cIIQ")
 PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write may land there
-RELEASE_RETRY_S = 1.0  # how often handles NIXL would not release yet are tried again
+RETIRE_CHECK_S = 0.01  # how often retiring WRITEs are looked at (from ``collect``)
 
 # Transfer sizes: a request or answer goes out as one prepared descriptor whose length is the
 # frame's rounded up to a multiple of SIZE_STEP_BYTES below FINE_LIMIT_BYTES, and to 1/16 of its
@@ -219,11 +229,8 @@ class Endpoint:
         self.lock = threading.RLock()
         self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int]]] = defaultdict(deque)
         self._peer_holds: dict[str, int] = {}
-        # Transfer handles NIXL would not release yet (a write still in flight to a peer that hangs):
-        # kept here, so that no garbage collection releases them on some other thread, and tried
-        # again now and then (``deliver``).
-        self._unreleased: list[tuple[list[Any], list[Any]]] = []
-        self._retry_at = 0.0
+        self._retiring: list[_Retiring] = []  # WRITEs let go of, until nothing of theirs is in flight
+        self._check_at = 0.0
 
     # --- memory --------------------------------------------------------------------------------
     def register(self, address: int, num_bytes: int) -> Any:
@@ -304,9 +311,13 @@ class Endpoint:
 
     # --- notifications -------------------------------------------------------------------------
     def collect(self) -> list[tuple[str, Notice, int, int, int]]:
-        """Makes progress and returns the new notifications as (peer, kind, slot, generation, seq)."""
+        """Makes progress and returns the new notifications as (peer, kind, slot, generation, seq)
+        (and finishes retiring WRITEs that settled: ``retire``)."""
         with self.lock:
             received = self.agent.get_new_notifs()
+            if self._retiring and time.monotonic() >= self._check_at:
+                self._check_at = time.monotonic() + RETIRE_CHECK_S
+                self._retiring = [r for r in self._retiring if not self._retired(r)]
         notices = []
         for peer, messages in received.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
@@ -322,32 +333,66 @@ class Endpoint:
         with self.lock:
             for peer, kind, slot, generation, seq in self.collect():
                 self._mail[(peer, slot, generation)].append((kind, seq))
-            if self._unreleased and time.monotonic() >= self._retry_at:
-                self._retry_at = time.monotonic() + RELEASE_RETRY_S
-                waiting, self._unreleased = self._unreleased, []
-                for handles, lists in waiting:
-                    self.release(handles, lists)
+
+    # --- letting go ----------------------------------------------------------------------------
+    def retire(self, writes: TransferSet, then: Callable[[], None] | None = None) -> None:
+        """Lets go of ``writes`` and of the hold on its peer that came with it, and runs ``then``
+        (e.g. deregistering the memory the WRITEs read from), once nothing of it can be in flight:
+        at once for a peer that answers, when it answers or dies for one that hangs (``collect``
+        looks again every ``RETIRE_CHECK_S``)."""
+        with self.lock:
+            retiring = _Retiring(writes, then)
+            if not self._retired(retiring):
+                self._retiring.append(retiring)
+
+    def retiring(self) -> int:
+        """How many channels' or slots' WRITEs wait for their peer before they are let go of."""
+        with self.lock:
+            return len(self._retiring)
+
+    def abandon(self) -> None:
+        """Lets go of every retiring WRITE now, in flight or not (a closing server: nothing makes
+        progress on this agent afterwards)."""
+        with self.lock:
+            waiting, self._retiring = self._retiring, []
+            for retiring in waiting:
+                self._finish(retiring)
+
+    def _retired(self, retiring: _Retiring) -> bool:  # caller holds the lock
+        """Moves ``retiring`` on; True once it was let go of."""
+        writes = retiring.writes
+        try:
+            if not writes.quiet():
+                return False
+            if not retiring.pinged:  # the peer took everything before this ping once it completes
+                retiring.pinged = True
+                writes.ping()
+                if not writes.quiet():
+                    return False
+        except Exception:  # the peer is gone: UCX failed its endpoint, nothing is in flight now
+            pass
+        self._finish(retiring)
+        return True
+
+    def _finish(self, retiring: _Retiring) -> None:  # caller holds the lock
+        retiring.writes.release()
+        self.release_peer(retiring.writes.peer)
+        if retiring.then is not None:
+            try:
+                retiring.then()
+            except Exception as exc:
+                logging.getLogger("eaas.transport").debug("after releasing nixl writes: %s", exc)
 
     def release(self, handles: list[Any], lists: list[Any]) -> None:
-        """Releases transfer handles, then the prepared descriptor lists they were made from. A
-        handle NIXL refuses to release (its write still in flight) is kept, with the lists, and
-        tried again later."""
+        """Releases transfer handles (none of them in flight), then the prepared descriptor lists
+        they were made from."""
         with self.lock:
-            kept = [h for h in handles if not self._released(h)]
-            if kept:
-                self._unreleased.append((kept, lists))
-                return
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    handle.release()
             for prepped in lists:
                 with contextlib.suppress(Exception):
                     prepped.release()
-
-    @staticmethod
-    def _released(handle: Any) -> bool:
-        try:
-            handle.release()
-        except Exception:
-            return False
-        return True
 
     def take(self, peer: str, slot: int, generation: int) -> tuple[Notice, int] | None:
         """The oldest notification from ``peer`` about ``slot`` in its ``generation``, if any
@@ -396,6 +441,10 @@ class TransferSet:
             self._frame = None
         return self._frame is None
 
+    def quiet(self) -> bool:
+        """``settle``; True once neither a frame nor a ping is in flight."""
+        return self.settle() and self._ping is None
+
     def write_frame(self, payload_bytes: int, message: bytes) -> None:
         """WRITEs header and ``payload_bytes`` of payload, then notifies ``message``.
 
@@ -416,8 +465,8 @@ class TransferSet:
             self._ping = self.handle(0)
 
     def release(self) -> None:
-        """Frees the handles and lists (a handle whose WRITE is still in flight, when NIXL cannot
-        cancel it, is released later: ``Endpoint.release``)."""
+        """Frees the handles and lists; only once nothing is in flight (``Endpoint.retire`` waits
+        for that), or when the peer was never written to."""
         handles = list(self._handles.values())
         self._handles.clear()
         self._frame = self._ping = None
@@ -425,3 +474,10 @@ class TransferSet:
 
     def _release_lists(self, remote: bool) -> None:
         self.endpoint.release([], [self.local, self.remote] if remote else [self.local])
+
+
+@dataclass
+class _Retiring:
+    writes: TransferSet
+    then: Callable[[], None] | None
+    pinged: bool = False

@@ -189,7 +189,7 @@ class NixlServerTransport(ServerTransport):
         with self._lock:
             return self._release(slot, announce=True)
 
-    def _release(self, slot: int, announce: bool, drop_peer: bool = True) -> bool:  # caller holds the lock
+    def _release(self, slot: int, announce: bool) -> bool:  # caller holds the lock
         info = self._slots.pop(slot, None)
         if info is None:
             return False
@@ -199,9 +199,9 @@ class NixlServerTransport(ServerTransport):
                 self.endpoint.notify(info.peer, notice(Notice.OFFLINE, slot, info.generation))
             except Exception as exc:
                 log.debug("nixl slot %d: telling %s it is offline failed: %s", slot, info.peer, exc)
-        info.writes.release()
-        if drop_peer:
-            self.endpoint.release_peer(info.peer)
+        # The slot's answer WRITEs and its hold on the client's agent go once nothing of them is in
+        # flight (a hung client: once it answers or dies; nixl_endpoint's "Letting go").
+        self.endpoint.retire(info.writes)
         return True
 
     def _lose(self, slot: int, reason: str) -> None:  # caller holds the lock
@@ -296,11 +296,12 @@ class NixlServerTransport(ServerTransport):
 
     def close(self) -> None:
         with self._lock:
-            announced = [self._release(slot, announce=True, drop_peer=False) for slot in list(self._slots)]
+            announced = [self._release(slot, announce=True) for slot in list(self._slots)]
         deadline = time.monotonic() + (CLOSE_NOTICE_S if announced else 0.0)
-        while time.monotonic() < deadline:  # let the OFFLINE notices leave before disconnecting
+        while time.monotonic() < deadline and self.endpoint.retiring():  # the OFFLINE notices leave
             self.endpoint.collect()
             time.sleep(1e-3)
+        self.endpoint.abandon()
         for peer in self.endpoint.peers():
             while peer in self.endpoint.peers():
                 self.endpoint.release_peer(peer)

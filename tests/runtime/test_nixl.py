@@ -7,6 +7,7 @@ failing its clients at once."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -462,3 +463,93 @@ def test_a_killed_server_fails_its_waiting_client_at_once(
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+LEFT_HUNG_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from eaas.runtime.client.connection import ServerConnection
+    from eaas.runtime.placement import Placement
+    from eaas.runtime.transport.nixl_client import client_endpoint
+    sys.path.insert(0, sys.argv[4])
+    from test_nixl import request_for
+    placement = Placement.from_json(Path(sys.argv[1]).read_text())
+    url, pid, other_url = sys.argv[2], int(sys.argv[3]), sys.argv[5]
+    conn = ServerConnection(0, url, "nixl", "left-hung", 30.0, 5.0)
+    conn.connect()
+    other = ServerConnection(0, other_url, "nixl", "busy", 30.0, 5.0)
+    other.connect()
+    layer, x, ids, weights = request_for(placement, 2)
+
+    def round_trip():  # to the other server: progress on the agent, as a decoding client makes
+        other.channel.send(layer, x, ids, weights)
+        other.channel.receive(time.monotonic() + 10)
+
+    conn.channel.send(layer, x, ids, weights)
+    conn.channel.receive(time.monotonic() + 10)
+    os.kill(pid, signal.SIGSTOP)
+    conn.channel.send(layer, x, ids, weights)  # never answered: in flight when the channel closes
+    time.sleep(0.2)
+    conn.drop()
+    endpoint = client_endpoint()
+    for _ in range(50):
+        round_trip()
+    kept = (endpoint.retiring(), len(endpoint.peers()))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (endpoint.retiring() or time.monotonic() < deadline - 3):
+        round_trip()  # UCX reports the dead server in these progress calls
+    print(json.dumps({"kept": kept, "after": (endpoint.retiring(), len(endpoint.peers()))}), flush=True)
+    """
+)
+
+
+def test_a_channel_closed_on_a_hung_server_keeps_its_connection_until_the_server_dies(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Closing a channel whose request a hung (SIGSTOPped) server never answered, then the server
+    dying: NIXL 1.5 frees its endpoint object when the peer is removed while UCX keeps closing the
+    connection, and the server's death then crashed the client (SIGSEGV, in its next progress call).
+    The channel's connection is kept until the server answers or dies, then let go of. The client
+    runs in a child process, so that a crash fails this test rather than ending the run."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    (tmp_path / "placement.json").write_text(placement.to_json())
+    servers = [
+        subprocess.Popen(
+            [sys.executable, "-c", SERVER_SCRIPT, str(checkpoint), str(tmp_path / "placement.json")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        urls = [json.loads(server.stdout.readline())["url"] for server in servers if server.stdout]
+        client = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                LEFT_HUNG_SCRIPT,
+                str(tmp_path / "placement.json"),
+                urls[0],
+                str(servers[0].pid),
+                str(Path(__file__).parent),
+                urls[1],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "UCX_TLS": "tcp"},  # the pod network's transport, as in the drills
+        )
+    finally:
+        for server in servers:
+            if server.poll() is None:
+                server.kill()
+            server.wait(timeout=10)
+    assert client.returncode == 0, f"the client exited with {client.returncode}:\n{client.stderr[-3000:]}"
+    outcome = json.loads(client.stdout.strip().splitlines()[-1])
+    assert outcome["kept"] == [1, 2]  # the hung server's connection, kept while it hangs
+    assert outcome["after"] == [0, 1]  # let go of once it died
