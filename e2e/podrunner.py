@@ -23,7 +23,9 @@ honoured, and anything else fails loudly (an Event and a waiting reason that nam
   readOnlyRootFilesystem, allowPrivilegeEscalation=false (no_new_privs). Capabilities are dropped by
   not being root; seccomp profiles are not applied.
 * HTTP/TCP readiness and liveness probes drive the pod's conditions; a failing liveness probe
-  restarts the container; ``restartPolicy`` with a (shortened) back-off.
+  restarts the container; ``restartPolicy`` with a (shortened) back-off. Before that restart the
+  runner sends the process SIGUSR1 (EaaS processes write every thread's stack to standard error on
+  it), so the log keeps where a hung process was stuck; the kubelet does not do this.
 * What it reports stays true: a node the node lifecycle controller marked Unknown (its Lease looked
   too old, e.g. across an API server outage) has its status posted again, and pod conditions
   somebody else overwrote (that controller marks such a node's pods not Ready) are patched back.
@@ -71,6 +73,7 @@ LEASE_SECONDS = 40
 RENEW_SECONDS = 10
 LOOP_SECONDS = 0.2
 MAX_BACKOFF_SECONDS = 10.0
+STACK_DUMP_PAUSE_S = 0.5  # after SIGUSR1 to a container that failed its liveness probe
 CLUSTER_DOMAIN = "cluster.local"
 KUBELET_VERSION = "v1.37.1-eaas-podrunner"
 
@@ -897,6 +900,17 @@ class PodWorker(threading.Thread):
         if container.readiness is None:
             container.ready = True
 
+    @staticmethod
+    def _dump_stacks(container: Container) -> None:
+        """SIGUSR1 to a container whose liveness failed, so its log keeps the stacks of the hang
+        (faulthandler writes them without the GIL; the pause lets the dump reach the log)."""
+        process = container.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGUSR1)
+            time.sleep(STACK_DUMP_PAUSE_S)
+
     def _stop_container(self, container: Container, grace: float) -> None:
         process = container.process
         if process is None or process.poll() is not None:
@@ -987,6 +1001,7 @@ class PodWorker(threading.Thread):
                 self.runner.event(
                     self.pod, "Warning", "Unhealthy", f"Liveness probe failed: {detail}; restarting"
                 )
+                self._dump_stacks(container)
                 grace = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
                 self._stop_container(container, grace)
                 probe.ok = None

@@ -332,7 +332,11 @@ def drill(system: System, victim: Any, act: Any, name: str, timeout: float = 180
                 return False
         return system.full_strength(3)
 
-    with ReplicaWatch(system) as watch, Load(system.url, system.model, workers=2) as load:
+    # The load outlasts every wait below (before, the drill's recovery, after), so a slow recovery
+    # is reported as slow, never as "no requests after the drill" because the load had run out.
+    lasting = 120 + 3 + timeout + 120 + 30
+    load = Load(system.url, system.model, workers=2, max_seconds=lasting)
+    with ReplicaWatch(system) as watch, load:
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
         before_start = time.monotonic()
         time.sleep(3)
