@@ -15,9 +15,11 @@ from eaas.operator.api.base import CRDModel, Rule
 from eaas.runtime.model.config import Family, MoEConfig
 from eaas.runtime.model.presets import PRESETS, preset
 
-Transport = Literal["tcp", "shm", "cuda_ipc", "nvshmem", "nixl"]
-TRANSPORTS: tuple[Transport, ...] = ("tcp", "shm", "cuda_ipc", "nvshmem", "nixl")
-GPU_TRANSPORTS: tuple[Transport, ...] = ("cuda_ipc", "nvshmem")
+# The runtime's transports (eaas.runtime.transport.registry, which needs torch; a test keeps the two
+# lists equal), so the CRDs offer nothing the expert servers cannot do.
+Transport = Literal["tcp", "shm", "cuda_ipc", "nixl"]
+TRANSPORTS: tuple[Transport, ...] = ("tcp", "shm", "cuda_ipc", "nixl")
+GPU_TRANSPORTS: tuple[Transport, ...] = ("cuda_ipc",)  # slots in GPU memory
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 # Kubernetes name shapes (RFC 1123 label / subdomain) and resource quantities.

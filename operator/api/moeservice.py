@@ -116,8 +116,8 @@ class MoEServiceSpec(CRDModel):
 
     rules = (
         Rule(
-            "!(self.transport in ['cuda_ipc', 'nvshmem']) || self.expertPool.gpusPerPod == 1",
-            "transports cuda_ipc and nvshmem need expertPool.gpusPerPod = 1",
+            "self.transport != 'cuda_ipc' || self.expertPool.gpusPerPod == 1",
+            "transport cuda_ipc needs expertPool.gpusPerPod = 1 (its slots are in one GPU's memory)",
             field_path=".transport",
             check=lambda s: s.transport not in GPU_TRANSPORTS or s.expert_pool.gpus_per_pod == 1,
         ),
@@ -157,9 +157,9 @@ class MoEServiceSpec(CRDModel):
     """The expert servers."""
     transport: Transport = "tcp"
     """How attention clients reach expert servers: ``tcp`` (CPU or GPU pods, across nodes), ``shm``
-    (CPU, one node), ``cuda_ipc`` (GPU, one node), ``nvshmem`` (GPU, across nodes), ``nixl`` (NIXL
-    one-sided writes over UCX into host memory: CPU or GPU pods, across nodes, RDMA where the NICs
-    have it; set up by ``ucx``)."""
+    (CPU, one node), ``cuda_ipc`` (GPU, one node), ``nixl`` (NIXL one-sided writes over UCX into
+    host memory: CPU or GPU pods, across nodes, RDMA where the NICs have it; set up by ``ucx``).
+    GPU-initiated transfers across nodes (NVSHMEM) are planned, not offered."""
     ucx: UCXSpec = UCXSpec()
     """UCX transports, devices and TCP ports of transport ``nixl`` (ignored by the others)."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()

@@ -119,8 +119,8 @@ class ExpertPoolSpec(ExpertPoolTemplate):
     model: ModelSpec
     """The served model (copied from the MoEService)."""
     transport: Transport = "tcp"
-    """How attention clients reach expert servers (``tcp``, ``shm``, ``cuda_ipc``, ``nvshmem``,
-    ``nixl``; see MoEService ``spec.transport``)."""
+    """How attention clients reach expert servers (``tcp``, ``shm``, ``cuda_ipc``, ``nixl``; see
+    MoEService ``spec.transport``)."""
     ucx: UCXSpec = UCXSpec()
     """UCX settings of transport ``nixl`` (copied from the MoEService)."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()
@@ -135,8 +135,8 @@ class AttentionPoolSpec(AttentionPoolTemplate):
     model: ModelSpec
     """The served model (copied from the MoEService)."""
     transport: Transport = "tcp"
-    """How attention clients reach expert servers (``tcp``, ``shm``, ``cuda_ipc``, ``nvshmem``,
-    ``nixl``; see MoEService ``spec.transport``)."""
+    """How attention clients reach expert servers (``tcp``, ``shm``, ``cuda_ipc``, ``nixl``; see
+    MoEService ``spec.transport``)."""
     ucx: UCXSpec = UCXSpec()
     """UCX settings of transport ``nixl`` (copied from the MoEService)."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()

@@ -11,10 +11,17 @@ import yaml
 from pydantic import ValidationError
 
 from eaas.operator.api import TRANSPORTS, ExpertPoolSpec, MoEServiceSpec
-from eaas.operator.api.common import EXPERTS_MAX, LAYERS_MAX, TOPK_MAX, UCX_DEVICES, UCX_TRANSPORTS
+from eaas.operator.api.common import (
+    EXPERTS_MAX,
+    GPU_TRANSPORTS,
+    LAYERS_MAX,
+    TOPK_MAX,
+    UCX_DEVICES,
+    UCX_TRANSPORTS,
+)
 from eaas.operator.reconcile.context import describe_validation_error
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.transport.registry import transport_names
+from eaas.runtime.transport.registry import get_transport, transport_names
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,9 +81,11 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
         ),
         (
             {"transport": "rdma"},
-            "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc', 'nvshmem' or 'nixl'",
+            "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc' or 'nixl'",
         ),
-        ({"transport": "nvshmem"}, "transports cuda_ipc and nvshmem need expertPool.gpusPerPod = 1"),
+        # Not offered until the runtime has it (it once was, and a pool reported Ready without it).
+        ({"transport": "nvshmem"}, "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc' or 'nixl'"),
+        ({"transport": "cuda_ipc"}, "transport cuda_ipc needs expertPool.gpusPerPod = 1"),
         ({"heartbeat.intervalSeconds": 10}, "timeoutSeconds must be greater than intervalSeconds"),
         (
             {"model.checkpoint.persistentVolumeClaim": {"claimName": "w"}},
@@ -184,8 +193,11 @@ def test_expert_pool_spec_checks_capacity_too(pool_spec: ExpertPoolSpec) -> None
         ExpertPoolSpec.from_k8s(data)
 
 
-def test_crd_transports_cover_the_runtime_registry() -> None:
-    assert set(transport_names()) <= set(TRANSPORTS)
+def test_crd_transports_are_the_runtime_registry() -> None:
+    """The CRDs offer every transport the runtime has and nothing it lacks (a transport offered
+    without a runtime once made a pool report Ready that could never serve)."""
+    assert sorted(TRANSPORTS) == transport_names()
+    assert set(GPU_TRANSPORTS) == {name for name in transport_names() if get_transport(name).needs_gpu}
 
 
 def test_model_bounds_come_from_moeconfig() -> None:
