@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,29 @@ READABLE_DTYPES = (*STORED_DTYPES, "U8")  # U8: MXFP4 blocks and scales
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or inconsistent."""
+
+
+def created_file_mode() -> int:
+    """The mode a file created now gets: 0666 less the process's umask (``open`` honours it;
+    safetensors writes its files 0600 whatever the umask)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def unreadable(path: Path, exc: OSError) -> CheckpointError:
+    """A ``CheckpointError`` that names ``path``, why it cannot be read, who asked and who owns it
+    (a checkpoint written by root and mounted into pods of another user is the usual case)."""
+    reason = exc.strerror or str(exc)
+    try:
+        st = path.stat()
+        owner = f"; the file is mode {st.st_mode & 0o777:04o}, owner uid {st.st_uid} gid {st.st_gid}"
+    except OSError:
+        owner = ""
+    return CheckpointError(
+        f"{path}: cannot be read ({reason}; this process runs as uid {os.geteuid()} gid "
+        f"{os.getegid()}{owner})"
+    )
 
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -99,6 +123,7 @@ def write_random_checkpoint(
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file_name), metadata={"format": "pt"})
+        (out / file_name).chmod(created_file_mode())  # readable as config.json is, by the pods' user
         weight_map.update(dict.fromkeys(shard, file_name))
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -128,7 +153,11 @@ class CheckpointReader:
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: not found (is this a checkpoint directory?)")
         try:
-            hf = json.loads(config_path.read_text())
+            text = config_path.read_text()
+        except OSError as exc:
+            raise unreadable(config_path, exc) from exc
+        try:
+            hf = json.loads(text)
             self.config = MoEConfig.from_hf_config(hf)
             self.fp8_block = fp8_block_size(hf)
             # Quantised weights dequantise to the dtype the checkpoint declares (bfloat16 if none).
@@ -147,6 +176,8 @@ class CheckpointReader:
         if index_path.is_file():
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
+            except OSError as exc:
+                raise unreadable(index_path, exc) from exc
             except (json.JSONDecodeError, KeyError) as exc:
                 raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from exc
             return dict(weight_map)
@@ -157,6 +188,11 @@ class CheckpointReader:
             return dict.fromkeys(f.keys(), single.name)
 
     def _open(self, path: Path) -> Any:
+        try:
+            with path.open("rb"):  # safetensors reports a refused open without saying why
+                pass
+        except OSError as exc:
+            raise unreadable(path, exc) from exc
         try:
             return safe_open(str(path), framework="pt")
         except Exception as exc:  # safetensors raises its own error type for bad headers and sizes

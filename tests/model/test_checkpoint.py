@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,53 @@ def test_bad_checkpoints_give_clear_errors(tmp_path: Path, tiny_checkpoints: dic
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 8}))
     with pytest.raises(CheckpointError, match=r"config\.json: config\.json \(qwen3_moe\): missing field"):
         CheckpointReader(tmp_path)
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path: Path) -> None:
+    """Shards are written as readable as config.json (safetensors alone writes them 0600, which a
+    pod running as another user than the writer cannot read)."""
+    old = os.umask(0o022)
+    try:
+        out = write_random_checkpoint(preset("mixtral"), tmp_path / "c", max_shard_bytes=256 * 1024)
+        os.umask(0o027)
+        group_only = write_random_checkpoint(preset("mixtral"), tmp_path / "g")
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o644}, modes
+    assert {f.stat().st_mode & 0o777 for f in group_only.iterdir()} == {0o640}
+
+
+@contextlib.contextmanager
+def as_other_user(uid: int = 65532) -> Iterator[None]:
+    """Runs the block as another user: root drops its effective uid (and gid) for it, so file
+    permissions apply; anyone else already is another user than root."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+@pytest.mark.parametrize("victim", ["config.json", "model.safetensors.index.json", "shard"])
+def test_an_unreadable_file_is_named_with_the_reason_and_the_users(victim: str) -> None:
+    with tempfile.TemporaryDirectory() as scratch:  # not under pytest's 0700 tmp root
+        root = Path(scratch)
+        root.chmod(0o755)
+        out = write_random_checkpoint(preset("mixtral"), root / "c")
+        name = next(f.name for f in out.glob("*.safetensors")) if victim == "shard" else victim
+        (out / name).chmod(0o600 if os.geteuid() == 0 else 0o000)
+        with as_other_user(), pytest.raises(CheckpointError) as caught:
+            reader = CheckpointReader(out)
+            reader.load(reader.names()[:1])
+    message = str(caught.value)
+    assert f"{name}: cannot be read (Permission denied; this process runs as uid" in message
+    assert "the file is mode 0" in message and "owner uid" in message
 
 
 def _copy(source: Path, target: Path) -> Path:
