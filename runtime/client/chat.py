@@ -161,8 +161,9 @@ def parse_chat(
     prompt_ids = encode(template.render(messages, tools.tools if tools else None))
     if not prompt_ids:
         raise bad("messages", "render to an empty prompt")
-    if max_tokens is None:  # OpenAI's default: as long as the context allows
-        completion["max_tokens"] = max(1, min(limits.max_tokens, limits.max_context - len(prompt_ids)))
+    if max_tokens is None:  # OpenAI's default: as long as the context allows (or the server's default)
+        most = min(limits.max_tokens, limits.default_max_tokens or limits.max_tokens)
+        completion["max_tokens"] = max(1, min(most, limits.max_context - len(prompt_ids)))
     call = parse_completion({**completion, "prompt": prompt_ids}, limits, encode)
     if tools is not None and tools.choice != "none":
         assert tool_format is not None

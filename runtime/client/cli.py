@@ -221,6 +221,7 @@ def attention_client(
     tool_call_parser: str,
     reasoning_parser: str,
     prefix_caching: bool,
+    default_max_tokens: int | None,
     max_batch_size: int,
     api_keys: tuple[str, ...],
     batching: str,
@@ -293,6 +294,7 @@ def attention_client(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         prefix_caching=prefix_caching,
+        default_max_tokens=default_max_tokens,
         client=options,
     )
     service = AttentionService(checkpoint, placement_path, discovery, serve_options)

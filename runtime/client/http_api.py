@@ -86,6 +86,9 @@ class Limits:
     vocab_size: int
     max_context: int  # prompt + new tokens of one sequence
     max_tokens: int  # most new tokens a request may ask for
+    # new tokens of a chat request that names none: None = the rest of the context (OpenAI's and
+    # vLLM's default), else at most this many (vLLM: --override-generation-config max_new_tokens)
+    default_max_tokens: int | None = None
 
 
 MAX_N = 16

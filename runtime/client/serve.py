@@ -100,6 +100,7 @@ class ServeOptions:
     max_batch_tokens: int = 8192  # prompt + new tokens of one batch (at least one sequence always runs)
     max_queue: int = 64  # sequences waiting; more are refused with 503
     max_tokens: int = 1024  # most new tokens one request may ask for
+    default_max_tokens: int | None = None  # a chat request naming none: None = the rest of the context
     batching: str = "continuous"  # or "static": one generate() call per batch (the baseline)
     kv_cache_bytes: int = 256 << 20  # continuous: the paged KV cache
     prefix_caching: bool = True  # continuous: reuse the KV blocks of shared prefixes
@@ -134,6 +135,7 @@ class AttentionService:
             self.config.vocab_size,
             self.config.max_position_embeddings,
             min(o.max_tokens, self.config.max_position_embeddings - 1),
+            o.default_max_tokens,
         )
         self.decoder: Decoder | None = None  # owned by the scheduler's worker thread
         self.experts: RemoteExperts | None = None

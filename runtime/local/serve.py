@@ -85,6 +85,7 @@ def serve(
     tool_call_parser: str,
     reasoning_parser: str,
     prefix_caching: bool,
+    default_max_tokens: int | None,
     log_level: str,
 ) -> None:
     """Serve CHECKPOINT (or a random --preset model) with an OpenAI-compatible API."""
@@ -111,6 +112,7 @@ def serve(
         except (CheckpointError, ValueError) as exc:
             raise click.ClickException(str(exc)) from exc
         placement = round_robin(config.moe_layers, config.num_experts, num_servers, replication=replication)
+        random_weights = preset_spec is not None  # a preset is written with random weights
         name = served_model_name or (preset_spec if preset_spec else checkpoint.resolve().name)
         click.echo(
             f"model {name}: {config.family}, {config.num_layers} layers ({len(config.moe_layers)} MoE), "
@@ -146,6 +148,7 @@ def serve(
                 tool_call_parser=tool_call_parser,
                 reasoning_parser=reasoning_parser,
                 prefix_caching=prefix_caching,
+                default_max_tokens=default_max_tokens,
                 client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )
             stop = threading.Event()
@@ -158,6 +161,12 @@ def serve(
                     partial = ready_file.with_name(ready_file.name + ".partial")
                     partial.write_text(json.dumps({"port": service.port}) + "\n")
                     partial.replace(ready_file)
+                if random_weights:
+                    click.echo(
+                        f"{name} has random weights (a preset, for trying EaaS out): its answers are "
+                        "noise; serve a real checkpoint with `eaas serve CHECKPOINT`",
+                        err=True,
+                    )
                 click.echo(
                     f"serving {name} on {service.url}/v1 ({batching} batching); Ctrl-C stops\n"
                     f"  curl {service.url}/v1/chat/completions -H 'Content-Type: application/json' "

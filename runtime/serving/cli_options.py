@@ -15,7 +15,17 @@ REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``c
 
 
 def serving_feature_options(command: F) -> F:
-    """``--tool-call-parser``, ``--reasoning-parser`` and ``--enable-prefix-caching/--no-...``."""
+    """``--tool-call-parser``, ``--reasoning-parser``, ``--enable-prefix-caching/--no-...`` and
+    ``--default-max-tokens``."""
+    command = click.option(
+        "--default-max-tokens",
+        type=click.IntRange(min=1),
+        default=None,
+        envvar="EAAS_DEFAULT_MAX_TOKENS",
+        show_envvar=True,
+        help="new tokens of a chat request that sets no max_tokens [default: the rest of the context, "
+        "as OpenAI and vLLM]",
+    )(command)
     command = click.option(
         "--enable-prefix-caching/--no-enable-prefix-caching",
         "prefix_caching",

@@ -535,3 +535,23 @@ def test_thinking_is_told_from_the_answer_and_calls_are_read_from_the_answer(too
     assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
         ("add", {"a": 7, "b": True})
     ]
+
+
+def test_a_chat_without_max_tokens_runs_to_the_context_or_the_servers_default() -> None:
+    """OpenAI's and vLLM's default (the rest of the context), and ``--default-max-tokens``."""
+    from eaas.runtime.client.chat import parse_chat
+    from eaas.runtime.client.http_api import Limits
+
+    template = ChatTemplate(TEMPLATE, {"bos_token": "<s>"})
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def encode(text: str) -> list[int]:
+        return list(text.encode())
+
+    prompt = len(encode(template.render(body["messages"])))
+    unbounded = parse_chat(body, Limits(256, 512, 1024), template, encode)[0]
+    assert unbounded.params.max_tokens == 512 - prompt
+    bounded = parse_chat(body, Limits(256, 512, 1024, default_max_tokens=32), template, encode)[0]
+    assert bounded.params.max_tokens == 32
+    asked = parse_chat({**body, "max_tokens": 100}, Limits(256, 512, 1024, 32), template, encode)[0]
+    assert asked.params.max_tokens == 100  # the default is only a default
