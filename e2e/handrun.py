@@ -83,8 +83,8 @@ def cluster_up(directory: Path, node_count: int) -> int:
 def cluster_status(directory: Path) -> int:
     state = _state(directory)
     if state is None:
-        print(f"no cluster in {directory}")
-        return 1
+        print(f"no cluster in {directory} (make cluster-up starts one)")
+        return 0
     alive = {entry["name"]: _our_process(entry) for entry in state["processes"]}
     print(json.dumps({"kubeconfig": state["kubeconfig"], "running": alive}, indent=2))
     return 0 if all(alive.values()) else 1

@@ -8,20 +8,20 @@
 #   make cluster-down  stop it and remove its directory
 .PHONY: k8s-bins host-tools cluster-up cluster-down cluster-status
 
-k8s-bins: host-tools
+k8s-bins: host-tools ## build the Kubernetes test binaries once into ~/.cache/eaas
 	@bash e2e/bin/build-k8s.sh
 
-host-tools:
+host-tools: ## nft and ip for the process nodes, from Debian's packages when missing (root)
 	@command -v nft >/dev/null && command -v ip >/dev/null || { \
 		echo "installing nftables and iproute2 (process nodes of the e2e cluster)"; \
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables iproute2 >/dev/null \
 		|| echo "warning: could not install nftables/iproute2: the whole-system drills will fail"; }
 
-cluster-up: install k8s-bins
+cluster-up: install k8s-bins ## start a local control plane (kwok nodes) in the background
 	@$(PY) -m e2e.handrun up
 
-cluster-down:
+cluster-down: ## stop it and remove its directory
 	@$(PY) -m e2e.handrun down
 
-cluster-status:
+cluster-status: ## what of it runs (says so when there is none)
 	@$(PY) -m e2e.handrun status

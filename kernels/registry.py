@@ -69,6 +69,18 @@ def available_backends() -> list[str]:
     ]
 
 
+def check_backend_name(name: str) -> None:
+    """``ValueError`` naming the choices unless :func:`get_backend` knows ``name`` (a factory's
+    arguments are checked too), without importing a lazily loaded backend."""
+    prefix, _, arguments = name.partition(":")
+    if name in _BACKENDS or name in _LAZY_BACKENDS:
+        return
+    if prefix in _FACTORIES:
+        _load(_FACTORIES[prefix])(arguments)
+        return
+    raise ValueError(f"unknown kernel backend {name!r}; available: {', '.join(available_backends())}")
+
+
 def _load(reference: str) -> Any:
     module_name, attribute = reference.split(":")
     return getattr(importlib.import_module(module_name), attribute)

@@ -24,7 +24,10 @@ ROLES = ("Run locally", "Serve", "Operate on Kubernetes", "Tools")
 
 COMMANDS: dict[str, Entry] = {
     "model": Entry(
-        "eaas.runtime.model.cli", "model", "Tools", "Make random checkpoints, list presets, generate."
+        "eaas.runtime.model.cli",
+        "model",
+        "Tools",
+        "Random checkpoints, presets, inspecting a checkpoint, reference generation.",
     ),
     "serve": Entry(
         "eaas.runtime.local.serve",

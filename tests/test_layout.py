@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,3 +88,65 @@ def test_layers_point_one_way() -> None:
             for path, names in imported_modules(ROOT / layer).items()
         }
         assert not {p: n for p, n in offenders.items() if n}, f"{layer} imports a higher layer"
+
+
+def test_make_help_lists_every_target() -> None:
+    """Every target of the Makefile (and e2e/k8s.mk) says what it does in `make help`."""
+    import re
+
+    targets = {
+        match.group(1)
+        for makefile in (ROOT / "Makefile", ROOT / "e2e" / "k8s.mk")
+        for match in re.finditer(r"^([a-z][a-z0-9-]*):(?!=)", makefile.read_text(), re.MULTILINE)
+    }
+    shown = subprocess.run(["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    listed = {line.split()[1] for line in shown.stdout.splitlines() if line.startswith("make ")}
+    assert targets >= {"serve", "test", "cluster-status"}
+    assert listed == targets, (sorted(targets - listed), sorted(listed - targets))
+
+
+def every_command(
+    group: click.Group, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], click.Command]]:
+    """(words, command) for every command under ``group``, groups included."""
+    found: list[tuple[tuple[str, ...], click.Command]] = [(path, group)]
+    with click.Context(group) as ctx:
+        for name in group.list_commands(ctx):
+            sub = group.get_command(ctx, name)
+            assert sub is not None, name
+            if isinstance(sub, click.Group):
+                found += every_command(sub, (*path, name))
+            else:
+                found.append(((*path, name), sub))
+    return found
+
+
+def test_one_cli_vocabulary() -> None:
+    """No description in any help is cut off; every --log-level has the same choices and default;
+    every --kernel-backend lists the registry's backends
+    and refuses an unknown one while reading the options (before a checkpoint is written or a
+    process started)."""
+    from eaas.kernels.registry import available_backends
+    from eaas.runtime.cli import main
+    from eaas.runtime.serving.cli_options import LOG_LEVELS
+
+    for words, command in every_command(main):
+        shown = CliRunner().invoke(main, [*words, "--help"], terminal_width=80)
+        assert shown.exit_code == 0, (words, shown.output)
+        described = [line for line in shown.output.splitlines() if not line.startswith("Usage:")]
+        cut = [line for line in described if line.rstrip().endswith("...") and "simulated:..." not in line]
+        assert not cut, (words, cut)  # click cuts a summary too long for its column with "..."
+        level = next((p for p in command.params if "--log-level" in getattr(p, "opts", ())), None)
+        if level is not None:
+            assert isinstance(level.type, click.Choice), words
+            assert (tuple(level.type.choices), level.default) == (LOG_LEVELS, "INFO"), words
+        backend = next((p for p in command.params if "--kernel-backend" in getattr(p, "opts", ())), None)
+        if backend is None:
+            continue
+        help_text = " ".join(shown.output.split())
+        for name in available_backends():
+            assert name.partition(":")[0] in help_text, (words, name)
+        refused = CliRunner().invoke(main, [*words, "--kernel-backend", "no-such-backend"])
+        assert refused.exit_code == 2, (words, refused.output)
+        assert "unknown kernel backend 'no-such-backend'; available: grouped_mm, torch" in refused.output

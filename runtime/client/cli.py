@@ -26,7 +26,7 @@ import click
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import serving_feature_options
+from eaas.runtime.serving.cli_options import log_level_option, serving_feature_options
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 )
 @lease_options
 @data_token_options
-@click.option("--log-level", default="INFO", show_default=True, help="serve: logging level")
+@log_level_option
 @click.option("--prompt", "prompts", multiple=True, default=["Experts as a service"], show_default=True)
 @click.option("--max-new-tokens", default=16, show_default=True)
 @click.option(

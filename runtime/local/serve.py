@@ -24,7 +24,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES
-from eaas.runtime.serving.cli_options import serving_feature_options
+from eaas.runtime.serving.cli_options import check_kernel_backend, log_level_option, serving_feature_options
 from eaas.runtime.transport import host_transport_names
 
 
@@ -51,7 +51,13 @@ from eaas.runtime.transport import host_transport_names
 @click.option("--max-num-seqs", default=32, show_default=True, help="sequences running at once")
 @click.option("--kv-cache-mb", default=256, show_default=True, help="size of the paged KV cache")
 @click.option("--max-tokens", default=1024, show_default=True, help="most new tokens per request")
-@click.option("--kernel-backend", default="torch", show_default=True)
+@click.option(
+    "--kernel-backend",
+    default="torch",
+    show_default=True,
+    callback=check_kernel_backend,
+    help="expert compute of the expert servers: torch, triton, grouped_mm or simulated:EXPERT_US:ENTRY_US",
+)
 @click.option(
     "--api-key",
     default=None,
@@ -64,7 +70,7 @@ from eaas.runtime.transport import host_transport_names
     type=click.Path(dir_okay=False, path_type=Path),
     help="write {port} here once serving (for scripts)",
 )
-@click.option("--log-level", default="WARNING", show_default=True)
+@log_level_option
 @serving_feature_options
 def serve(
     checkpoint: Path | None,
@@ -183,7 +189,13 @@ def serve(
 def _random_checkpoint(spec: str, workdir: Path) -> Path:
     from eaas.runtime.model import preset, write_random_checkpoint
 
-    family, _, name = spec.partition("/")
+    family, slash, name = spec.partition("/")
+    if not slash:
+        raise click.BadParameter(
+            f"FAMILY/PRESET is needed, e.g. mixtral/tiny (families: {', '.join(FAMILIES)}; "
+            f"`eaas model presets` lists the presets), got {spec!r}",
+            param_hint="--preset",
+        )
     try:
         config = preset(family, name or "tiny")  # type: ignore[arg-type]
     except ValueError as exc:

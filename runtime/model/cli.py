@@ -13,7 +13,7 @@ from eaas.runtime.model.config import FAMILIES
 
 @click.group()
 def model() -> None:
-    """Make random checkpoints, list presets, generate with the reference model."""
+    """Random checkpoints, presets, inspecting a checkpoint, reference generation."""
 
 
 @model.command("presets")
@@ -21,13 +21,21 @@ def presets_cmd() -> None:
     """List the presets of every family."""
     from eaas.runtime.model.presets import preset, preset_names
 
-    for family in FAMILIES:
-        for name in preset_names(family):
-            c = preset(family, name)
-            click.echo(
-                f"{family:12s} {name:16s} layers={c.num_layers} hidden={c.hidden_size} "
-                f"experts={c.num_experts} top_k={c.top_k} expert_intermediate={c.expert_intermediate_size}"
-            )
+    rows = [
+        (
+            family,
+            name,
+            f"layers={c.num_layers} hidden={c.hidden_size} experts={c.num_experts} top_k={c.top_k} "
+            f"expert_intermediate={c.expert_intermediate_size}",
+        )
+        for family in FAMILIES
+        for name in preset_names(family)
+        for c in [preset(family, name)]
+    ]
+    family_width = max(len(row[0]) for row in rows)
+    name_width = max(len(row[1]) for row in rows)
+    for family, name, shape in rows:
+        click.echo(f"{family:{family_width}s}  {name:{name_width}s}  {shape}".rstrip())
 
 
 @model.command("init")
@@ -80,7 +88,7 @@ def init_cmd(
     click.echo(f"wrote {family}/{preset_name} ({size_mib:.1f} MiB, {shards} shards) to {out}")
 
 
-@model.command("inspect")
+@model.command("inspect", short_help="Family, sizes, dtypes and memory per server of a checkpoint.")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--servers", default=8, show_default=True, help="expert servers in the pool")
 @click.option("--replication", default=2, show_default=True, help="copies of each expert (R)")
@@ -99,7 +107,7 @@ def inspect_cmd(checkpoint: Path, servers: int, replication: int) -> None:
         click.echo(line)
 
 
-@model.command("generate")
+@model.command("generate", short_help="Greedy generation with the reference model (no servers).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
 @click.option("--prompt", "prompts", multiple=True, default=["Experts as a service"], show_default=True)
 @click.option("--max-new-tokens", default=16, show_default=True)

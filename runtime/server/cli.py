@@ -15,6 +15,7 @@ from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
+from eaas.runtime.serving.cli_options import check_kernel_backend, log_level_option
 from eaas.runtime.transport import transport_names
 
 
@@ -61,6 +62,7 @@ from eaas.runtime.transport import transport_names
     "--kernel-backend",
     default="torch",
     show_default=True,
+    callback=check_kernel_backend,
     help=f"expert compute backend ({', '.join(available_backends())})",
 )
 @click.option(
@@ -94,7 +96,7 @@ from eaas.runtime.transport import transport_names
 )
 @lease_options
 @data_token_options
-@click.option("--log-level", default="INFO", show_default=True)
+@log_level_option
 def expert_server(
     checkpoint: Path,
     placement_path: Path | None,

@@ -14,6 +14,34 @@ TOOL_CALL_PARSERS = ("auto", "hermes")  # auto + ``client.tools.FORMATS``
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``client.reasoning.STYLES``
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level_option(command: F) -> F:
+    """``--log-level``, the same choices and default for every long-running command."""
+    return click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        default="INFO",
+        show_default=True,
+        help="logging level of this process (and of the processes it starts)",
+    )(command)
+
+
+def check_kernel_backend(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A ``--kernel-backend`` callback: an unknown backend is refused while the options are read,
+    before any checkpoint is written or process started."""
+    if value is None:
+        return value
+    from eaas.kernels.registry import check_backend_name  # torch: only once the option is given
+
+    try:
+        check_backend_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 def serving_feature_options(command: F) -> F:
     """``--tool-call-parser``, ``--reasoning-parser``, ``--enable-prefix-caching/--no-...`` and
     ``--default-max-tokens``."""
