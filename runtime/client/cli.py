@@ -269,8 +269,8 @@ def attention_client(
             max_new_tokens,
         )
         return
-    from eaas.runtime.client.serve import AttentionService, ServeOptions, dns_discovery, static_discovery
     from eaas.runtime.lease import Heartbeat
+    from eaas.runtime.serving.serve import AttentionService, ServeOptions, dns_discovery, static_discovery
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -355,9 +355,9 @@ def _one_shot(
     max_new_tokens: int,
 ) -> None:
     from eaas.runtime.client import AttentionClient, ExpertUnavailable, HandshakeError
-    from eaas.runtime.client.serve import expert_urls
     from eaas.runtime.model import ByteTokenizer
     from eaas.runtime.placement import Placement, PlacementError
+    from eaas.runtime.serving.serve import expert_urls
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -96,11 +96,11 @@ def serve(
 ) -> None:
     """Serve CHECKPOINT (or a random --preset model) with an OpenAI-compatible API."""
     from eaas.runtime.client import ClientOptions
-    from eaas.runtime.client.serve import AttentionService, ServeOptions, static_discovery
     from eaas.runtime.local.cluster import ClusterError, LocalCluster
     from eaas.runtime.model import CheckpointReader
     from eaas.runtime.model.checkpoint import CheckpointError
     from eaas.runtime.placement import round_robin
+    from eaas.runtime.serving.serve import AttentionService, ServeOptions, static_discovery
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (checkpoint is None) == (preset_spec is None):

@@ -2,7 +2,7 @@
 for random checkpoints that have none, a byte-level one (token id = byte value; ids >= 256
 decode to nothing). ``load_tokenizer`` picks.
 
-Both decode whole id lists; streaming callers (``client/text_stream.py``) decode a short window
+Both decode whole id lists; streaming callers (``serving/text_stream.py``) decode a short window
 of the growing list and hold back a trailing U+FFFD, so a character split over several tokens is
 released only once complete.
 """

@@ -1,6 +1,13 @@
-"""The serving engine of the attention client: continuous batching over a paged KV cache.
+"""The serving front of an attention client: the OpenAI-compatible API and the engine behind it.
 
-``sampling`` (parameters and the sampler), ``blocks`` (the KV block allocator), ``scheduler``
-(which sequences run each step), ``engine`` (one decoder step at a time) are pure or
-single-threaded; the HTTP service (``runtime/client/serve.py``) drives the engine from one thread.
+The engine (continuous batching over a paged KV cache): ``sampling`` (parameters and the sampler),
+``blocks`` (the KV block allocator and prefix cache), ``scheduler`` (which sequences run each step),
+``engine`` (one decoder step at a time), ``grammar`` (structured outputs) — pure or single-threaded.
+The front: ``serve`` (``AttentionService``: the HTTP service, placement swaps, readiness), ``http_api``
+(request parsing, limits, errors), ``completions`` and ``chat`` (the two APIs), ``tools`` and
+``reasoning`` (tool calls and thinking in chat answers), ``text_stream`` (incremental detokenising),
+``engine_worker`` (the thread that owns the engine), ``batch_scheduler`` (static batching, the
+baseline), ``metrics`` (Prometheus, with vLLM's names), ``cli_options`` (shared CLI options).
+
+``runtime/client/`` is the attention client's data path under it: routing, remote experts, failover.
 """

@@ -10,8 +10,8 @@ import click
 
 F = TypeVar("F", bound=Callable[..., object])
 
-TOOL_CALL_PARSERS = ("auto", "hermes")  # auto + ``client.tools.FORMATS``
-REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``client.reasoning.STYLES``
+TOOL_CALL_PARSERS = ("auto", "hermes")  # auto + ``serving.tools.FORMATS``
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``serving.reasoning.STYLES``
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from eaas.runtime.client import ClientOptions
-from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull, take_batch
-from eaas.runtime.client.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_reference
 from eaas.runtime.placement import round_robin
+from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
+from eaas.runtime.serving.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MODEL = "tiny-mixtral"

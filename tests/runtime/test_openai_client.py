@@ -25,12 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eaas.runtime.client import ClientOptions
-from eaas.runtime.client.chat import ChatTemplate
-from eaas.runtime.client.http_api import ApiError
-from eaas.runtime.client.serve import AttentionService, ServeOptions, static_discovery
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import CheckpointReader, Decoder, load_reference, load_tokenizer
 from eaas.runtime.placement import round_robin
+from eaas.runtime.serving.chat import ChatTemplate
+from eaas.runtime.serving.http_api import ApiError
+from eaas.runtime.serving.serve import AttentionService, ServeOptions, static_discovery
 
 MODEL = "tiny-chat"
 TEMPLATE = (
@@ -539,8 +539,8 @@ def test_thinking_is_told_from_the_answer_and_calls_are_read_from_the_answer(too
 
 def test_a_chat_without_max_tokens_runs_to_the_context_or_the_servers_default() -> None:
     """OpenAI's and vLLM's default (the rest of the context), and ``--default-max-tokens``."""
-    from eaas.runtime.client.chat import parse_chat
-    from eaas.runtime.client.http_api import Limits
+    from eaas.runtime.serving.chat import parse_chat
+    from eaas.runtime.serving.http_api import Limits
 
     template = ChatTemplate(TEMPLATE, {"bos_token": "<s>"})
     body = {"messages": [{"role": "user", "content": "hi"}]}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eaas.runtime.client.reasoning import STYLES, StreamedReasoning, reasoning_style
 from eaas.runtime.serving.cli_options import REASONING_PARSERS
+from eaas.runtime.serving.reasoning import STYLES, StreamedReasoning, reasoning_style
 
 R1, QWEN3 = STYLES["deepseek_r1"], STYLES["qwen3"]
 

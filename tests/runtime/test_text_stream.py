@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eaas.runtime.client.text_stream import REPLACEMENT, TextStream
 from eaas.runtime.model.tokenizer import ByteTokenizer
+from eaas.runtime.serving.text_stream import REPLACEMENT, TextStream
 
 BYTES = ByteTokenizer(512)
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from eaas.runtime.client.chat import ChatTemplate, parse_messages
-from eaas.runtime.client.http_api import ApiError
-from eaas.runtime.client.tools import FORMATS, HermesFormat, StreamedCalls, parse_tools, tool_format
+from eaas.runtime.serving.chat import ChatTemplate, parse_messages
 from eaas.runtime.serving.cli_options import TOOL_CALL_PARSERS
+from eaas.runtime.serving.http_api import ApiError
+from eaas.runtime.serving.tools import FORMATS, HermesFormat, StreamedCalls, parse_tools, tool_format
 
 WEATHER = {
     "type": "function",

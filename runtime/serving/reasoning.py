@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eaas.runtime.client.text_stream import partial_suffix
+from eaas.runtime.serving.text_stream import partial_suffix
 
 START = "<think>"
 END = "</think>"

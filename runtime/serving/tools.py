@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from eaas.runtime.client.http_api import bad
-from eaas.runtime.client.text_stream import partial_suffix
 from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, load_llguidance
+from eaas.runtime.serving.http_api import bad
+from eaas.runtime.serving.text_stream import partial_suffix
 
 MAX_TOOLS = 128
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -18,15 +18,15 @@ from dataclasses import replace
 from http import HTTPStatus
 from typing import Any
 
-from eaas.runtime.client.engine_worker import EngineWorker, Events, Request
-from eaas.runtime.client.http_api import ApiError, CompletionRequest, bad, overloaded
-from eaas.runtime.client.metrics import AttentionMetrics
-from eaas.runtime.client.reasoning import ReasoningStyle, StreamedReasoning
-from eaas.runtime.client.scheduler import QueueFull
-from eaas.runtime.client.text_stream import TextStream
-from eaas.runtime.client.tools import StreamedCalls
+from eaas.runtime.serving.batch_scheduler import QueueFull
+from eaas.runtime.serving.engine_worker import EngineWorker, Events, Request
 from eaas.runtime.serving.grammar import GrammarError, Grammars
+from eaas.runtime.serving.http_api import ApiError, CompletionRequest, bad, overloaded
+from eaas.runtime.serving.metrics import AttentionMetrics
+from eaas.runtime.serving.reasoning import ReasoningStyle, StreamedReasoning
 from eaas.runtime.serving.sampling import Sampled
+from eaas.runtime.serving.text_stream import TextStream
+from eaas.runtime.serving.tools import StreamedCalls
 
 Chunk = dict[str, Any]
 

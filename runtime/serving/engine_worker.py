@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eaas.runtime.client.scheduler import QueueFull
+from eaas.runtime.serving.batch_scheduler import QueueFull
 from eaas.runtime.serving.engine import Engine, StepFailed
 from eaas.runtime.serving.sampling import Sampled, SamplingParams
 from eaas.runtime.serving.scheduler import Sequence

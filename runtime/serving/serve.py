@@ -36,11 +36,18 @@ from typing import Any
 
 import torch
 
-from eaas.runtime.client.chat import ChatTemplate, parse_chat, parse_messages
-from eaas.runtime.client.completions import Completions, result_of
-from eaas.runtime.client.engine_worker import EngineWorker
 from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
-from eaas.runtime.client.http_api import (
+from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
+from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
+from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
+from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull
+from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
+from eaas.runtime.serving.completions import Completions, result_of
+from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.engine_worker import EngineWorker
+from eaas.runtime.serving.grammar import Grammars
+from eaas.runtime.serving.http_api import (
     ApiError,
     ApiServer,
     CompletionRequest,
@@ -51,16 +58,9 @@ from eaas.runtime.client.http_api import (
     parse_completion,
     unknown_model,
 )
-from eaas.runtime.client.metrics import AttentionMetrics
-from eaas.runtime.client.reasoning import reasoning_style
-from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
-from eaas.runtime.client.scheduler import BatchScheduler, Job, QueueFull
-from eaas.runtime.client.tools import parse_tools, tool_format
-from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
-from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
-from eaas.runtime.placement import Placement, PlacementError
-from eaas.runtime.serving.engine import Engine, EngineOptions
-from eaas.runtime.serving.grammar import Grammars
+from eaas.runtime.serving.metrics import AttentionMetrics
+from eaas.runtime.serving.reasoning import reasoning_style
+from eaas.runtime.serving.tools import parse_tools, tool_format
 from eaas.runtime.transport import RemoteError
 
 log = logging.getLogger("eaas.client.serve")

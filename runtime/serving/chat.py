@@ -12,8 +12,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from eaas.runtime.client.http_api import CompletionRequest, Limits, bad, parse_completion
-from eaas.runtime.client.tools import ToolFormat, parse_tools
+from eaas.runtime.serving.http_api import CompletionRequest, Limits, bad, parse_completion
+from eaas.runtime.serving.tools import ToolFormat, parse_tools
 
 DEFAULT_TEMPLATE = (
     "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool['function'] | tojson }}{{ '\\n' }}{% endfor %}"
