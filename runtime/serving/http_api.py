@@ -155,6 +155,42 @@ def _prompt_ids(value: Any, param: str, limits: Limits, encode: Any) -> list[int
     return ids
 
 
+# Every field a completion request may carry (chat maps its own onto these: ``chat.parse_chat``).
+COMPLETION_FIELDS = frozenset(
+    {
+        "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+        "frequency_penalty", "n", "best_of", "stop", "stop_token_ids", "logprobs", "echo", "stream",
+        "stream_options", "user", "suffix", "ignore_eos", "response_format", "structured_outputs",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    }
+)  # fmt: skip
+# vLLM's and OpenAI's sampling fields that change nothing at these values (SDKs send defaults):
+# accepted so, refused otherwise, as every other field this server does not implement.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+}
+
+
+def refuse_unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """A 400 naming the first field this server would otherwise ignore: not one it implements, not
+    null, and not a sampling field at its neutral value."""
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        neutral = NEUTRAL_VALUES.get(name, ())
+        if any(type(value) is type(v) and value == v for v in neutral):
+            continue
+        raise bad(name, "is not supported by this server (a request is never answered as if it were absent)")
+
+
 def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionRequest:
     """Validates an OpenAI ``/v1/completions`` body; ``ApiError`` (400) names the first bad field.
 
@@ -163,11 +199,13 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     0 is greedy), ``top_p``, ``top_k`` (vLLM's extension), ``seed``, ``presence_penalty``,
     ``frequency_penalty``, ``n``, ``best_of`` (only equal to ``n``), ``stop`` (string or up to 4
     strings), ``stop_token_ids``, ``logprobs`` (0-20), ``echo``, ``stream``, ``stream_options``,
-    ``user``, and structured outputs (``response_format``, ``structured_outputs``, ``guided_*``:
-    ``grammar.parse_constraint``). ``suffix`` is refused.
+    ``user``, ``ignore_eos``, and structured outputs (``response_format``, ``structured_outputs``,
+    ``guided_*``: ``grammar.parse_constraint``). ``suffix`` is refused, and so is any other field
+    (``refuse_unknown_fields``): never answered as if it were absent.
     """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object", "body")
+    refuse_unknown_fields(body, COMPLETION_FIELDS)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")

@@ -213,12 +213,31 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ([1, 2], "body"),
+        # Fields this server does not implement are refused, never ignored:
+        ({"prompt": "hi", "logit_bias": {"7": 5}}, "logit_bias"),
+        ({"prompt": "hi", "min_p": 0.1}, "min_p"),
+        ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt": "hi", "no_such_field": 1}, "no_such_field"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(service: AttentionService, body: Any, field: str) -> None:
     status, answer = http("POST", f"{service.url}/v1/completions", body)
     assert status == 400, answer
     assert answer["error"]["param"] == field and answer["error"]["message"].startswith(field)
+
+
+def test_fields_at_their_neutral_values_or_null_are_accepted(service: AttentionService) -> None:
+    """SDKs fill in defaults: a field that changes nothing at its value is no reason to refuse."""
+    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {}, "min_p": 0.0, "repetition_penalty": 1,
+            "ignore_eos": False, "suffix": None, "metadata": None}  # fmt: skip
+    status, answer = http("POST", f"{service.url}/v1/completions", body)
+    assert status == 200, answer
+    status, answer = http(
+        "POST",
+        f"{service.url}/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {"x": 1}},
+    )
+    assert status == 400 and answer["error"]["param"] == "chat_template_kwargs", answer
 
 
 def test_an_unknown_model_is_a_404_in_openai_shape(service: AttentionService) -> None:
