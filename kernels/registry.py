@@ -119,3 +119,7 @@ def experts_forward(
     if scales is None:
         return fn(x, group_of, weight_of, w13, w2, b13=b13, b2=b2, activation=activation)
     return fn(x, group_of, weight_of, w13, w2, b13=b13, b2=b2, activation=activation, scales=scales)
+
+
+# The backends this package ships (before any ``register_backend``): what the CLIs' help lists.
+SHIPPED_BACKENDS: tuple[str, ...] = tuple(available_backends())

@@ -127,7 +127,7 @@ def test_one_cli_vocabulary() -> None:
     every --kernel-backend lists the registry's backends
     and refuses an unknown one while reading the options (before a checkpoint is written or a
     process started)."""
-    from eaas.kernels.registry import available_backends
+    from eaas.kernels.registry import SHIPPED_BACKENDS
     from eaas.runtime.cli import main
     from eaas.runtime.serving.cli_options import LOG_LEVELS
 
@@ -145,8 +145,8 @@ def test_one_cli_vocabulary() -> None:
         if backend is None:
             continue
         help_text = " ".join(shown.output.split())
-        for name in available_backends():
+        for name in SHIPPED_BACKENDS:  # (tests may register more in this process)
             assert name.partition(":")[0] in help_text, (words, name)
         refused = CliRunner().invoke(main, [*words, "--kernel-backend", "no-such-backend"])
         assert refused.exit_code == 2, (words, refused.output)
-        assert "unknown kernel backend 'no-such-backend'; available: grouped_mm, torch" in refused.output
+        assert "unknown kernel backend 'no-such-backend'; available: grouped_mm, " in refused.output
