@@ -124,6 +124,8 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     show_envvar=True,
     default="tcp",
     show_default=True,
+    help="how this client reaches the expert servers (tcp: across hosts, as pods are; eaas serve's "
+    "default is shm, every process on one host)",
 )
 @click.option(
     "--port",

@@ -125,7 +125,7 @@ class LocalCluster:
             "--tcp-port", str(tcp_port),
             "--transports", ",".join(self.transports),
             "--kernel-backend", self.kernel_backend,
-            "--max-tokens", str(self.max_tokens),
+            "--slot-tokens", str(self.max_tokens),
             "--threads", str(self.threads_per_server),
             "--ready-file", str(ready_path),
             "--exit-with-parent", str(os.getpid()),

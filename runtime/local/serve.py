@@ -39,7 +39,14 @@ from eaas.runtime.transport import host_transport_names
 )
 @click.option("--servers", "num_servers", default=2, show_default=True, help="expert-server processes")
 @click.option("--replication", default=1, show_default=True, help="replicas of every (layer, expert)")
-@click.option("--transport", type=click.Choice(host_transport_names()), default="shm", show_default=True)
+@click.option(
+    "--transport",
+    type=click.Choice(host_transport_names()),
+    default="shm",
+    show_default=True,
+    help="how the attention client reaches the expert servers (shm: every process is on this host; "
+    "attention-client's default is tcp, for pods on several hosts)",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="EAAS_HOST", show_envvar=True)
 @click.option("--port", default=8000, show_default=True, envvar="EAAS_PORT", show_envvar=True)
 @click.option(

@@ -57,7 +57,15 @@ from eaas.runtime.transport import transport_names
     help=f"comma-separated transports to offer, of {', '.join(transport_names())}",
 )
 @click.option("--max-clients", default=16, show_default=True, help="slots per transport")
-@click.option("--max-tokens", default=512, show_default=True, help="tokens per request")
+@click.option(
+    "--slot-tokens",
+    "--max-tokens",
+    "max_tokens",
+    default=512,
+    show_default=True,
+    help="tokens one slot carries per request (clients split larger batches); --max-tokens is its "
+    "old name (the serving commands' --max-tokens is new tokens per request)",
+)
 @click.option(
     "--kernel-backend",
     default="torch",
