@@ -31,7 +31,10 @@ and a final 4-byte ping completed (the peer took everything before it) or failed
 NIXL 1.5's UCX backend frees its endpoint object when the last peer is removed while UCX keeps the
 connection closing in the background; a peer that hangs with a WRITE or notification in flight and
 dies later then makes UCX call back into the freed object, and the process crashes. A hung peer's
-connection is therefore kept until it answers or dies (bounded: one per hung peer).
+connection is therefore kept until it answers or dies (bounded: one per channel or slot of a hung
+peer). Verified over UCX's TCP transport (the pod network), where a ping completes only once the
+peer's process has taken it; over RDMA or CMA the peer's NIC or kernel completes a WRITE without
+the process, so there a completed ping does not prove that the peer took our last notification.
 
 UCX chooses its transports and devices from the environment (``UCX_TLS``, ``UCX_NET_DEVICES``;
 the operator sets them from the pool's ``spec.ucx``).
@@ -230,6 +233,7 @@ class Endpoint:
         self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int]]] = defaultdict(deque)
         self._peer_holds: dict[str, int] = {}
         self._retiring: list[_Retiring] = []  # WRITEs let go of, until nothing of theirs is in flight
+        self._kept: list[Any] = []  # memory that must outlive WRITEs still in flight (``keep_alive``)
         self._check_at = 0.0
 
     # --- memory --------------------------------------------------------------------------------
@@ -317,7 +321,9 @@ class Endpoint:
             received = self.agent.get_new_notifs()
             if self._retiring and time.monotonic() >= self._check_at:
                 self._check_at = time.monotonic() + RETIRE_CHECK_S
-                self._retiring = [r for r in self._retiring if not self._retired(r)]
+                for retiring in list(self._retiring):
+                    if self._retired(retiring):
+                        self._retiring.remove(retiring)
         notices = []
         for peer, messages in received.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
@@ -345,18 +351,21 @@ class Endpoint:
             if not self._retired(retiring):
                 self._retiring.append(retiring)
 
+    def keep_alive(self, memory: Any) -> None:
+        """Keeps ``memory`` (registered, possibly read by WRITEs in flight) as long as this agent."""
+        with self.lock:
+            self._kept.append(memory)
+
     def retiring(self) -> int:
         """How many channels' or slots' WRITEs wait for their peer before they are let go of."""
         with self.lock:
             return len(self._retiring)
 
-    def abandon(self) -> None:
-        """Lets go of every retiring WRITE now, in flight or not (a closing server: nothing makes
-        progress on this agent afterwards)."""
+    def held_back(self) -> set[str]:
+        """The peers whose retiring WRITEs may still be in flight (a closing server keeps their
+        connections and its memory registered rather than crash later: see the module docstring)."""
         with self.lock:
-            waiting, self._retiring = self._retiring, []
-            for retiring in waiting:
-                self._finish(retiring)
+            return {retiring.writes.peer for retiring in self._retiring}
 
     def _retired(self, retiring: _Retiring) -> bool:  # caller holds the lock
         """Moves ``retiring`` on; True once it was let go of."""
@@ -375,6 +384,9 @@ class Endpoint:
         return True
 
     def _finish(self, retiring: _Retiring) -> None:  # caller holds the lock
+        if retiring.done:  # (a finish interrupted half-way is never repeated)
+            return
+        retiring.done = True
         retiring.writes.release()
         self.release_peer(retiring.writes.peer)
         if retiring.then is not None:
@@ -481,3 +493,4 @@ class _Retiring:
     writes: TransferSet
     then: Callable[[], None] | None
     pinged: bool = False
+    done: bool = False

@@ -120,6 +120,7 @@ class NixlServerTransport(ServerTransport):
             slot = free[0]
             self._reserved.add(slot)
         peer = None
+        writes: TransferSet | None = None
         try:
             peer = self._load_peer(metadata)
             try:
@@ -135,6 +136,8 @@ class NixlServerTransport(ServerTransport):
         except BaseException:
             with self._lock:
                 self._reserved.discard(slot)
+                if writes is not None:  # nothing written yet: released here, under the lock
+                    writes.release()
                 if peer is not None:
                     self.endpoint.release_peer(peer)
             raise
@@ -301,10 +304,16 @@ class NixlServerTransport(ServerTransport):
         while time.monotonic() < deadline and self.endpoint.retiring():  # the OFFLINE notices leave
             self.endpoint.collect()
             time.sleep(1e-3)
-        self.endpoint.abandon()
+        held = self.endpoint.held_back()  # peers that may still have our WRITEs in flight
         for peer in self.endpoint.peers():
-            while peer in self.endpoint.peers():
+            while peer in self.endpoint.peers() and peer not in held:
                 self.endpoint.release_peer(peer)
+        if held:  # kept registered (and the arena alive with the agent) rather than freed under a WRITE
+            log.info(
+                "nixl: %d client(s) did not take the last notices; their connections stay open", len(held)
+            )
+            self.endpoint.keep_alive(self.arena)
+            return
         self._deregister()
 
     def _deregister(self) -> None:
