@@ -121,7 +121,7 @@ def parse_chat(
     if not isinstance(body, dict):
         raise bad("body", "must be a JSON object")
     for name in ("prompt", "echo", "suffix", "best_of"):
-        if name in body:
+        if body.get(name) not in (None, False):  # null or false: what a client sends for "not set"
             raise bad(name, "does not apply to chat completions")
     for name in ("functions", "function_call"):  # the deprecated spelling of tools
         if body.get(name) is not None:
@@ -148,7 +148,9 @@ def parse_chat(
             "parallel_tool_calls",
         )
     }
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:  # absent or null: the older name, if set
+        max_tokens = body.get("max_tokens")
     if max_tokens is not None:
         completion["max_tokens"] = max_tokens
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")

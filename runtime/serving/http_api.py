@@ -254,6 +254,7 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
     echo = _flag(body, "echo")
+    _flag(body, "ignore_eos")  # read by the service (it keeps the tokenizer's EOS out); checked here
     if echo and logprobs is not None:
         raise bad("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
     stream = _flag(body, "stream")

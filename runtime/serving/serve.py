@@ -457,6 +457,15 @@ class AttentionService:
         p = request.params
         if not p.greedy or request.stream or request.n != 1 or p.logprobs is not None or request.echo:
             raise bad("batching", "static batching serves greedy (temperature 0), non-streaming, n=1 only")
+        # What the baseline cannot do is refused, never ignored.
+        for name, value in (
+            ("presence_penalty", p.presence_penalty),
+            ("frequency_penalty", p.frequency_penalty),
+        ):
+            if value:
+                raise bad(
+                    name, "static batching has no penalties (start the server with continuous batching)"
+                )
         name = self.options.model_name
         jobs = [Job(prompt, request.max_tokens) for prompt in request.prompts]
         try:

@@ -440,6 +440,13 @@ def test_static_batching_stays_selectable(
         assert status == 200 and answer["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
         status, answer = http("POST", f"{static.url}/v1/completions", {**body, "temperature": 0.5})
         assert status == 400 and answer["error"]["param"] == "batching"
+        # What the baseline cannot do is refused, never ignored:
+        for extra, field in (
+            ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+        ):
+            status, answer = http("POST", f"{static.url}/v1/completions", {**body, **extra})
+            assert status == 400 and answer["error"]["param"] == field, answer
 
 
 def test_readyz_follows_the_expert_servers(

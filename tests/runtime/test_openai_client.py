@@ -555,3 +555,29 @@ def test_a_chat_without_max_tokens_runs_to_the_context_or_the_servers_default() 
     assert bounded.params.max_tokens == 32
     asked = parse_chat({**body, "max_tokens": 100}, Limits(256, 512, 1024, 32), template, encode)[0]
     assert asked.params.max_tokens == 100  # the default is only a default
+
+
+def test_chat_fields_sent_as_null_or_false_count_as_not_set() -> None:
+    """Clients that serialise every field send nulls: a null max_completion_tokens leaves
+    max_tokens in force, and null or false chat-inapplicable fields are not refused."""
+    from eaas.runtime.serving.chat import parse_chat
+    from eaas.runtime.serving.http_api import Limits
+
+    template = ChatTemplate(TEMPLATE, {"bos_token": "<s>"})
+    messages = [{"role": "user", "content": "hi"}]
+
+    def encode(text: str) -> list[int]:
+        return list(text.encode())
+
+    body = {
+        "messages": messages,
+        "max_completion_tokens": None,
+        "max_tokens": 5,
+        "prompt": None,
+        "echo": False,
+    }
+    assert parse_chat(body, Limits(256, 512, 64), template, encode)[0].params.max_tokens == 5
+    with pytest.raises(ApiError, match="echo"):
+        parse_chat({"messages": messages, "echo": True}, Limits(256, 512, 64), template, encode)
+    with pytest.raises(ApiError, match="ignore_eos: must be true or false"):
+        parse_chat({"messages": messages, "ignore_eos": "false"}, Limits(256, 512, 64), template, encode)
