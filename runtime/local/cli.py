@@ -14,7 +14,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES, Family
-from eaas.runtime.serving.cli_options import check_kernel_backend
+from eaas.runtime.serving.cli_options import kernel_backend_option
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -47,13 +47,7 @@ if TYPE_CHECKING:
     help="SIGKILL one expert server when generation reaches this step (shows failover)",
 )
 @click.option("--kill-ordinal", type=int, default=1, show_default=True, help="which server to kill")
-@click.option(
-    "--kernel-backend",
-    default="torch",
-    show_default=True,
-    callback=check_kernel_backend,
-    help="expert compute of the expert servers: torch, triton, grouped_mm or simulated:EXPERT_US:ENTRY_US",
-)
+@kernel_backend_option
 @click.option(
     "--request-timeout",
     default=30.0,

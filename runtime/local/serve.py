@@ -24,7 +24,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES
-from eaas.runtime.serving.cli_options import check_kernel_backend, log_level_option, serving_feature_options
+from eaas.runtime.serving.cli_options import kernel_backend_option, log_level_option, serving_feature_options
 from eaas.runtime.transport import host_transport_names
 
 
@@ -58,13 +58,7 @@ from eaas.runtime.transport import host_transport_names
 @click.option("--max-num-seqs", default=32, show_default=True, help="sequences running at once")
 @click.option("--kv-cache-mb", default=256, show_default=True, help="size of the paged KV cache")
 @click.option("--max-tokens", default=1024, show_default=True, help="most new tokens per request")
-@click.option(
-    "--kernel-backend",
-    default="torch",
-    show_default=True,
-    callback=check_kernel_backend,
-    help="expert compute of the expert servers: torch, triton, grouped_mm or simulated:EXPERT_US:ENTRY_US",
-)
+@kernel_backend_option
 @click.option(
     "--api-key",
     default=None,

@@ -42,6 +42,19 @@ def check_kernel_backend(ctx: click.Context, param: click.Parameter, value: str 
     return value
 
 
+def kernel_backend_option(command: F) -> F:
+    """``--kernel-backend`` of the commands that start expert servers (checked while read; the help
+    names the shipped backends without importing torch: a test keeps it equal to the registry's)."""
+    return click.option(
+        "--kernel-backend",
+        default="torch",
+        show_default=True,
+        callback=check_kernel_backend,
+        help="expert compute of the expert servers: torch, triton, grouped_mm or "
+        "simulated:EXPERT_US:ENTRY_US",
+    )(command)
+
+
 def serving_feature_options(command: F) -> F:
     """``--tool-call-parser``, ``--reasoning-parser``, ``--enable-prefix-caching/--no-...`` and
     ``--default-max-tokens``."""
