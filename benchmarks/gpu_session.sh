@@ -3,7 +3,7 @@
 # but not this project installed (no network needed): `eaas` is made importable from the source
 # tree through a link tree, then each step runs with its log under $OUT (default: ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh STEP...   steps: env probe tests kernels kernels-quick autotune rtt
+#   bash benchmarks/gpu_session.sh STEP...   steps: env probe tests kernels kernels-quick autotune rtt nixl
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -50,6 +50,25 @@ for what in "$@"; do
         ;;
     rtt)
         step rtt 150 $PY benchmarks/gpu_rtt.py --json-out "$OUT/gpu_rtt.json"
+        ;;
+    nixl)  # needs the NIXL wheel among the carried ones (.whl/nixl_cu13-*.whl)
+        # A preflight finds UCX settings under which two agents reach each other here (UCX's
+        # defaults first, with its debug log under $OUT), then the benchmark runs with them.
+        chosen=none
+        for candidate in UCX_DEFAULTS=1 UCX_NET_DEVICES=lo UCX_TLS=^cma UCX_TLS=tcp,cuda_copy,cuda_ipc; do
+            extra=()
+            [ "$candidate" = UCX_DEFAULTS=1 ] && extra=(UCX_LOG_LEVEL=debug "UCX_LOG_FILE=$OUT/ucx-%p.log" UCX_LOG_FILE_SIZE=8m)
+            echo "--- nixl preflight with $candidate" | tee -a "$OUT/nixl-preflight.log"
+            if timeout 120 env "$candidate" "${extra[@]}" $PY benchmarks/nixl_gpu_rtt.py --host-check --quick \
+                --rows dram,vram >>"$OUT/nixl-preflight.log" 2>&1; then
+                chosen=$candidate
+                break
+            fi
+            tail -5 "$OUT/nixl-preflight.log"
+        done
+        echo "--- nixl preflight chose: $chosen"
+        [ "$chosen" = none ] || step nixl ${NIXL_TIMEOUT:-240} env "$chosen" $PY benchmarks/nixl_gpu_rtt.py \
+            --json-out "$OUT/nixl_gpu_rtt.json"
         ;;
     *)
         echo "unknown step $what" >&2

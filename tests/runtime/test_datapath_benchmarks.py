@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_e2e_decode_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the run without CUDA")
-@pytest.mark.parametrize("script", ["gpu_rtt.py", "gpu_mechanisms.py"])
+@pytest.mark.parametrize("script", ["gpu_rtt.py", "gpu_mechanisms.py", "nixl_gpu_rtt.py"])
 def test_gpu_benchmarks_report_nothing_measured_without_cuda(script: str, tmp_path: Path) -> None:
     json_out = tmp_path / "out.json"
     result = subprocess.run(
@@ -62,3 +63,15 @@ def test_gpu_benchmarks_report_nothing_measured_without_cuda(script: str, tmp_pa
     assert last == json.loads(json_out.read_text()) and last["results"] == []
     for entry in last["targets"].values():  # GPU targets are never estimated
         assert entry["value"] is None and entry["met"] is None and "not measured" in entry["note"]
+
+
+def test_nixl_gpu_rtt_measures_its_host_memory_row_here(tmp_path: Path) -> None:
+    """The GPU script's NIXL half (agents, echo process, poisoned-and-checked answers) on host
+    memory, so what runs on a lent GPU was run here first."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "nixl_gpu_rtt.py"), "--host-check", "--quick", "--rows", "dram"],
+        capture_output=True, text=True, timeout=180, cwd=BENCHMARKS.parent,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    measured = ast.literal_eval(result.stdout.strip().splitlines()[-1])["dram"]
+    assert sorted(measured) == [1, 8, 32, 128, 512] and all(us > 0 for us in measured.values())
