@@ -7,6 +7,7 @@ compute, split. Legend: T = tokens of a request, N = tokens of the batch, K = to
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,3 +52,31 @@ def _pad(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     out = torch.full((t.shape[0], width), value, dtype=t.dtype, device=t.device)
     out[:, : t.shape[1]] = t
     return out
+
+
+def warm_up(stack: ExpertStack, backend: str) -> float:
+    """Runs every hosted expert once, as a batch of one token each and as one decode-shaped token
+    of top-k entries, so that the first real request finds the weights paged in (a checkpoint is
+    memory-mapped), the backend's kernels compiled and the allocator warm, rather than stalling
+    every client's step behind a server that has just joined. Returns the seconds it took."""
+    started = time.perf_counter()
+    groups = len(stack.pairs)
+    if groups == 0:
+        return 0.0
+    device = stack.w13.device
+    hidden = stack.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    top_k = min(stack.config.top_k, groups)
+    shapes = [
+        torch.arange(groups).unsqueeze(1),  # [G, 1]: one token per expert
+        torch.arange(top_k).unsqueeze(0),  # [1, K]: a decode step's token
+    ]
+    with torch.no_grad():
+        for group_of in shapes:
+            tokens, k = group_of.shape
+            x = (0.01 * torch.randn(tokens, hidden, generator=generator)).to(device, stack.compute_dtype)
+            weights = torch.full((tokens, k), 1.0 / k, device=device)
+            stack.forward(x, group_of.to(device), weights, backend)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started

@@ -30,6 +30,7 @@ from eaas.runtime.model import CheckpointReader, ExpertStack
 from eaas.runtime.model.checkpoint import DTYPES
 from eaas.runtime.placement import Placement
 from eaas.runtime.protocol import ServerLimits, slot_capacity_bytes
+from eaas.runtime.server.batch import warm_up
 from eaas.runtime.server.control import ControlError, ControlServer
 from eaas.runtime.server.loop import LoopOptions, ServerLoop
 from eaas.runtime.server.metrics import ServerMetrics
@@ -106,6 +107,7 @@ class ExpertServer:
         dtype = DTYPES[config.dtype] if config.dtype and not keep_fp8 else None
         stack = ExpertStack.load(reader, config.hosted, dtype=dtype, progress=True, keep_fp8=keep_fp8)
         stack = stack.to(self.device)
+        self._warm_up(stack, config.kernel_backend)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
         limits = ServerLimits(
             hidden=self.model.hidden_size,
@@ -192,6 +194,7 @@ class ExpertServer:
             old = self.stack
             reader = CheckpointReader(self.config.checkpoint)
             stack, num_loaded = restack(old, reader, pairs)
+            self._warm_up(stack, self.config.kernel_backend)  # before the loop serves it (off the loop)
             limits = replace(self.limits, hosted_layers=hosted_layers(stack))
             adopted = threading.Event()
 
@@ -221,6 +224,22 @@ class ExpertServer:
         """A newer placement that gives this server the experts it already serves."""
         self.placement_version = version
         self.metrics.placement_version.set(version)
+
+    def _warm_up(self, stack: ExpertStack, backend: str) -> None:
+        """``batch.warm_up``; a failure is logged, not raised (each request then reports it)."""
+        try:
+            seconds = warm_up(stack, backend)
+        except Exception as exc:
+            log.warning(
+                "server %d: warm-up of %d experts failed: %s", self.config.ordinal, len(stack.pairs), exc
+            )
+            return
+        log.info(
+            "server %d: warm-up ran each of %d experts once in %.2f s",
+            self.config.ordinal,
+            len(stack.pairs),
+            seconds,
+        )
 
     # --- lifecycle -------------------------------------------------------------------------------
     @property

@@ -214,3 +214,31 @@ def test_a_late_release_never_frees_a_slot_handed_to_another_client(
     holders = {(r["transport"], r["slot"]): (r["client_id"], r["state"]) for r in server.slots()}
     assert holders[(transport, again["slot"])] == ("new", "IDLE")  # still the new client's
     assert http("DELETE", f"{url}/{transport}/{again['slot']}?client_id=new")[0] == 204
+
+
+def test_a_new_server_runs_every_hosted_expert_before_it_serves(
+    mixtral: tuple[Path, Placement], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that joins must not stall its clients' first steps with first-use costs (weights
+    paged in from the memory-mapped checkpoint, kernels compiled): it runs each hosted expert once
+    before it answers, and again for experts a placement change brings (before the loop adopts them)."""
+    checkpoint, placement = mixtral
+    seen: list[set[int]] = []
+    forward = ExpertStack.forward
+
+    def spy(
+        self: ExpertStack, x: torch.Tensor, group_of: torch.Tensor, *args: object, **kw: object
+    ) -> torch.Tensor:
+        seen.append({int(g) for g in group_of.flatten() if g >= 0})
+        return forward(self, x, group_of, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExpertStack, "forward", spy)
+    caplog.set_level("INFO", logger="eaas.server")
+    server = ExpertServer.from_placement(checkpoint, placement, 0)
+    assert set().union(*seen) == set(range(len(server.stack.pairs))), seen  # not started yet
+    assert any("warm-up ran each of" in r.getMessage() for r in caplog.records)
+    seen.clear()
+    with server:
+        more = sorted(set(placement.experts_of(0)) | set(placement.experts_of(1)))
+        assert server.rehost(more, placement.version + 1)
+        assert set().union(*seen) == set(range(len(more))), seen  # the new stack, every group

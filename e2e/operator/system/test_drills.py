@@ -50,6 +50,7 @@ from e2e.operator.system.workload import (
     System,
     completions_equal_reference,
     deploy,
+    gap_story,
     longest_gap,
     longest_gap_at,
     pod_url,
@@ -700,10 +701,11 @@ def test_kubectl_drain_of_a_node_with_two_expert_servers(system: System) -> None
     fewest = served_throughout(watch, struck)
     during = longest_gap(load.outcomes, struck, time.monotonic())
     baseline = longest_gap(load.outcomes, before_start, struck)
+    story = gap_story(load.outcomes, struck, time.monotonic(), struck)
     refusals = (drained.stdout + drained.stderr).count("disruption budget")
     print(
         f"\ndrill 11 (kubectl drain {node}, {count} expert servers on it): {len(load.outcomes)} requests, "
-        f"0 failed; longest gap {during:.2f} s (before: {baseline:.2f} s); fewest serving replicas "
+        f"0 failed; longest gap {during:.2f} s ({story}; before: {baseline:.2f} s); fewest serving replicas "
         f"{fewest}, no client saw a server down; drain done after {took:.1f} s ({refusals} evictions "
         f"refused by a budget and retried); pool whole after {whole:.1f} s"
     )

@@ -186,13 +186,29 @@ def longest_gap(outcomes: list[Outcome], start: float, end: float) -> float:
 
 def longest_gap_at(outcomes: list[Outcome], start: float, end: float) -> tuple[float, float]:
     """:func:`longest_gap`, and when that wait ended (monotonic; 0 when there was none)."""
-    worst, when = 0.0, 0.0
+    worst, when, _ = _longest_gap(outcomes, start, end)
+    return worst, when
+
+
+def _longest_gap(outcomes: list[Outcome], start: float, end: float) -> tuple[float, float, int]:
+    """(the longest wait, when it ended, which chunk it waited for: 0 = the first)."""
+    worst, when, chunk = 0.0, 0.0, -1
     for outcome in outcomes:
         times = [outcome.started, *outcome.chunk_times]
-        for before, after in itertools.pairwise(times):
+        for index, (before, after) in enumerate(itertools.pairwise(times)):
             if start <= after <= end and after - before > worst:
-                worst, when = after - before, after
-    return worst, when
+                worst, when, chunk = after - before, after, index
+    return worst, when, chunk
+
+
+def gap_story(outcomes: list[Outcome], start: float, end: float, struck: float) -> str:
+    """Where the longest wait in [start, end] was, for a drill's line: when it ended after the
+    strike, and whether it was a request's first chunk (queueing, prefill) or a later one (decode)."""
+    worst, when, chunk = _longest_gap(outcomes, start, end)
+    if chunk < 0:
+        return "no wait"
+    what = "the first chunk" if chunk == 0 else f"chunk {chunk + 1}"
+    return f"{worst:.2f} s for {what} of a request, ending {when - struck:+.1f} s from the strike"
 
 
 @dataclass
@@ -380,8 +396,8 @@ def drill(system: System, victim: Any, act: Any, name: str, timeout: float = 180
     replaced = f"; placement without it committed after {without - struck:.1f} s" if without else ""
     print(
         f"\n{name}: {len(outcomes)} requests, {failed} failed; interruption {during:.2f} s "
-        f"(before: {baseline:.2f} s); R on Ready servers {r_back}{replaced}; victim back and "
-        f"pool whole after {restored:.1f} s"
+        f"({gap_story(outcomes, struck, time.monotonic(), struck)}; before: {baseline:.2f} s); R on "
+        f"Ready servers {r_back}{replaced}; victim back and pool whole after {restored:.1f} s"
     )
     system.check(outcomes)
     return during, baseline
