@@ -22,10 +22,6 @@ honoured, and anything else fails loudly (an Event and a waiting reason that nam
 * ``securityContext``: runAsUser/runAsGroup/fsGroup (volumes are group-readable by fsGroup),
   readOnlyRootFilesystem, allowPrivilegeEscalation=false (no_new_privs). Capabilities are dropped by
   not being root; seccomp profiles are not applied.
-* CPU: the Nodes share this machine's cores, which real nodes do not. A container starts at nice
-  ``STARTING_NICE`` and is raised to 0 when its readiness probe first passes, so a pod starting "on
-  another node" (an interpreter and torch: seconds of CPU) does not take the CPU from pods that
-  serve; the kubelet does not do this.
 * HTTP/TCP readiness and liveness probes drive the pod's conditions; a failing liveness probe
   restarts the container; ``restartPolicy`` with a (shortened) back-off. Before that restart the
   runner sends the process SIGUSR1 (EaaS processes write every thread's stack to standard error on
@@ -78,7 +74,6 @@ RENEW_SECONDS = 10
 LOOP_SECONDS = 0.2
 MAX_BACKOFF_SECONDS = 10.0
 STACK_DUMP_PAUSE_S = 0.5  # after SIGUSR1 to a container that failed its liveness probe
-STARTING_NICE = 10  # a container's CPU priority until it is first ready (see the module docstring)
 CLUSTER_DOMAIN = "cluster.local"
 KUBELET_VERSION = "v1.37.1-eaas-podrunner"
 
@@ -494,7 +489,6 @@ class Container:
     liveness: Probe | None = None
     done: bool = False  # exited and will not be restarted
     exit_code: int | None = None
-    starting_nice: bool = False  # runs at STARTING_NICE until first ready
 
     @property
     def name(self) -> str:
@@ -887,8 +881,8 @@ class PodWorker(threading.Thread):
             log_file.write(f"--- {now()} start #{container.restarts}: {' '.join(argv)}\n".encode())
             log_file.flush()
             container.process = subprocess.Popen(
-                ["nice", "-n", str(STARTING_NICE), "ip", "netns", "exec", self.address.namespace,
-                 "unshare", "--uts", "--", sys.executable, "-I", str(PODEXEC), str(spec_path)],
+                ["ip", "netns", "exec", self.address.namespace, "unshare", "--uts", "--",
+                 sys.executable, "-I", str(PODEXEC), str(spec_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -898,7 +892,6 @@ class PodWorker(threading.Thread):
         container.started_mono = time.monotonic()
         container.waiting = None
         container.ready = False
-        container.starting_nice = True
         container.readiness = Probe(spec["readinessProbe"]) if spec.get("readinessProbe") else None
         container.liveness = Probe(spec["livenessProbe"]) if spec.get("livenessProbe") else None
         for probe in (container.readiness, container.liveness):
@@ -906,20 +899,6 @@ class PodWorker(threading.Thread):
                 probe.next_at = container.started_mono + float(probe.spec.get("initialDelaySeconds", 0))
         if container.readiness is None:
             container.ready = True
-            self._first_ready(container)
-
-    @staticmethod
-    def _first_ready(container: Container) -> None:
-        """First ready: every thread of the container's processes back to nice 0 (it was started
-        at STARTING_NICE; the runner is root, which may raise priorities)."""
-        process = container.process
-        if not container.starting_nice or process is None:
-            return
-        container.starting_nice = False
-        try:
-            os.setpriority(os.PRIO_PGRP, process.pid, 0)
-        except (ProcessLookupError, PermissionError) as error:
-            log.warning("container %s: not raised to nice 0: %s", container.name, error)
 
     @staticmethod
     def _dump_stacks(container: Container) -> None:
@@ -1018,8 +997,6 @@ class PodWorker(threading.Thread):
                     probe.ok = False
             if kind == "Readiness":
                 container.ready = bool(probe.ok)
-                if container.ready:
-                    self._first_ready(container)
             elif probe.ok is False:
                 self.runner.event(
                     self.pod, "Warning", "Unhealthy", f"Liveness probe failed: {detail}; restarting"

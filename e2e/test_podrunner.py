@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,41 +117,3 @@ def _undo_marks(core: client.CoreV1Api, namespace: str) -> None:
     for _ in range(10):
         assert pod_ready()
         time.sleep(0.5)
-
-
-def _nice_values(marker: str) -> list[int]:
-    """The nice value of every thread of the processes whose command line holds ``marker``."""
-    values = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if marker.encode() not in cmdline.read_bytes():
-                continue
-            for stat in (cmdline.parent / "task").glob("*/stat"):
-                values.append(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
-        except OSError:  # gone meanwhile
-            continue
-    return values
-
-
-def test_a_container_starts_at_a_low_cpu_priority_until_it_is_ready(runner_cluster: Cluster) -> None:
-    """The nodes share this machine's cores: a starting container must not take the CPU from pods
-    that serve (see the runner's docstring), so it runs at nice 10 until its readiness passes."""
-    core = runner_cluster.core
-    marker = f"eaas-nice-check-{os.getpid()}"
-    pod = _web_pod("slow-web")
-    container = pod["spec"]["containers"][0]
-    container["command"][-1] = f"import time; '{marker}'; time.sleep(4); " + container["command"][-1]
-    with runner_cluster.namespace("runner-nice") as namespace:
-        core.create_namespaced_pod(namespace, pod)
-        wait_until(lambda: bool(_nice_values(marker)), 30, "the container's process")
-        starting = _nice_values(marker)
-        wait_until(
-            lambda: (
-                _condition(core.read_namespaced_pod("slow-web", namespace).status.conditions, "Ready")
-                == "True"
-            ),
-            60,
-            "the pod Ready",
-        )
-        wait_until(lambda: set(_nice_values(marker)) == {0}, 10, "every thread back at nice 0")
-    assert starting and set(starting) == {10}, starting
