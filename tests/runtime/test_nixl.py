@@ -259,7 +259,8 @@ def test_a_bad_handshake_is_refused_and_allocates_nothing(
         assert status == code, text
         assert says in text, text
         assert not [r for r in attached(server) if r["client_id"] == "rogue"]
-        assert set(nixl_of(server).endpoint.peers()) == peers_before  # no agent left loaded either
+        # No agent left loaded either (a peer of an earlier test may finish retiring meanwhile).
+        assert set(nixl_of(server).endpoint.peers()) <= peers_before
     finally:
         offer.close()
 

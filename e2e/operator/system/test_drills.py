@@ -37,10 +37,12 @@ from e2e.operator.system.workload import (
     API_KEY,
     ATTENTION,
     CONNECTION_ERRORS,
+    CRASH_STALL_S,
     GROUP,
     NAME,
     POOL,
     PROMPTS,
+    RECOVERY_STALL_S,
     REPLICATION,
     SKEWED,
     VERSION,
@@ -49,6 +51,7 @@ from e2e.operator.system.workload import (
     ReplicaWatch,
     System,
     completions_equal_reference,
+    crash_stall,
     deploy,
     gap_story,
     longest_gap,
@@ -601,9 +604,10 @@ def test_sigterm_of_an_expert_server_hands_its_experts_over_before_it_goes(syste
     )
     assert "no placement names this server and no client holds a slot; exiting" in log, log[-3000:]
     # Target: 0.2 s over the machine's jitter. Here the replacement server starts (an interpreter
-    # and torch, seconds of CPU) on the same two cores as everything else: it is held to the
-    # crash path's bound, and docs/benchmarks.md records both windows.
-    assert during < baseline + 1.0
+    # and torch, seconds of CPU) on the same two cores as everything else: the handover is held to
+    # the crash path's bound, the whole drill to the recovery's; docs/benchmarks.md records both.
+    assert handover < baseline + CRASH_STALL_S
+    assert during < baseline + RECOVERY_STALL_S
 
 
 def test_sigterm_of_an_attention_pod_finishes_its_requests(system: System) -> None:
@@ -709,7 +713,7 @@ def test_kubectl_drain_of_a_node_with_two_expert_servers(system: System) -> None
         f"{fewest}, no client saw a server down; drain done after {took:.1f} s ({refusals} evictions "
         f"refused by a budget and retried); pool whole after {whole:.1f} s"
     )
-    assert during < baseline + 1.0  # replacements start on these two cores too (see drill 9)
+    assert during < baseline + RECOVERY_STALL_S  # replacements start on these two cores (see drill 9)
 
 
 def test_a_whole_node_lost_loses_no_request(system: System) -> None:
@@ -779,16 +783,19 @@ def test_a_whole_node_lost_loses_no_request(system: System) -> None:
         wait_until(lambda: load.completed_since(back) >= 4, 120, "requests after the drill")
     system.check(load.outcomes)
     during = longest_gap(load.outcomes, struck, time.monotonic())
+    crash = crash_stall(load.outcomes, struck)
     baseline = longest_gap(load.outcomes, before_start, struck)
+    story = gap_story(load.outcomes, struck, time.monotonic(), struck)
     samples = [f for t, _, f in watch.fewest if t >= struck]
     print(
         f"\ndrill 12 (every expert server on {node} SIGKILLed: {sorted(lost)}): {len(load.outcomes)} "
-        f"requests, 0 failed; interruption {during:.2f} s (before: {baseline:.2f} s); fewest Ready "
-        f"replicas of any expert {min(samples)} (the other node's server held one of each); pool at "
-        f"full R after {whole:.1f} s"
+        f"requests, 0 failed; longest wait at the strike {crash:.2f} s, over the whole drill {during:.2f} s "
+        f"({story}; before: {baseline:.2f} s); fewest Ready replicas of any expert {min(samples)} (the "
+        f"other node's server held one of each); pool at full R after {whole:.1f} s"
     )
     assert min(samples) >= 1  # never an expert without a Ready replica
-    assert during < baseline + 1.0  # as for one crashed server
+    assert crash < baseline + CRASH_STALL_S  # as for one crashed server
+    assert during < baseline + RECOVERY_STALL_S  # the replacements start on these two cores
 
 
 def test_a_runtime_upgrade_rolls_one_server_at_a_time_and_a_revert_converges(system: System) -> None:
