@@ -48,6 +48,7 @@ from eaas.runtime.transport import Channel, ChannelError, RemoteError
 log = logging.getLogger("eaas.client")
 
 WAIT_SLICE_S = 0.02  # longest block while waiting on servers (their liveness is checked between)
+SLOW_ANSWER_S = 0.25  # an answer later than this is logged (at most once a second per server)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class RemoteExperts:
         self.events: deque[FailoverEvent] = deque(maxlen=1000)  # the most recent ones
         self.counters = ClientCounters()
         self._retry_at = [0.0] * len(self.connections)
+        self._slow_logged_at = [-1.0] * len(self.connections)
         self._retry_delay = [o.rejoin_min_s] * len(self.connections)
         self._rejoined: dict[int, tuple[Channel, dict[str, Any]]] = {}  # index -> new channel, handle
         self._stale_handles: dict[int, dict[str, Any]] = {}  # index -> slot to release on the server
@@ -324,7 +326,10 @@ class RemoteExperts:
                     del waiting[server]
                     try:  # an answer already there is taken even past the deadline
                         y = channel.receive(deadline)  # [T_s, H]
-                        self.round_trips[server].observe(time.monotonic() - sent_at)
+                        took = time.monotonic() - sent_at
+                        self.round_trips[server].observe(took)
+                        if took > SLOW_ANSWER_S:
+                            self._slow(server, layer, took)
                         out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
                     except ChannelError as exc:
                         failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
@@ -339,6 +344,20 @@ class RemoteExperts:
             if remote_error is not None:
                 raise remote_error  # a refused request is a bug or a stale placement: never guess
         return {server: torch.cat(rows) for server, rows in failed.items()}
+
+    def _slow(self, server: int, layer: int, took: float) -> None:
+        """Logs a late answer: where a step's time went when a client stalls without a failure."""
+        now = time.monotonic()
+        if now >= self._slow_logged_at[server] + 1.0:
+            self._slow_logged_at[server] = now
+            conn = self.connections[server]
+            log.warning(
+                "expert server %d (instance %s) answered layer %d after %.2f s",
+                conn.ordinal,
+                conn.instance,
+                layer,
+                took,
+            )
 
     def _hung(
         self,
