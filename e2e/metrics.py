@@ -51,12 +51,20 @@ def adapter_rules(rate_window: str) -> str:
     return text.replace(MANIFEST_WINDOW, f"[{rate_window}]")
 
 
-def prometheus_config(kubeconfig: Path, scrape_interval: str) -> dict[str, Any]:
-    """The manifest's scrape job, its pod discovery pointed at `kubeconfig`."""
+def prometheus_config(kubeconfig: Path, scrape_interval: str, operator_targets: Path) -> dict[str, Any]:
+    """The manifest's scrape job, its pod discovery pointed at `kubeconfig`; and the operator's
+    /metrics, from the targets in `operator_targets` (the chart's ServiceMonitor's job in a
+    cluster; here the operator is a host process)."""
     jobs = yaml.safe_load(SCRAPE_MANIFEST.read_text())["scrape_configs"]
     for job in jobs:
         for discovery in job["kubernetes_sd_configs"]:
             discovery["kubeconfig_file"] = str(kubeconfig)
+    jobs.append(
+        {
+            "job_name": "eaas-operator",
+            "file_sd_configs": [{"files": [str(operator_targets)], "refresh_interval": "2s"}],
+        }
+    )
     return {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "scrape_configs": jobs,
@@ -75,6 +83,7 @@ class MetricsStack:
         self.scrape_interval = scrape_interval
         self.dir = plane.work_dir / "metrics"
         self.prometheus_url = ""
+        self.operator_targets = self.dir / "operator-targets.json"
         self.prometheus: ManagedProcess | None = None
         self.adapter: ManagedProcess | None = None
 
@@ -90,7 +99,13 @@ class MetricsStack:
         prometheus_port, adapter_port = free_port(), free_port()
         self.prometheus_url = f"http://127.0.0.1:{prometheus_port}"
         config = self.dir / "prometheus.yml"
-        config.write_text(yaml.safe_dump(prometheus_config(self.plane.kubeconfig, self.scrape_interval)))
+        self.operator_targets = self.dir / "operator-targets.json"
+        self.operator_targets.write_text("[]")
+        config.write_text(
+            yaml.safe_dump(
+                prometheus_config(self.plane.kubeconfig, self.scrape_interval, self.operator_targets)
+            )
+        )
         self.prometheus = ManagedProcess(
             "prometheus",
             [
@@ -144,6 +159,14 @@ class MetricsStack:
         assert self.prometheus is not None
         self.prometheus.start()
         wait_until(self._prometheus_ready, 60, "Prometheus ready", ignore=(OSError,))
+
+    def scrape_operator(self, port: int) -> None:
+        """Scrape the operator's /metrics on this host's `port` from now on."""
+        staged = self.operator_targets.with_suffix(".tmp")
+        staged.write_text(
+            json.dumps([{"targets": [f"127.0.0.1:{port}"], "labels": {"component": "operator"}}])
+        )
+        staged.rename(self.operator_targets)  # Prometheus sees the whole file or none of it
 
     def stop_prometheus(self) -> None:
         assert self.prometheus is not None

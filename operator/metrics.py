@@ -23,6 +23,9 @@ from prometheus_client import (
 )
 
 RESULTS = ("success", "retry", "error")
+STAGES = ("proposed", "committed")  # of a published placement
+WRITERS = ("moeservice", "autoscaler")  # who the operator writes ExpertPool replicas as (replicas_writer)
+REBALANCE_RESULTS = ("rebalanced", "skipped", "unchanged", "baseline", "idle", "incomplete", "error")
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -69,6 +72,16 @@ class OperatorMetrics:
             ["writer"],
             registry=registry,
         )
+        # Every known label value starts at 0, so its series exists (rate() and the dashboard's
+        # panels see the first change, not only the second) before anything happened.
+        for stage in STAGES:
+            self.placement_changes.labels(stage)
+        for writer in WRITERS:
+            self.scale_writes.labels(writer)
+        for result in REBALANCE_RESULTS:
+            self.rebalances.labels(result)
+        for result in ("success", "error"):
+            self.stats_scrapes.labels(result)
 
     @contextmanager
     def reconcile(self, kind: str) -> Iterator[None]:

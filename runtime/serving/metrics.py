@@ -87,6 +87,8 @@ class AttentionMetrics:
         )
         self.engine = EngineCounters()
         r.register(self.engine)
+        self.failovers = FailoverCounters()
+        r.register(self.failovers)
         r.register(VllmNames(self, model_name))
 
     def bind(
@@ -97,9 +99,11 @@ class AttentionMetrics:
         running: Callable[[], float] = lambda: 0.0,
         kv_cache_usage: Callable[[], float] = lambda: 0.0,
         engine: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
+        failovers: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
-        """Gauges (and the engine's counters) read at scrape time."""
+        """Gauges (and the engine's and the data path's counters) read at scrape time."""
         self.engine.read = engine
+        self.failovers.read = failovers
         self.running.set_function(running)
         self.kv_cache_usage.set_function(kv_cache_usage)
         self.queued.set_function(queued)
@@ -134,6 +138,26 @@ class EngineCounters(Collector):
             "eaas_attention_preemptions",
             "Running sequences preempted for lack of KV blocks (recomputed when admitted again)",
             value=preemptions,
+        )
+
+
+class FailoverCounters(Collector):
+    """The data path's counters, read at scrape time: ``eaas_attention_failovers_total`` (expert
+    servers this client stopped using because they failed: closed, gone, timed out) and
+    ``eaas_attention_rejoins_total`` (failed servers it connected to again), since it started."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[int, int]] = lambda: (0, 0)  # failovers, rejoins
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        failovers, rejoins = self.read()
+        yield CounterMetricFamily(
+            "eaas_attention_failovers",
+            "Expert servers this client failed over from (closed, gone or timed out)",
+            value=failovers,
+        )
+        yield CounterMetricFamily(
+            "eaas_attention_rejoins", "Failed expert servers this client connected to again", value=rejoins
         )
 
 

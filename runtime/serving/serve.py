@@ -139,6 +139,7 @@ class AttentionService:
         )
         self.decoder: Decoder | None = None  # owned by the scheduler's worker thread
         self.experts: RemoteExperts | None = None
+        self._counts_before = (0, 0)  # failovers and rejoins of the placements swapped out
         self.placement: Placement | None = None
         self.leaving_since: float | None = None  # monotonic time of SIGTERM (:meth:`begin_leaving`)
         self.placement_error = "no placement read yet"
@@ -190,6 +191,7 @@ class AttentionService:
             running=lambda: self.worker.running if self.worker else 0,
             kv_cache_usage=lambda: self.worker.kv_usage if self.worker else 0.0,
             engine=lambda: self.worker.engine_counters if self.worker else (0, 0, 0),
+            failovers=self._failover_counts,
         )
         if any(not key.strip() for key in o.api_keys):
             raise ValueError("api_keys: keys must not be empty")
@@ -283,6 +285,15 @@ class AttentionService:
         if stale is not None:
             stale[1].close()
 
+    def _failover_counts(self) -> tuple[int, int]:
+        """Failovers and rejoins since start: of every placement's ``RemoteExperts`` so far."""
+        with self._lock:
+            failovers, rejoins = self._counts_before
+            if self.experts is not None:
+                failovers += self.experts.counters.failovers
+                rejoins += self.experts.counters.rejoins
+            return failovers, rejoins
+
     def _on_step(self, sequences: int) -> None:
         """After each decoder step (worker thread): its batch and the time it spent on the experts.
         Experts are swapped only between steps, and a new ``RemoteExperts`` counts from 0."""
@@ -309,7 +320,11 @@ class AttentionService:
                 self.decoder = Decoder(self.side, experts)
             else:
                 self.decoder.experts = experts
-            self.experts, self.placement = experts, placement
+            with self._lock:  # the counters stay monotonic across the swap (``_failover_counts``)
+                if old is not None:
+                    failovers, rejoins = self._counts_before
+                    self._counts_before = (failovers + old.counters.failovers, rejoins + old.counters.rejoins)
+                self.experts, self.placement = experts, placement
             self.placement_error = ""
             if old is not None:  # channels closed here; the slots released off the worker (round trips)
                 slots = old.close_channels()

@@ -6,6 +6,7 @@ find it; without it these tests are skipped.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -96,7 +97,15 @@ def test_default_render(helm: str) -> None:
     documents = render(helm)
     kinds = sorted(doc["kind"] for doc in documents)
     assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"]
+        [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "Service",
+            "ConfigMap",
+        ]
     )
     (deployment,) = of_kind(documents, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
@@ -106,6 +115,29 @@ def test_default_render(helm: str) -> None:
     assert container["command"] == ["eaas", "operator"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_the_grafana_dashboard_ships_as_a_configmap_the_sidecar_loads(helm: str) -> None:
+    (config_map,) = of_kind(render(helm), "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = CHART / "dashboards" / "eaas-overview.json"
+    assert json.loads(config_map["data"]["eaas-overview.json"]) == json.loads(dashboard.read_text())
+    custom = render(
+        helm,
+        "--set",
+        "metrics.grafanaDashboard.labels.grafana_dashboard=null",
+        "--set",
+        "metrics.grafanaDashboard.labels.team=ml",
+        "--set",
+        "metrics.grafanaDashboard.annotations.grafana_folder=EaaS",
+    )
+    (config_map,) = of_kind(custom, "ConfigMap")
+    assert (
+        config_map["metadata"]["labels"]["team"] == "ml"
+        and "grafana_dashboard" not in config_map["metadata"]["labels"]
+    )
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "EaaS"}
+    assert not of_kind(render(helm, "--set", "metrics.grafanaDashboard.enabled=false"), "ConfigMap")
 
 
 def test_operator_rbac_is_exactly_what_it_uses(helm: str) -> None:

@@ -248,12 +248,13 @@ class FakeServers:
 
 
 def counts(metrics: OperatorMetrics, name: str) -> dict[str, float]:
+    """The results counted so far (every known result's series exists from the start, at 0)."""
     return {
         sample.labels["result"]: sample.value
         for metric in metrics.registry.collect()
         if metric.name == name
         for sample in metric.samples
-        if sample.name == f"{name}_total"
+        if sample.name == f"{name}_total" and sample.value
     }
 
 

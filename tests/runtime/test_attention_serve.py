@@ -453,6 +453,11 @@ def test_readyz_follows_the_expert_servers(
     service: AttentionService, cluster: LocalCluster, reference: Decoder
 ) -> None:
     """Last in this module: kills a server of the shared cluster (R = 1, so its experts are lost)."""
+    before = http("GET", f"{service.url}/metrics")[1]
+    assert (
+        metric(before, "eaas_attention_failovers_total") == 0
+        and metric(before, "eaas_attention_rejoins_total") == 0
+    )
     cluster.kill(1)
     status, body = http("POST", f"{service.url}/v1/completions", {"prompt": "lost", "max_tokens": 2})
     assert status == 503 and "expert unavailable" in body["error"]["message"]
@@ -466,6 +471,8 @@ def test_readyz_follows_the_expert_servers(
     assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
     text = http("GET", f"{service.url}/metrics")[1]
     assert metric(text, 'eaas_attention_requests_total{result="unavailable"}') >= 1
+    assert metric(text, "eaas_attention_failovers_total") == 1  # the dashboard's failover panel reads these
+    assert metric(text, "eaas_attention_rejoins_total") == 1
 
 
 def test_pod_command_serves_from_environment_and_waits_for_the_placement(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import subprocess
 import time
@@ -41,6 +42,7 @@ import yaml
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane
 from e2e.metrics import HPA_MANIFEST, MetricsStack
+from e2e.operator.conftest import Release
 from e2e.operator.harness import OperatorProcess
 from e2e.operator.system.conftest import pod_logs
 from e2e.operator.system.workload import (
@@ -54,7 +56,7 @@ from e2e.operator.system.workload import (
     System,
     deploy,
 )
-from e2e.waiting import wait_until
+from e2e.waiting import WaitTimeout, wait_until
 from eaas.runtime import contract
 from eaas.runtime.server.daemon import DaemonLoop
 
@@ -686,3 +688,59 @@ def test_builtin_autoscaler_scales_on_the_clients_expert_wait(
         reading = float(message.split("expert wait ")[1].split(" ms")[0])
         assert f"target {wait_target} ms" in message and reading > 1.1 * wait_target, message
     assert drill.scale_writers() == ["eaas-operator"]
+
+
+def test_every_dashboard_panel_has_data_under_load(
+    cluster: Cluster,
+    release: Release,
+    system: System,
+    system_operator: OperatorProcess,
+    metrics: MetricsStack,
+) -> None:
+    """The chart's Grafana dashboard, as helm installed it (a ConfigMap with the label
+    kube-prometheus-stack's sidecar selects), run against this Prometheus: under load every query
+    of every panel returns data (a finite value in at least one series). The pods are scraped with
+    manifests/prometheus-scrape.yaml's job, the operator as the chart's ServiceMonitor would."""
+    metrics.scrape_operator(system_operator.metrics_port)
+    maps = cluster.core.list_namespaced_config_map(
+        release.namespace, label_selector="grafana_dashboard=1"
+    ).items
+    assert len(maps) == 1, [m.metadata.name for m in maps]
+    dashboard = json.loads(maps[0].data["eaas-overview.json"])
+    queries = {
+        (panel["title"], target["refId"]): target["expr"]
+        .replace("$namespace", system.namespace)
+        .replace("$__rate_interval", "15s")
+        for panel in dashboard["panels"]
+        if panel["type"] != "row"
+        for target in panel["targets"]
+    }
+    assert len(queries) >= 15
+    found: dict[tuple[str, str], int] = {}
+
+    def every_query_answers() -> bool:
+        for key, expr in queries.items():
+            if key in found:
+                continue
+            results = metrics.query(expr)
+            finite = [r for r in results if math.isfinite(float(r["value"][1]))]
+            if "by (pool" in expr:  # the scrape job's relabeling names each pod's pool
+                assert all(r["metric"].get("pool") for r in results), (key, results)
+            if finite:
+                found[key] = len(finite)
+        return len(found) == len(queries)
+
+    with Load(system.url, system.model, workers=2) as load:
+        wait_until(lambda: load.completed_since(0) >= 2, 120, "requests flowing")
+        try:
+            wait_until(every_query_answers, 120, "data for every panel's queries", ignore=(OSError,))
+        except WaitTimeout:
+            missing = {
+                f"{title} [{ref}]": queries[(title, ref)]
+                for title, ref in queries
+                if (title, ref) not in found
+            }
+            raise AssertionError(f"panels without data: {json.dumps(missing, indent=1)}") from None
+    system.check(load.outcomes)
+    print(f"\ndashboard: {len(queries)} queries of {len({t for t, _ in queries})} panels, each with data; "
+          f"series per query: {sorted(found.values())}")  # fmt: skip
