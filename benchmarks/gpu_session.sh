@@ -3,7 +3,7 @@
 # but not this project installed (no network needed): `eaas` is made importable from the source
 # tree through a link tree, then each step runs with its log under $OUT (default: ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh STEP...   steps: env probe tests kernels kernels-quick autotune rtt nixl
+#   bash benchmarks/gpu_session.sh STEP...   steps: env probe tests kernels kernels-quick autotune rtt nixl warmup
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -69,6 +69,9 @@ for what in "$@"; do
         echo "--- nixl preflight chose: $chosen"
         [ "$chosen" = none ] || step nixl ${NIXL_TIMEOUT:-240} env "$chosen" $PY benchmarks/nixl_gpu_rtt.py \
             --json-out "$OUT/nixl_gpu_rtt.json"
+        ;;
+    warmup)
+        step warmup ${WARMUP_TIMEOUT:-300} $PY benchmarks/warm_up.py --json-out "$OUT/warm_up.json"
         ;;
     *)
         echo "unknown step $what" >&2

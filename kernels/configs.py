@@ -134,3 +134,11 @@ def select_configs(
     default = data["default"]
     picked = [_pick({**default[stage], **tuned.get(stage, {})}, num_tokens) for stage in ("gate_up", "down")]
     return picked[0], picked[1]
+
+
+def token_buckets(device_name: str, hidden: int, inter: int, path: str | None = None) -> list[int]:
+    """Every token bucket ``select_configs`` may pick from for shape (H, I) on a device, ascending."""
+    data = load_tuned_configs(path)
+    tuned = data.get("devices", {}).get(device_name, {}).get("shapes", {}).get(shape_key(hidden, inter), {})
+    buckets = {int(key) for stage in STAGES for key in (*data["default"][stage], *tuned.get(stage, {}))}
+    return sorted(buckets)

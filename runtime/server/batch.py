@@ -54,11 +54,14 @@ def _pad(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     return out
 
 
-def warm_up(stack: ExpertStack, backend: str) -> float:
+def warm_up(stack: ExpertStack, backend: str, max_tokens: int | None = None) -> float:
     """Runs every hosted expert once, as a batch of one token each and as one decode-shaped token
     of top-k entries, so that the first real request finds the weights paged in (a checkpoint is
     memory-mapped), the backend's kernels compiled and the allocator warm, rather than stalling
-    every client's step behind a server that has just joined. Returns the seconds it took."""
+    every client's step behind a server that has just joined (Triton on an H200 compiled for
+    4.8 s on its first call: docs/benchmarks.md). With the ``triton`` backend on a GPU, also one
+    batch of top-k-wide tokens per tile configuration the server can pick for up to ``max_tokens``
+    tokens (each is a kernel of its own). Returns the seconds it took."""
     started = time.perf_counter()
     groups = len(stack.pairs)
     if groups == 0:
@@ -71,6 +74,9 @@ def warm_up(stack: ExpertStack, backend: str) -> float:
         torch.arange(groups).unsqueeze(1),  # [G, 1]: one token per expert
         torch.arange(top_k).unsqueeze(0),  # [1, K]: a decode step's token
     ]
+    if backend == "triton" and device.type == "cuda" and max_tokens:  # n tokens of top-k entries each
+        spread = torch.arange(top_k).unsqueeze(0)
+        shapes += [(torch.arange(n).unsqueeze(1) + spread) % groups for n in _tile_buckets(stack, max_tokens)]
     with torch.no_grad():
         for group_of in shapes:
             tokens, k = group_of.shape
@@ -80,3 +86,20 @@ def warm_up(stack: ExpertStack, backend: str) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
+
+
+def _tile_buckets(stack: ExpertStack, max_tokens: int) -> list[int]:
+    """A token count for each distinct (gate_up, down) tile configuration of the Triton backend
+    for up to ``max_tokens`` tokens of this stack's shape on its GPU."""
+    from eaas.kernels.configs import select_configs, token_buckets
+    from eaas.kernels.triton_env import device_name
+
+    name = device_name(stack.w13.device)
+    hidden, inter = stack.w13.shape[2], stack.w13.shape[1] // 2
+    seen, counts = set(), []
+    for bucket in token_buckets(name, hidden, inter):
+        configs = select_configs(name, hidden, inter, min(bucket, max_tokens))
+        if configs not in seen:
+            seen.add(configs)
+            counts.append(min(bucket, max_tokens))
+    return counts

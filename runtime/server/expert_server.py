@@ -107,7 +107,7 @@ class ExpertServer:
         dtype = DTYPES[config.dtype] if config.dtype and not keep_fp8 else None
         stack = ExpertStack.load(reader, config.hosted, dtype=dtype, progress=True, keep_fp8=keep_fp8)
         stack = stack.to(self.device)
-        self._warm_up(stack, config.kernel_backend)
+        self._warm_up(stack, config.kernel_backend, config.max_tokens)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
         limits = ServerLimits(
             hidden=self.model.hidden_size,
@@ -194,7 +194,7 @@ class ExpertServer:
             old = self.stack
             reader = CheckpointReader(self.config.checkpoint)
             stack, num_loaded = restack(old, reader, pairs)
-            self._warm_up(stack, self.config.kernel_backend)  # before the loop serves it (off the loop)
+            self._warm_up(stack, self.config.kernel_backend, self.config.max_tokens)  # before the loop has it
             limits = replace(self.limits, hosted_layers=hosted_layers(stack))
             adopted = threading.Event()
 
@@ -225,10 +225,10 @@ class ExpertServer:
         self.placement_version = version
         self.metrics.placement_version.set(version)
 
-    def _warm_up(self, stack: ExpertStack, backend: str) -> None:
+    def _warm_up(self, stack: ExpertStack, backend: str, max_tokens: int) -> None:
         """``batch.warm_up``; a failure is logged, not raised (each request then reports it)."""
         try:
-            seconds = warm_up(stack, backend)
+            seconds = warm_up(stack, backend, max_tokens)
         except Exception as exc:
             log.warning(
                 "server %d: warm-up of %d experts failed: %s", self.config.ordinal, len(stack.pairs), exc

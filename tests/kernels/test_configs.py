@@ -12,6 +12,7 @@ from eaas.kernels.configs import (
     load_tuned_configs,
     nearest_bucket,
     select_configs,
+    token_buckets,
     validate_tuned_configs,
 )
 
@@ -52,6 +53,10 @@ def test_device_entry_overrides_default(tmp_path: Path) -> None:
     assert select_configs("Test GPU", 256, 128, 1, path=str(path)) == want
     assert select_configs("Test GPU", 512, 128, 64, path=str(path)) != (tuned, tuned)
     assert select_configs("Other GPU", 256, 128, 64, path=str(path)) != (tuned, tuned)
+    # The buckets a server's warm-up compiles one batch for: the defaults' and the device's own.
+    defaults = {int(k) for stage in ("gate_up", "down") for k in default[stage]}
+    assert token_buckets("Other GPU", 256, 128, path=str(path)) == sorted(defaults)
+    assert token_buckets("Test GPU", 256, 128, path=str(path)) == sorted(defaults | {64})
 
 
 @pytest.mark.parametrize(
