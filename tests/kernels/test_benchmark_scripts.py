@@ -68,3 +68,15 @@ def test_autotune_without_gpu_refuses_the_packaged_file() -> None:
     result = _run(str(BENCHMARKS / "autotune_moe.py"))
     assert result.returncode == 2
     assert "pass --out" in result.stderr
+
+
+def test_warm_up_quick_times_a_first_and_a_second_warm_up(tmp_path: Path) -> None:
+    json_out = tmp_path / "warm_up.json"
+    result = _run(str(BENCHMARKS / "warm_up.py"), "--quick", "--json-out", str(json_out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert last == json.loads(json_out.read_text()) and last["benchmark"] == "warm_up"
+    assert [row["backend"] for row in last["results"]] == ["torch", "grouped_mm"]  # no GPU: no Triton row
+    for row in last["results"]:
+        assert row["first_s"] > 0 and row["second_s"] > 0, row
+        assert sorted(row["first_call_ms_after"], key=int) == ["1", "3", "8", "24", "64", "200", "512"], row
