@@ -10,7 +10,7 @@ import click
 
 F = TypeVar("F", bound=Callable[..., object])
 
-TOOL_CALL_PARSERS = ("auto", "hermes")  # auto + ``serving.tools.FORMATS``
+TOOL_CALL_PARSERS = ("auto", "hermes", "deepseek_v3", "kimi_k2")  # auto + ``serving.tools.FORMATS``
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``serving.reasoning.STYLES``
 
 
@@ -92,5 +92,6 @@ def serving_feature_options(command: F) -> F:
         show_default=True,
         envvar="EAAS_TOOL_CALL_PARSER",
         show_envvar=True,
-        help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks)",
+        help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks; "
+        "deepseek_v3, kimi_k2: their marker tokens, tool_choice auto only)",
     )(command)

@@ -2,10 +2,11 @@
 text, and the grammar that makes a required or named call always parse.
 
 A model writes tool calls in its family's format; ``ToolFormat`` knows one. The format is chosen
-by the checkpoint's family or by ``--tool-call-parser``. Only ``hermes`` exists so far: the
+by the checkpoint's family or by ``--tool-call-parser``: ``hermes``, the
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of Qwen2.5/Qwen3 (and of the
-many models fine-tuned on the Hermes format). A family without a format refuses ``tools`` with a
-400 that says how to choose one.
+many models fine-tuned on the Hermes format); ``deepseek_v3`` and ``kimi_k2``, sections of marker
+tokens (``SectionFormat``; chosen by the flag only: both families' checkpoints say
+``deepseek_v3``). A family without a format refuses ``tools`` with a 400 that says how to choose one.
 
 ``tool_choice``:
 
@@ -161,8 +162,75 @@ class HermesFormat:
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
 
-ToolFormat = HermesFormat  # the one format so far; a Protocol once there are more
-FORMATS = {"hermes": HermesFormat()}
+@dataclass(frozen=True)
+class SectionFormat:
+    """Calls in a section of marker tokens, one call per ``call_start`` ... ``call_end``, whose
+    head names the function and whose arguments are one JSON object:
+
+    - ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+      <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (DeepSeek-V3.1's template; ``function<｜tool▁sep｜>NAME``
+      followed by a fenced ```json block, V3-0324's, is read too);
+    - ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+      <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
+
+    Found in free generation (``tool_choice`` ``auto``). A required or named call needs a grammar
+    over the tokenizer's marker tokens, which is not written for these formats: such requests get
+    a 400 that says so."""
+
+    name: str
+    start: str  # the section's first marker: content ends here
+    call_start: str
+    call_end: str
+    head: re.Pattern[str]  # matches a call's text up to its arguments; its last group is the name
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls), as ``HermesFormat.parse``."""
+        first = text.find(self.start)
+        if first < 0:
+            return text, []
+        calls = []
+        block_pattern = re.escape(self.call_start) + r"(.*?)" + re.escape(self.call_end)
+        for block in re.findall(block_pattern, text[first:], re.DOTALL):
+            head = self.head.match(block)
+            if head is None:
+                return text, []
+            body = block[head.end() :].strip()
+            fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
+            try:
+                arguments = json.loads(fenced.group(1) if fenced else body)
+            except json.JSONDecodeError:
+                return text, []
+            if not isinstance(arguments, dict):
+                return text, []
+            calls.append(ToolCall(head.group(head.lastgroup or 0), json.dumps(arguments)))
+        if not calls:
+            return text, []
+        return text[:first].rstrip(), calls
+
+    def constraint(self, request: ToolRequest) -> Constraint:
+        raise bad(
+            "tool_choice",
+            f"{request.choice!r} needs a grammar over the {self.name} format's marker tokens, which "
+            "this server does not have yet; use tool_choice auto (or a model whose format is hermes)",
+        )
+
+
+DEEPSEEK_V3 = SectionFormat(
+    "deepseek_v3",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    re.compile(r"\s*(?:function<｜tool▁sep｜>(?P<fenced>[^\s`]+)|(?P<name>[^<\s]+)<｜tool▁sep｜>)"),
+)
+KIMI_K2 = SectionFormat(
+    "kimi_k2",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_end|>",
+    re.compile(r"\s*(?:functions\.)?(?P<name>[^:\s<]+):\d+\s*<\|tool_call_argument_begin\|>"),
+)
+ToolFormat = HermesFormat | SectionFormat
+FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
 
 
 def tool_format(parser: str | None, family: str) -> ToolFormat | None:

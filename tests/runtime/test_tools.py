@@ -11,7 +11,15 @@ import pytest
 from eaas.runtime.serving.chat import ChatTemplate, parse_messages
 from eaas.runtime.serving.cli_options import TOOL_CALL_PARSERS
 from eaas.runtime.serving.http_api import ApiError
-from eaas.runtime.serving.tools import FORMATS, HermesFormat, StreamedCalls, parse_tools, tool_format
+from eaas.runtime.serving.tools import (
+    DEEPSEEK_V3,
+    FORMATS,
+    KIMI_K2,
+    HermesFormat,
+    StreamedCalls,
+    parse_tools,
+    tool_format,
+)
 
 WEATHER = {
     "type": "function",
@@ -140,3 +148,64 @@ def test_conversations_with_calls_and_results_reach_the_template() -> None:
     with pytest.raises(ApiError) as caught:
         parse_messages([{"role": "user", "content": "x", "tool_calls": []}])
     assert caught.value.param == "messages"
+
+
+def test_deepseek_v3_calls_are_found_in_both_template_versions() -> None:
+    v31 = (
+        "Checking both."
+        "<｜tool▁calls▁begin｜>"
+        '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+        '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    content, calls = DEEPSEEK_V3.parse(v31)
+    assert content == "Checking both."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    v3 = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    assert [(c.name, json.loads(c.arguments)) for c in DEEPSEEK_V3.parse(v3)[1]] == [
+        ("get_weather", {"city": "Rome"})
+    ]
+    broken = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops<｜tool▁call▁end｜>"
+    assert DEEPSEEK_V3.parse(broken) == (broken, [])
+
+
+def test_kimi_k2_calls_are_found_and_streamed() -> None:
+    text = (
+        "On it. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+        '<|tool_call_begin|>functions.get_weather:1 <|tool_call_argument_begin|> {"city": "Rome"} '
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    content, calls = KIMI_K2.parse(text)
+    assert content == "On it."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    for broken in (
+        "<|tool_calls_section_begin|><|tool_call_begin|>get_weather<|tool_call_argument_begin|>{}<|tool_call_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]<|tool_call_end|>",
+        "plain text",
+    ):
+        assert KIMI_K2.parse(broken) == (broken, [])  # no index, arguments not an object, no call
+    stream = StreamedCalls(KIMI_K2)
+    sent = "".join(stream.push(text[i : i + 7]) for i in range(0, len(text), 7))
+    assert sent == "On it. "  # the section's marker was held until it was one, then nothing more
+    rest, streamed = stream.finish()
+    assert rest == "" and [c.name for c in streamed] == ["get_weather", "get_weather"]
+
+
+def test_marker_token_formats_are_chosen_by_the_flag_and_refuse_constrained_calls() -> None:
+    assert tool_format("auto", "deepseek_v3") is None  # DeepSeek-V3 and Kimi-K2 checkpoints look alike
+    assert tool_format("kimi_k2", "deepseek_v3") is KIMI_K2
+    assert tool_format("deepseek_v3", "deepseek_v3") is DEEPSEEK_V3
+    request = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
+    assert request is not None
+    with pytest.raises(ApiError) as caught:
+        KIMI_K2.constraint(request)
+    assert caught.value.param == "tool_choice" and "kimi_k2" in caught.value.message
