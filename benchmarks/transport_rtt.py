@@ -68,7 +68,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from _common import cpu_seconds, emit, parser, target
 
@@ -191,16 +190,22 @@ def bare_agent(role: str) -> Any:
     return lib.nixl_agent(f"bench-raw-{role}-{os.getpid()}-{time.monotonic_ns()}", config)
 
 
-def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int) -> None:
+def raw_area(memory: str, num_bytes: int) -> torch.Tensor:
+    """Zeroed bytes where a raw NIXL agent registers them: host memory (``DRAM``) or the GPU's
+    (``VRAM``: ``benchmarks/nixl_gpu_rtt.py``)."""
+    return torch.zeros(num_bytes, dtype=torch.uint8, device="cuda" if memory == "VRAM" else "cpu")
+
+
+def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int, memory: str = "DRAM") -> None:
     """NIXL's own round trip, far side: a bare agent that WRITEs back what it was written.
 
-    A notification ``<n>`` says n bytes arrived at the start of this agent's buffer; they are
-    WRITTEN back to the client's answer area with the notification ``a``. Busy-polls for
-    ``RAW_SPIN_S`` after each message, then sleeps between polls (``RAW_SLEEP_S``)."""
+    A notification ``<n>`` says n bytes arrived at the start of this agent's buffer (in
+    ``memory``); they are WRITTEN back to the client's answer area with the notification ``a``.
+    Busy-polls for ``RAW_SPIN_S`` after each message, then sleeps between polls (``RAW_SLEEP_S``)."""
     agent = bare_agent("echo")
-    buffer = np.zeros(max_bytes, dtype=np.uint8)
-    base = int(buffer.ctypes.data)
-    agent.register_memory([(base, max_bytes, 0, "")], "DRAM")
+    buffer = raw_area(memory, max_bytes)
+    base = buffer.data_ptr()
+    agent.register_memory([(base, max_bytes, 0, "")], memory)
     offer = read_json(offer_path)
     peer = agent.add_remote_agent(base64.b64decode(offer["agent_metadata"]))
     agent.make_connection(peer)
@@ -222,8 +227,8 @@ def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int) -> None:
                 size = int(message)
                 write = writes.get(size)
                 if write is None:
-                    here = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base, size, 0)], "DRAM")
-                    there = agent.prep_xfer_dlist(peer, [(offer["address"], size, 0)], "DRAM")
+                    here = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base, size, 0)], memory)
+                    there = agent.prep_xfer_dlist(peer, [(offer["address"], size, 0)], memory)
                     write = writes[size] = agent.make_prepped_xfer("WRITE", here, [0], there, [0])
                 while in_flight is not None and not settled(agent, in_flight):
                     pass
@@ -247,15 +252,17 @@ def settled(agent: Any, write: Any) -> bool:
 
 
 class RawNixl:
-    """NIXL's own round trip, near side: a bare agent with a send area and an answer area."""
+    """NIXL's own round trip, near side: a bare agent with a send area and an answer area, both
+    in ``memory`` (``DRAM`` or ``VRAM``)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, memory: str = "DRAM") -> None:
         self.agent = bare_agent("client")
-        self.memory = np.zeros(2 * max_bytes, dtype=np.uint8)  # [send area | answer area]
-        self.send_address = int(self.memory.ctypes.data)
+        self.kind = memory
+        self.area = raw_area(memory, 2 * max_bytes)  # [send area | answer area]
+        self.send_address = self.area.data_ptr()
         self.answer_address = self.send_address + max_bytes
         self.max_bytes = max_bytes
-        self.agent.register_memory([(self.send_address, 2 * max_bytes, 0, "")], "DRAM")
+        self.agent.register_memory([(self.send_address, 2 * max_bytes, 0, "")], memory)
         self.offer = {
             "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
             "address": self.answer_address,
@@ -270,14 +277,17 @@ class RawNixl:
         self.remote_address = int(handle["address"])
 
     def prepare(self, x: torch.Tensor) -> Callable[[], None]:
-        """Puts x's bytes in the send area; returns one timed round trip of them."""
-        data = x.view(torch.uint8).reshape(-1).numpy()
-        size = len(data)
-        self.memory[:size] = data
+        """Puts x's bytes in the send area (synchronised: NIXL reads them); returns one timed round
+        trip of them."""
+        data = x.view(torch.uint8).reshape(-1)
+        size = data.numel()
+        self.area[:size].copy_(data)
+        if self.area.is_cuda:
+            torch.cuda.synchronize(self.area.device)
         write = self._writes.get(size)
         if write is None:
-            here = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.send_address, size, 0)], "DRAM")
-            there = self.agent.prep_xfer_dlist(self.peer, [(self.remote_address, size, 0)], "DRAM")
+            here = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.send_address, size, 0)], self.kind)
+            there = self.agent.prep_xfer_dlist(self.peer, [(self.remote_address, size, 0)], self.kind)
             write = self._writes[size] = self.agent.make_prepped_xfer("WRITE", here, [0], there, [0])
         return partial(self.round_trip, write, str(size).encode())
 
@@ -295,8 +305,8 @@ class RawNixl:
         if state != "DONE":
             raise ConnectionError(f"NIXL WRITE ended in state {state}")
 
-    def answer(self, num_bytes: int) -> np.ndarray:
-        return self.memory[self.max_bytes : self.max_bytes + num_bytes]
+    def answer(self, num_bytes: int) -> torch.Tensor:
+        return self.area[self.max_bytes : self.max_bytes + num_bytes]
 
 
 def raw_echo(listener: socket.socket) -> None:
@@ -430,17 +440,19 @@ def connect_nixl(pending: Pending, capacity: int) -> Any:
     return channel_type.connect(pending.exchange(offer.body), "127.0.0.1", 10.0, offer)
 
 
-def start_raw_echo(started: Echoes, tag: str, max_bytes: int, ucx_tls: str | None) -> Pending:
+def start_raw_echo(
+    started: Echoes, tag: str, max_bytes: int, ucx_tls: str | None, memory: str = "DRAM"
+) -> Pending:
     env = {} if ucx_tls is None else {"UCX_TLS": ucx_tls}
-    return Pending(started, tag, "--nixl-raw-echo", (max_bytes,), env)
+    return Pending(started, tag, "--nixl-raw-echo", (max_bytes, memory), env)
 
 
-def connect_raw(pending: Pending, max_bytes: int) -> RawNixl:
+def connect_raw(pending: Pending, max_bytes: int, memory: str = "DRAM") -> RawNixl:
     """A bare client agent here, made with the echo's ``UCX_*`` settings, connected to it."""
     saved = {key: os.environ.get(key) for key in pending.env}
     os.environ.update(pending.env)  # UCX reads its settings when the agent's context is made
     try:
-        raw = RawNixl(max_bytes)
+        raw = RawNixl(max_bytes, memory)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -551,14 +563,14 @@ def run(
             for name, channel in channels.items():
                 round_trip(channel, x, ids, weights, out)
                 assert torch.equal(out, x), f"{name} echo returned different bytes"
-            expected = x.view(torch.uint8).reshape(-1).numpy()
+            expected = x.view(torch.uint8).reshape(-1)
             raw_methods = {}
             for name, pair in raws.items():
                 raw_methods[f"{name}_us"] = pair.prepare(x)
-                pair.answer(len(expected))[:] = 0
+                pair.answer(expected.numel()).zero_()
                 raw_methods[f"{name}_us"]()
-                echoed = pair.answer(len(expected))
-                assert np.array_equal(echoed, expected), f"{name} echo returned different bytes"
+                echoed = pair.answer(expected.numel())
+                assert torch.equal(echoed, expected), f"{name} echo returned different bytes"
             methods = {
                 f"{name}_us": partial(round_trip, channel, x, ids, weights, out)
                 for name, channel in channels.items()
@@ -677,6 +689,6 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         nixl_echo_server(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     elif mode == "--nixl-raw-echo":
-        nixl_raw_echo(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+        nixl_raw_echo(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     else:
         main()
