@@ -215,11 +215,14 @@ def lease_body(
     expert_wait_micros: int | None = None,
     tokens_per_second: int | None = None,
     leaving_by: datetime | None = None,
+    tpot_micros: int | None = None,
 ) -> dict[str, Any]:
     """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one.
-    An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`), an expert
-    server its routed ``tokens_per_second`` (:class:`TokenRate`); a process that received SIGTERM
-    the time it will be gone by (``leaving_by``)."""
+    An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`) and its p99
+    time per output token ``tpot_micros`` (:class:`RecentP99`; None, and the annotation goes, when
+    no request finished in the window), an expert server its routed ``tokens_per_second``
+    (:class:`TokenRate`); a process that received SIGTERM the time it will be gone by
+    (``leaving_by``)."""
     lease: dict[str, Any] = json.loads(json.dumps(previous)) if previous else {}
     lease["apiVersion"] = "coordination.k8s.io/v1"
     lease["kind"] = "Lease"
@@ -238,6 +241,10 @@ def lease_body(
         metadata["annotations"][contract.EXPERT_WAIT_ANNOTATION] = str(expert_wait_micros)
     if tokens_per_second is not None:
         metadata["annotations"][contract.TOKEN_RATE_ANNOTATION] = str(tokens_per_second)
+    if tpot_micros is not None:
+        metadata["annotations"][contract.TPOT_ANNOTATION] = str(tpot_micros)
+    else:  # no reading now: an old one must not be taken for the present
+        metadata["annotations"].pop(contract.TPOT_ANNOTATION, None)
     if leaving_by is not None:
         metadata["annotations"][contract.LEAVING_ANNOTATION] = micro_time(leaving_by)
     else:  # a new process of the same pod name is not leaving, nor released
@@ -345,6 +352,35 @@ class ExpertWait(_Window):
         return max(0, round(1e6 * (seconds - seconds_then) / (steps - steps_then)))
 
 
+TPOT_WINDOW_S = 30.0  # requests finish seldom at a low load: a wider window than the counters'
+
+
+class RecentP99:
+    """The p99 of the samples recorded (any thread) over the last `window_s` seconds: an attention
+    client's time per output token of each finished request (the SLO's quantity)."""
+
+    def __init__(self, window_s: float = TPOT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def record(self, seconds: float) -> None:
+        with self._lock:
+            self._samples.append((self._clock(), seconds))
+
+    def micros(self) -> int | None:
+        """The p99 in microseconds over the window (nearest rank), None without a sample."""
+        with self._lock:
+            horizon = self._clock() - self._window_s
+            while self._samples and self._samples[0][0] < horizon:
+                self._samples.popleft()
+            values = sorted(seconds for _, seconds in self._samples)
+        if not values:
+            return None
+        return round(1e6 * values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)])
+
+
 class Heartbeat(DaemonLoop):
     """Creates and renews the Lease in a daemon thread: ``start()``, ``stop()``."""
 
@@ -355,9 +391,11 @@ class Heartbeat(DaemonLoop):
         busy_seconds: Callable[[], float],
         expert_wait: Callable[[], tuple[float, int]] | None = None,
         routed_tokens: Callable[[], float] | None = None,
+        tpot: Callable[[], int | None] | None = None,
     ) -> None:
-        """`expert_wait`: an attention client's running (expert seconds, decoder steps);
-        `routed_tokens`: an expert server's running count of (token, expert) entries computed."""
+        """`expert_wait`: an attention client's running (expert seconds, decoder steps); `tpot`
+        its p99 time per output token now (us, :class:`RecentP99`); `routed_tokens`: an expert
+        server's running count of (token, expert) entries computed."""
         self.settings = settings
         self.leaving_by: datetime | None = None  # set by :meth:`leave`
         self._wake = threading.Event()
@@ -365,6 +403,7 @@ class Heartbeat(DaemonLoop):
         self._utilization = Utilization(busy_seconds)
         self._expert_wait = ExpertWait(expert_wait) if expert_wait is not None else None
         self._token_rate = TokenRate(routed_tokens) if routed_tokens is not None else None
+        self._tpot = tpot
         self._api: Any = None
         self._lease: dict[str, Any] | None = None  # as last read or written (carries resourceVersion)
         self.renewals = 0
@@ -419,6 +458,7 @@ class Heartbeat(DaemonLoop):
         version, milli = self._loaded_version(), self._utilization.milli()
         wait = self._expert_wait.micros() if self._expert_wait is not None else None
         tokens = self._token_rate.per_second() if self._token_rate is not None else None
+        tpot = self._tpot() if self._tpot is not None else None
         leaving = self.leaving_by
         for attempt in range(2):
             if self._lease is None:
@@ -430,7 +470,7 @@ class Heartbeat(DaemonLoop):
                     if error.status != 404:
                         raise
                     body = lease_body(
-                        self.settings, datetime.now(UTC), version, milli, None, wait, tokens, leaving
+                        self.settings, datetime.now(UTC), version, milli, None, wait, tokens, leaving, tpot
                     )
                     self._lease = response_json(
                         api.create_namespaced_lease(namespace, body, **raw_options(timeout))
@@ -439,7 +479,7 @@ class Heartbeat(DaemonLoop):
                     log.info("heartbeat: created Lease %s/%s", namespace, name)
                     return
             body = lease_body(
-                self.settings, datetime.now(UTC), version, milli, self._lease, wait, tokens, leaving
+                self.settings, datetime.now(UTC), version, milli, self._lease, wait, tokens, leaving, tpot
             )
             try:
                 self._lease = response_json(

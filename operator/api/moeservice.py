@@ -56,12 +56,6 @@ class AutoscalingSpec(CRDModel):
             field_path=".targetExpertWaitMillis",
             check=lambda a: a.metric != "expertWait" or a.target_expert_wait_millis is not None,
         ),
-        Rule(
-            "self.metric != 'tokenRate' || has(self.targetTokensPerSecond)",
-            "metric tokenRate needs targetTokensPerSecond",
-            field_path=".targetTokensPerSecond",
-            check=lambda a: a.metric != "tokenRate" or a.target_tokens_per_second is not None,
-        ),
     )
 
     mode: AutoscalingMode = "off"
@@ -73,26 +67,31 @@ class AutoscalingSpec(CRDModel):
     """Fewest expert servers (builtin mode)."""
     max_replicas: int = Field(default=16, ge=1, le=4096)
     """Most expert servers (builtin mode)."""
-    metric: AutoscalingMetric = "busy"
-    """What the builtin autoscaler holds at its target. ``busy``: the expert servers' mean busy
-    fraction (their Leases; the same metric the chart's adapter rule serves an HPA).
+    metric: AutoscalingMetric = "tokenRate"
+    """What the builtin autoscaler holds at its target. ``tokenRate`` (the default): the expert
+    servers' mean routed (token, expert) entries per second (their Leases): the load itself,
+    falling as 1 / servers when one is added whatever a batch's fixed costs. Its target is 0.9 x
+    what one server carries at the SLO (``sloTimePerOutputTokenMillis``), learned from the pool's
+    own readings (the servers' token rate against the attention clients' p99 time per output
+    token), or ``targetTokensPerSecond`` when given. ``busy``: the expert servers' mean busy
+    fraction (their Leases; the same metric the chart's adapter rule serves an HPA); it is not
+    monotone in the load where a batch's fixed costs dominate (docs/operations.md).
     ``expertWait``: the attention clients' mean time per decoder step spent on the expert
-    servers (their Leases; the part of the time per output token that more servers shorten),
-    for a target derived from a time-per-token objective; experimental: it falls as servers are
-    added only where the servers' compute dominates it (docs/operations.md).
-    ``tokenRate``: the expert servers' mean routed (token, expert) entries per second (their
-    Leases): the load itself, falling as 1 / servers when one is added whatever a batch's fixed
-    costs, for a target taken from a load test (what one server carries while meeting the time
-    per token). HPA and KEDA (mode external) scale on what they are given."""
+    servers (their Leases), for a target derived from a time-per-token objective; experimental:
+    it falls as servers are added only where the servers' compute dominates it. HPA and KEDA (mode
+    external) scale on what they are given."""
+    slo_time_per_output_token_millis: int = Field(default=100, ge=1, le=60000)
+    """With ``metric: tokenRate`` and no ``targetTokensPerSecond``: the SLO, p99 time per output
+    token in milliseconds, at which the operator learns what one server carries."""
     target_utilization_milli: int = Field(default=700, ge=1, le=1000)
-    """Mean busy fraction the builtin autoscaler aims for, in thousandths (700 = 70%)."""
+    """With ``metric: busy``: mean busy fraction to aim for, in thousandths (700 = 70%)."""
     target_expert_wait_millis: int | None = Field(default=None, ge=1, le=60000)
     """With ``metric: expertWait``: the expert time per decoder step to aim for, in milliseconds
     (for example 0.85 x what a step may spend on the experts while meeting the time per token)."""
     target_tokens_per_second: int | None = Field(default=None, ge=1, le=100_000_000)
     """With ``metric: tokenRate``: routed (token, expert) entries per second per expert server to
-    aim for (for example 0.9 x what a server carried in a load test that met the time per token:
-    0.9 = 1 / (1 + the 10% tolerance), so the pool never runs above what was tested)."""
+    aim for, set by hand (for example 0.9 x what a server carried in a load test that met the time
+    per token); without it the operator learns the target from ``sloTimePerOutputTokenMillis``."""
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
     """Builtin: scale up to the lowest recommendation of this window (0 = at once)."""
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)

@@ -285,6 +285,21 @@ def clients_expert_wait(leases: Sequence[Mapping[str, Any]], now: float) -> int 
     return round(sum(values) / len(values)) if values else None
 
 
+def clients_tpot(leases: Sequence[Mapping[str, Any]], now: float) -> int | None:
+    """The highest p99 time per output token (us) of the attention clients whose Leases are live
+    and carry one: the SLO holds for the pool when it holds for its worst client (None when none
+    does)."""
+    values = [
+        value
+        for lease in leases
+        if (value := _int((lease["metadata"].get("annotations") or {}).get(naming.TPOT_ANNOTATION)))
+        is not None
+        and value > 0
+        and not lease_expired(lease, now)
+    ]
+    return max(values) if values else None
+
+
 def _within(value: int | None, most: int | None = None) -> int | None:
     """A reading as the status may hold it: None when negative or above `most` (a garbled or
     foreign annotation must not make the ExpertPool's status write fail validation)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from eaas.operator import naming
 from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
 from eaas.operator.api.moeservice import MoEServiceSpec
-from eaas.operator.autoscaler import Autoscaler
+from eaas.operator.autoscaler import HEADROOM, Autoscaler
 from eaas.operator.builders import moeservice as build
 from eaas.operator.builders.common import (
     data_token_secret,
@@ -24,7 +24,7 @@ from eaas.operator.builders.common import (
 from eaas.operator.builders.network import network_policies
 from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
-from eaas.operator.reconcile.expertpool import clients_expert_wait
+from eaas.operator.reconcile.expertpool import clients_expert_wait, clients_tpot
 from eaas.operator.status import aggregate, invalid_spec
 from eaas.runtime.contract import GROUP
 
@@ -155,9 +155,14 @@ def set_expert_replicas(
         autoscaler = ctx.autoscalers.setdefault(key, Autoscaler())
         status = pool.get("status") or {}
         value, reading = autoscaling_metric(ctx, body, spec, status)
+        tpot = None
+        if spec.autoscaling.metric == "tokenRate" and spec.autoscaling.target_tokens_per_second is None:
+            tpot = attention_leases(ctx, body, clients_tpot)
         desired = autoscaler.recommend(
-            time.monotonic(), current, value, spec.autoscaling, status.get("readyReplicas")
+            time.monotonic(), current, value, spec.autoscaling, status.get("readyReplicas"), tpot
         )
+        if spec.autoscaling.metric == "tokenRate":
+            reading += token_target_reading(autoscaler, spec, tpot)
     if desired == current:
         return
     ctx.kube.merge_patch(
@@ -188,21 +193,46 @@ def autoscaling_metric(
         return milli, f"{shown}, target {scaling.target_utilization_milli / 1000:.2f}"
     if scaling.metric == "tokenRate":
         rate = pool_status.get("tokensPerSecond")
-        shown = f", {rate} tokens/s per server" if rate is not None else ", no token rate reported"
-        return rate, f"{shown}, target {scaling.target_tokens_per_second}"
-    metadata = body["metadata"]
-    selector = {naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT, naming.SERVICE_LABEL: metadata["name"]}
-    try:
-        micros = clients_expert_wait(ctx.kube.list("Lease", metadata["namespace"], selector), time.time())
-    except KubeError as error:
-        logger.warning("cannot list the attention clients' Leases of %s: %s", metadata["name"], error)
-        micros = None
+        return rate, f", {rate} tokens/s per server" if rate is not None else ", no token rate reported"
+    micros = attention_leases(ctx, body, clients_expert_wait)
     shown = (
         f", expert wait {micros / 1000:.1f} ms per step"
         if micros is not None
         else ", no expert wait reported"
     )
     return micros, f"{shown}, target {scaling.target_expert_wait_millis} ms"
+
+
+def attention_leases(
+    ctx: Context, body: Mapping[str, Any], read: Callable[[Sequence[Mapping[str, Any]], float], int | None]
+) -> int | None:
+    """`read` (``clients_expert_wait``, ``clients_tpot``) of this MoEService's attention clients'
+    Leases; None when they cannot be listed."""
+    metadata = body["metadata"]
+    selector = {naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT, naming.SERVICE_LABEL: metadata["name"]}
+    try:
+        return read(ctx.kube.list("Lease", metadata["namespace"], selector), time.time())
+    except KubeError as error:
+        logger.warning("cannot list the attention clients' Leases of %s: %s", metadata["name"], error)
+        return None
+
+
+def token_target_reading(autoscaler: Autoscaler, spec: MoEServiceSpec, tpot: int | None) -> str:
+    """How an Event names the tokenRate target: hand-set, or learned (from what, or why not yet)."""
+    scaling = spec.autoscaling
+    if scaling.target_tokens_per_second is not None:
+        return f", target {scaling.target_tokens_per_second}"
+    slo = scaling.slo_time_per_output_token_millis
+    shown = (
+        f"clients' p99 time per output token {tpot / 1000:.1f} ms" if tpot else "no time per token reported"
+    )
+    if autoscaler.per_server is None:
+        return f", {shown}; no target learned yet ({autoscaler.reason})"
+    capacity = autoscaler.per_server / HEADROOM
+    return (
+        f", {shown}; target {autoscaler.per_server:.0f} = {HEADROOM:g} x {capacity:.0f} tokens/s a server "
+        f"carries at the SLO ({slo} ms), learned: {autoscaler.reason}"
+    )
 
 
 def rival_autoscaler(ctx: Context, namespace: str, pool: str) -> str | None:

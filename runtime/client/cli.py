@@ -318,6 +318,7 @@ def attention_client(
             lambda: service.worker.busy_seconds if service.worker else 0.0,
             # measured per decoder step: continuous batching only (else no annotation: the size holds)
             (lambda: service.expert_wait) if service.worker is not None else None,
+            tpot=service.metrics.recent_tpot.micros,
         )
         if heartbeat
         else None

@@ -271,9 +271,9 @@ class Completions:
         if request.first_token_at is not None:
             m.time_to_first_token.observe(request.first_token_at - request.enqueued_at)
             if len(request.tokens) > 1:
-                m.time_per_output_token.observe(
-                    (time.monotonic() - request.first_token_at) / (len(request.tokens) - 1)
-                )
+                tpot = (time.monotonic() - request.first_token_at) / (len(request.tokens) - 1)
+                m.time_per_output_token.observe(tpot)
+                m.recent_tpot.record(tpot)
 
     def _count_ok(self, start: float, usage: dict[str, int]) -> None:
         self.metrics.requests.labels(result="ok").inc()

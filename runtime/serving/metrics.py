@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from eaas.runtime.lease import RecentP99
+
 RESULTS = ("ok", "bad_request", "rejected", "unavailable", "timeout", "error")
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -57,6 +59,7 @@ class AttentionMetrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.recent_tpot = RecentP99()  # the same times over the last 30 s: the Lease's p99 (autoscaling)
         self.step_expert_seconds = Histogram(
             "eaas_attention_step_expert_seconds",
             "Time one decoder step (continuous batching) spent in its MoE layers' expert calls: sending "

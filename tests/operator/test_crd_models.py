@@ -107,8 +107,8 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
             "spec.autoscaling.targetExpertWaitMillis: metric expertWait needs targetExpertWaitMillis",
         ),
         (
-            {"autoscaling.metric": "tokenRate"},
-            "spec.autoscaling.targetTokensPerSecond: metric tokenRate needs targetTokensPerSecond",
+            {"autoscaling.sloTimePerOutputTokenMillis": 0},
+            "spec.autoscaling.sloTimePerOutputTokenMillis",
         ),
         (
             {"autoscaling.metric": "tokens"},

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from eaas.operator.api import AutoscalingSpec, Condition, MoEServiceSpec
-from eaas.operator.autoscaler import Autoscaler, raw_recommendation, target
+from eaas.operator.autoscaler import Autoscaler, raw_recommendation, target, token_rate_recommendation
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, Observation, merge
 from eaas.operator.handlers import backoff
 from eaas.operator.kube import KubeError
@@ -82,6 +82,7 @@ def test_attention_conditions_from_the_deployment() -> None:
 
 SCALING = AutoscalingSpec(
     mode="builtin",
+    metric="busy",
     min_replicas=2,
     max_replicas=10,
     target_utilization_milli=500,
@@ -247,12 +248,20 @@ TOKENS = SCALING.model_copy(update={"metric": "tokenRate", "target_tokens_per_se
 
 
 def test_token_rate_scales_on_the_servers_routed_tokens() -> None:
-    """Same formula, on the ExpertPool's mean routed tokens per second per server: the load
-    itself, so the servers needed are the pool's total over the target."""
+    """On the ExpertPool's mean routed tokens per second per server: the load itself, so the
+    servers needed are the pool's total over the target; up once a server carries more than it,
+    down once the pool is sized below -3% of it (a settled pool is never more than 1 / 0.97 the
+    servers needed)."""
     assert target(TOKENS) == 400
-    assert raw_recommendation(4, 800, TOKENS) == 8  # 3200 tokens/s in all: 8 servers of 400
-    assert raw_recommendation(4, 430, TOKENS) == 4  # within the 10% tolerance
-    assert raw_recommendation(4, 150, TOKENS) == 2  # 600 in all: 2 (the floor)
+    assert token_rate_recommendation(4, 3200, 400, TOKENS) == 8  # 3200 tokens/s in all: 8 servers of 400
+    assert token_rate_recommendation(4, 1600, 400, TOKENS) == 4  # 400 each: the target
+    assert token_rate_recommendation(4, 1640, 400, TOKENS) == 5  # 410 each: above it
+    assert token_rate_recommendation(5, 1800, 400, TOKENS) == 5  # 1800 / 388 = 4.6: 5 is not too many
+    assert token_rate_recommendation(6, 1800, 400, TOKENS) == 5  # 6 is
+    assert token_rate_recommendation(4, 600, 400, TOKENS) == 2  # 600 in all: 2 (the floor)
+    scaler = Autoscaler()
+    assert scaler.recommend(0.0, 4, 800, TOKENS, ready=4) == 8
+    assert scaler.per_server == 400
 
 
 @pytest.mark.parametrize(
@@ -349,6 +358,32 @@ def test_builtin_expert_wait_reads_the_attention_clients_leases(
     if writes:
         ((_, reason, message),) = events
         assert reason == "ScaledUp" and reads in message
+
+
+def test_the_learned_token_rate_reads_the_worst_live_clients_time_per_token(
+    moes_body: dict[str, Any],
+) -> None:
+    """``metric: tokenRate`` without a hand-set target: the operator lists the attention clients'
+    Leases for their p99 time per output token (the highest live one counts) and, with nothing
+    learned yet, holds the size."""
+    from eaas.operator.reconcile.expertpool import clients_tpot
+
+    def lease(name: str, tpot: str, renewed: str = "2099-01-01T00:00:00.000000Z") -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "annotations": {"eaas.io/tpot-p99-micros": tpot}},
+            "spec": {"renewTime": renewed, "leaseDurationSeconds": 15},
+        }
+
+    leases = [lease("a", "40000"), lease("b", "70000"), lease("old", "900000", "2020-01-01T00:00:00Z")]
+    now = 1795608000.0  # 2026-11-25T12:00:00Z
+    assert clients_tpot([*leases, lease("c", "x"), lease("d", "-1")], now) == 70_000
+    assert clients_tpot([], now) is None
+    kube = WaitKube(leases)
+    events = _builtin_pass(kube, moes_body, {}, {"readyReplicas": 4, "tokensPerSecond": 5000})
+    assert kube.scaled == [] and events == []  # one reading, not settled: nothing learned yet
+    assert kube.selectors == [
+        {"app.kubernetes.io/component": "attention-client", "eaas.io/moeservice": "tiny"}
+    ]
 
 
 def test_a_lease_the_operator_could_not_see_renewed_is_unknown_not_expired() -> None:

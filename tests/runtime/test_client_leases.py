@@ -296,3 +296,27 @@ def test_expert_server_leases_carry_the_token_rate_when_measured() -> None:
         contract.TOKEN_RATE_ANNOTATION
         not in lease_body(settings, datetime.now(UTC), 3, 500)["metadata"]["annotations"]
     )
+
+
+def test_attention_leases_carry_the_p99_time_per_output_token_of_the_window() -> None:
+    """What ``metric: tokenRate`` learns its target from: the p99 (nearest rank) of the finished
+    requests' time per output token over the last 30 s; none finished, no reading, and a renewal
+    drops the previous one (an old reading must not pass for the present)."""
+    from eaas.runtime.lease import RecentP99
+
+    now = [0.0]
+    recent = RecentP99(window_s=30.0, clock=lambda: now[0])
+    assert recent.micros() is None
+    for i in range(100):
+        recent.record(0.010 + 0.001 * i)  # 10 ... 109 ms
+    assert recent.micros() == 108_000  # the 99th of 100
+    now[0] = 31.0
+    recent.record(0.020)
+    assert recent.micros() == 20_000  # the old ones left the window
+    settings = LeaseSettings(
+        "m-attention-abc", "ns", "m-attention", 1, 3, component=contract.ATTENTION_COMPONENT
+    )
+    measured = lease_body(settings, datetime.now(UTC), 3, 0, tpot_micros=20_000)
+    assert measured["metadata"]["annotations"][contract.TPOT_ANNOTATION] == "20000"
+    renewed = lease_body(settings, datetime.now(UTC), 3, 0, previous=measured)
+    assert contract.TPOT_ANNOTATION not in renewed["metadata"]["annotations"]

@@ -501,6 +501,7 @@ def test_builtin_autoscaler_scales_the_pool_on_expert_load(
         "mode": "builtin",
         "minReplicas": MIN_SERVERS,
         "maxReplicas": MAX_SERVERS,
+        "metric": "busy",
         "targetUtilizationMilli": target,
         "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW_S,
@@ -528,6 +529,7 @@ def test_mode_handover_has_one_writer_at_a_time(
         "mode": "builtin",
         "minReplicas": MIN_SERVERS,
         "maxReplicas": MAX_SERVERS,
+        "metric": "busy",
         "targetUtilizationMilli": target,
         "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW_S,
     }

@@ -1,0 +1,155 @@
+"""The built-in autoscaler's tokenRate policy with a learned target, step by step as the operator
+calls it (every 10 s), against a pool whose p99 time per output token is a known curve of each
+server's load: what it learns, and the invariants it keeps at every step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from eaas.operator.api.moeservice import AutoscalingSpec
+from eaas.operator.autoscaler import EXPLORE, HEADROOM, Autoscaler, Capacity, isotonic
+
+CAPACITY = 1000.0  # routed tokens/s one server carries at the SLO (the truth the policy must learn)
+SLO_MS = 100
+STEP_S = 10
+READY_S = 120.0  # an added server's time to serve
+SPEC = AutoscalingSpec(
+    mode="builtin",
+    min_replicas=4,
+    max_replicas=4096,
+    slo_time_per_output_token_millis=SLO_MS,
+    scale_up_stabilization_seconds=120,
+)
+
+
+def tpot_micros(load: float) -> int:
+    """p99 time per output token of a server at `load` x its capacity: 30 ms idle, convex, the SLO
+    at 1.0 (a queue that fills faster near saturation)."""
+    return round(1000 * (30 + 70 * load**2))
+
+
+def run(
+    demand: np.ndarray,
+    start: int,
+    spec: AutoscalingSpec = SPEC,
+    tpot=tpot_micros,
+    noise: np.ndarray | None = None,
+) -> tuple[Autoscaler, np.ndarray, np.ndarray]:
+    """The autoscaler over `demand` [S] (in capacities at the SLO), `start` servers serving at
+    first. Returns it, and per step the replicas held (ready or starting) and the ready ones [S]."""
+    scaler = Autoscaler()
+    ready, starting = start, []  # starting: times at which added servers serve
+    held, serving = [], []
+    for step, load in enumerate(demand):
+        now = step * STEP_S
+        ready += sum(1 for at in starting if at <= now)
+        starting = [at for at in starting if at > now]
+        current = ready + len(starting)
+        per_server = float(load) / ready
+        reading = tpot(per_server) * (1.0 + (noise[step] if noise is not None else 0.0))
+        wanted = scaler.recommend(now, current, round(per_server * CAPACITY), spec, ready, round(reading))
+        while wanted < current and starting:
+            starting.pop()
+            current -= 1
+        starting += [now + READY_S] * max(0, wanted - current)
+        ready -= max(0, current - wanted - 0)
+        held.append(ready + len(starting))
+        serving.append(ready)
+    return scaler, np.array(held), np.array(serving)
+
+
+def day(peak: float, steps: int = 8640) -> np.ndarray:
+    """A smooth diurnal day [steps], peak / trough 3."""
+    phase = 2 * np.pi * np.arange(steps) / steps
+    return np.asarray(peak * (2 - np.cos(phase)) / 3)
+
+
+def test_isotonic_fit_pools_a_dip() -> None:
+    assert isotonic([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]).tolist() == [1.0, 2.5, 2.5, 4.0]
+    assert isotonic([5.0, 1.0], [3, 1]).tolist() == [4.0, 4.0]
+
+
+def test_capacity_from_readings_on_both_sides_of_the_slo() -> None:
+    capacity = Capacity(SLO_MS * 1000)
+    assert capacity.estimate() == (None, "no readings yet")
+    for load in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3):
+        for _ in range(3):
+            capacity.observe(load * CAPACITY, tpot_micros(load))
+    estimate, how = capacity.estimate()
+    assert estimate == pytest.approx(CAPACITY, rel=0.05) and "crosses the SLO" in how
+
+
+def test_capacity_below_the_slo_is_extrapolated_but_never_far() -> None:
+    """Readings only well below the SLO: the line through them reaches it far out; the estimate
+    stops at EXPLORE x the highest rate seen, so the pool learns by running a little higher."""
+    capacity = Capacity(SLO_MS * 1000)
+    for load in (0.2, 0.3, 0.4):
+        capacity.observe(load * CAPACITY, tpot_micros(load))
+    estimate, how = capacity.estimate()
+    assert estimate == pytest.approx(EXPLORE * 0.4 * CAPACITY, rel=0.03) and "highest rate" in how
+
+
+def test_a_slo_the_expert_servers_cannot_meet_gives_no_estimate() -> None:
+    """Missed at every rate over a 2x span: fewer tokens per server did not help, so scaling the
+    expert pool up would not either; there is no estimate and the reason says why."""
+    capacity = Capacity(SLO_MS * 1000)
+    capacity.observe(800.0, 150_000)
+    estimate, _ = capacity.estimate()
+    assert estimate == pytest.approx(800 * 100 / 150)  # one band: proportional, corrected by the next
+    capacity.observe(350.0, 160_000)
+    assert capacity.estimate()[0] is None and "not the expert servers' load" in capacity.estimate()[1]
+
+
+def test_a_diurnal_day_keeps_every_invariant_at_every_step() -> None:
+    """From an oversized start (a new pool sized by guess) the policy learns the capacity and then,
+    at every step once no server is starting: no more servers than ceil(1.15 x the highest demand
+    of the scale-down window); no SLO-violating step after the first hour; fewer GPU-hours than a
+    fixed pool sized for the peak."""
+    demand = day(60.0)
+    scaler, held, ready = run(demand, start=64)
+    estimate, _ = scaler.capacity.estimate() if scaler.capacity else (None, "")
+    assert estimate == pytest.approx(CAPACITY, rel=0.1)
+    window = SPEC.scale_down_stabilization_seconds // STEP_S + 1
+    learned = 360  # one hour of 10 s steps
+    for step in range(learned, demand.size):
+        if held[step] == ready[step]:
+            recent = demand[max(0, step - window) : step + 1].max()
+            assert held[step] <= max(SPEC.min_replicas, math.ceil(1.15 * recent)), step
+    assert int((demand[learned:] > ready[learned:]).sum()) == 0
+    assert held.sum() < math.ceil(demand.max()) * demand.size
+    assert held.max() <= math.ceil(1.15 * demand.max())
+
+
+def test_a_flat_load_settles_and_holds() -> None:
+    """Flat demand with 2% noise in the readings: after learning, the size never changes."""
+    demand = np.full(2000, 20.0)
+    noise = np.random.default_rng(0).uniform(-0.02, 0.02, demand.size)
+    _, held, _ = run(demand, start=40, noise=noise)
+    settled = held[720:]  # after two hours
+    assert len(set(settled.tolist())) == 1, sorted(set(settled.tolist()))
+    assert 20 / 1.0 <= settled[0] <= math.ceil(1.15 * 20)
+
+
+def test_a_step_up_in_demand_is_followed_within_the_servers_start() -> None:
+    demand = np.array([20.0] * 720 + [30.0] * 200)
+    _, held, ready = run(demand, start=24)
+    assert held[-1] == ready[-1] and math.ceil(30 / HEADROOM) <= ready[-1] <= math.ceil(1.15 * 30)
+    violating = int((demand[720:] > ready[720:]).sum())
+    assert violating <= (READY_S + SPEC.scale_up_stabilization_seconds) / STEP_S + 1
+
+
+def test_a_hand_set_target_is_used_as_given() -> None:
+    spec = SPEC.model_copy(update={"target_tokens_per_second": 500})
+    scaler = Autoscaler()
+    assert scaler.recommend(0.0, 4, 1000, spec, 4, None) == 8
+    assert scaler.capacity is None and scaler.per_server == 500
+
+
+def test_no_estimate_holds_the_size() -> None:
+    scaler = Autoscaler()
+    assert scaler.recommend(0.0, 6, 900, SPEC, 6, None) == 6  # nothing learned yet
+    assert scaler.per_server is None and scaler.reason == "no readings yet"
+    assert HEADROOM < 1.0 / 1.1  # a settled server has 10% to grow before it misses the SLO
