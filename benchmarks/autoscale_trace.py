@@ -125,7 +125,8 @@ import numpy as np
 import torch
 from _common import emit, parser, target
 from _load import OUTPUT_LEN, PROMPT_LEN, percentile, run_mode, serving_config, start_client
-from elasticity import DAY_S, HEADROOM, diurnal_trace
+from elasticity import BUSY_HEADROOM as HEADROOM
+from elasticity import DAY_S, diurnal_trace
 
 from eaas.operator import expert_step
 from eaas.operator.api.moeservice import AutoscalingSpec
@@ -255,6 +256,7 @@ def controller_ceiling(
         mode="builtin",
         min_replicas=min_servers,
         max_replicas=max_servers,
+        metric="busy",
         target_utilization_milli=max(1, math.floor(1000 * headroom * peak_busy)),
         scale_down_stabilization_seconds=scale_down_window_s,
     )
@@ -866,7 +868,7 @@ def autoscaling(args: Any, at_peak: dict[str, Any]) -> tuple[AutoscalingSpec, st
         return spec, f"{millis} ms expert wait per step (the fixed pool's {wait_ms:.1f} ms)", millis / wait_ms
     busy = at_peak["busy_fraction"]
     milli = args.target_utilization_milli or max(1, math.floor(1000 * args.headroom * busy))
-    spec = AutoscalingSpec(**common, target_utilization_milli=milli)
+    spec = AutoscalingSpec(**common, metric="busy", target_utilization_milli=milli)
     return spec, f"{milli / 1000:.3f} busy (the fixed pool's {busy:.3f})", milli / 1000 / busy
 
 
