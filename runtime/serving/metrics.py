@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -60,6 +61,15 @@ class AttentionMetrics:
             registry=r,
         )
         self.recent_tpot = RecentP99()  # the same times over the last 30 s: the Lease's p99 (autoscaling)
+        self.recent_tpot_p99 = Gauge(
+            "eaas_attention_time_per_output_token_p99_seconds",
+            "p99 time per output token of the requests finished in the last 30 s, as the Lease carries it "
+            "for the built-in autoscaler (NaN when none finished)",
+            registry=r,
+        )
+        self.recent_tpot_p99.set_function(
+            lambda: micros / 1e6 if (micros := self.recent_tpot.micros()) is not None else math.nan
+        )
         self.step_expert_seconds = Histogram(
             "eaas_attention_step_expert_seconds",
             "Time one decoder step (continuous batching) spent in its MoE layers' expert calls: sending "

@@ -161,6 +161,11 @@ def test_concurrent_completions_equal_the_reference_and_share_batches(
     assert metric(text, "eaas_attention_step_expert_seconds_count") == steps
     spent = metric(text, "eaas_attention_step_expert_seconds_sum")
     assert 0 < spent < metric(text, "eaas_attention_request_seconds_sum")
+    # The p99 time per output token of the last 30 s (what the Lease carries for the autoscaler):
+    # within the histogram's observations, which all finished just now.
+    p99 = metric(text, "eaas_attention_time_per_output_token_p99_seconds")
+    finished = metric(text, "eaas_attention_time_per_output_token_seconds_count")
+    assert finished > 0 and 0 < p99 <= metric(text, "eaas_attention_time_per_output_token_seconds_sum")
 
 
 def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder) -> None:
