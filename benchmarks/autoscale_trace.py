@@ -130,7 +130,8 @@ from elasticity import DAY_S, diurnal_trace
 
 from eaas.operator import expert_step
 from eaas.operator.api.moeservice import AutoscalingSpec
-from eaas.operator.autoscaler import Autoscaler
+from eaas.operator.autoscaler import HEADROOM as AUTOSCALER_HEADROOM
+from eaas.operator.autoscaler import Autoscaler, Capacity
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
 from eaas.runtime.lease import UTILIZATION_WINDOW_S, ExpertWait, TokenRate, Utilization
@@ -243,6 +244,7 @@ def controller_ceiling(
     scale_down_window_s: int = 20,
     resync_s: float = 5.0,
     metric_window_s: float = UTILIZATION_WINDOW_S,
+    metric: str = "busy",
 ) -> float:
     """The most the built-in autoscaler with these settings could save against ``fixed_servers``
     on ``rates`` [S] req/s: its own ``Autoscaler.recommend`` every ``resync_s``, fed an ideal metric
@@ -250,7 +252,8 @@ def controller_ceiling(
     ``headroom`` of the target, as the rate's mean over the Lease's ``metric_window_s``) and servers
     that start and stop at once. Below ``oracle_saving`` by the target's headroom, whole servers,
     the 10% tolerance and the scale-down window; what is left between it and a run is the metric
-    and the servers' start-up."""
+    and the servers' start-up. ``metric="tokenRate"``: the same on the token rate's policy (the
+    fixed pool's rate per server at the peak taken as the capacity, the target ``headroom`` x it)."""
     peak_busy = min_servers / fixed_servers  # the fixed pool's busy at the peak: the floor reads 1 there
     spec = AutoscalingSpec(
         mode="builtin",
@@ -260,6 +263,11 @@ def controller_ceiling(
         target_utilization_milli=max(1, math.floor(1000 * headroom * peak_busy)),
         scale_down_stabilization_seconds=scale_down_window_s,
     )
+    if metric == "tokenRate":  # in thousandths of the fixed pool's rate per server at the peak
+        peak_busy = 1.0
+        spec = spec.model_copy(
+            update={"metric": "tokenRate", "target_tokens_per_second": round(1000 * headroom)}
+        )
     autoscaler, current, next_at, used = Autoscaler(), min_servers, 0.0, 0.0
     window = max(1, round(metric_window_s))
     for second in range(len(rates)):
@@ -441,6 +449,7 @@ class LocalOperator(DaemonLoop):
         self.round_robin = round_robin  # re-plan every scale step round-robin (not what the operator does)
         self.files = PlacementFiles(cluster.workdir)
         self.autoscaling: AutoscalingSpec | None = None
+        self.capacity: Capacity | None = None  # tokenRate's learned capacity, kept over set_replicas
         self.autoscaler = Autoscaler()
         self.ready: set[int] = set()
         self.versions: dict[int, int] = {}
@@ -459,7 +468,8 @@ class LocalOperator(DaemonLoop):
 
     def set_replicas(self, replicas: int, autoscaling: AutoscalingSpec | None = None) -> None:
         with self._lock:
-            self.replicas, self.autoscaling, self.autoscaler = replicas, autoscaling, Autoscaler()
+            self.replicas, self.autoscaling = replicas, autoscaling
+            self.autoscaler = Autoscaler(capacity=self.capacity)
 
     def _run(self) -> None:
         next_resync = time.monotonic()
@@ -557,14 +567,19 @@ class LocalOperator(DaemonLoop):
         if self.expert_wait is None and self.client_url is not None:
             self.expert_wait = ExpertWait(lambda url=self.client_url: expert_wait(url))
         wait = self.expert_wait.micros() if self.expert_wait is not None else None
+        tpot = client_tpot(self.client_url) if self.client_url is not None else None
         before = self.replicas
         if self.autoscaling is not None:
             value = {"expertWait": wait, "tokenRate": tokens}.get(self.autoscaling.metric, utilization)
-            self.replicas = self.autoscaler.recommend(now, self.replicas, value, self.autoscaling, ready)
+            self.replicas = self.autoscaler.recommend(
+                now, self.replicas, value, self.autoscaling, ready, tpot
+            )
+            self.capacity = self.autoscaler.capacity
         self.timeline.append(
             {"t": now, "replicas": before, "set": self.replicas, "ready": ready,
              "processes": len(self.cluster.servers), "utilization_milli": utilization,
-             "tokens_per_server_s": tokens,
+             "tokens_per_server_s": tokens, "tpot_p99_s": tpot / 1e6 if tpot is not None else None,
+             "learned_target": self.autoscaler.per_server,
              "expert_wait_per_step_s": wait / 1e6 if wait is not None else None}
         )  # fmt: skip
 
@@ -603,6 +618,18 @@ def expert_wait(client_url: str) -> tuple[float, int]:
         if name in ("eaas_attention_step_expert_seconds_sum", "eaas_attention_step_expert_seconds_count"):
             values[name.rsplit("_", 1)[1]] = float(value)
     return values["sum"], int(values["count"])
+
+
+def client_tpot(client_url: str) -> int | None:
+    """The attention client's p99 time per output token over the last 30 s (us), as its Lease
+    carries it (``eaas_attention_time_per_output_token_p99_seconds``); None when none finished."""
+    text = http_get(client_url, "/metrics")[1].decode()
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "eaas_attention_time_per_output_token_p99_seconds":
+            seconds = float(value)
+            return None if math.isnan(seconds) else round(seconds * 1e6)
+    return None
 
 
 def per_step(before: tuple[float, int], after: tuple[float, int]) -> float | None:
@@ -765,8 +792,13 @@ def main() -> None:
     p.add_argument(
         "--metric",
         choices=("busy", "expert-wait", "token-rate"),
-        default="busy",
+        default="token-rate",
         help="what the autoscaler scales on (spec.autoscaling.metric busy, expertWait or tokenRate)",
+    )
+    p.add_argument(
+        "--hand-set-target",
+        action="store_true",
+        help="token-rate: targetTokensPerSecond = --headroom x the fixed pool's rate, instead of learning it",
     )
     p.add_argument("--target-utilization-milli", type=int, help="default: HEADROOM x the fixed pool's busy")
     p.add_argument(
@@ -826,7 +858,12 @@ def main() -> None:
                     args, operator, url, rates, config.vocab_size, config.top_k
                 )
                 at_peak = next(r for r in sizing[1:] if r["servers"] == fixed_n)
-                spec, aim, headroom = autoscaling(args, at_peak)
+                spec, aim, headroom = autoscaling(args, at_peak, slo_s)
+                if spec.metric == "tokenRate" and spec.target_tokens_per_second is None:
+                    operator.capacity = learned_from_sizing(sizing, spec)
+                    capacity, how = operator.capacity.estimate()
+                    shown = f"{capacity:.0f}" if capacity is not None else "none"
+                    aim += f"; from the sizing runs {shown} tokens/s per server ({how})"
                 print(f"fixed pool: {fixed_n} servers ({rule}); autoscaler target {aim}")
                 operator.set_replicas(fixed_n)
                 operator.wait_stable(fixed_n)
@@ -846,16 +883,23 @@ def main() -> None:
     report(args, rates, slo_s, sizing, (fixed_n, rule, spec, aim, headroom), fixed, ours)
 
 
-def autoscaling(args: Any, at_peak: dict[str, Any]) -> tuple[AutoscalingSpec, str, float]:
-    """The autoscaler's spec, as a user would set it after the load test: ``HEADROOM`` x what the
-    fixed pool read at the peak (its busy fraction, or its expert wait per step with ``--metric
-    expert-wait``) unless a target is given; with the target as text and the headroom it leaves."""
+def autoscaling(args: Any, at_peak: dict[str, Any], slo_s: float) -> tuple[AutoscalingSpec, str, float]:
+    """The autoscaler's spec: with ``--metric token-rate`` (the default) the operator's default,
+    its target learned at the run's SLO; otherwise as a user would set it after the load test,
+    ``HEADROOM`` x what the fixed pool read at the peak (its busy fraction, its expert wait per step
+    with ``--metric expert-wait``, its token rate with ``--hand-set-target``) unless a target is
+    given; with the target as text and the headroom it leaves."""
     common = {
         "mode": "builtin",
         "min_replicas": args.min_servers,
         "max_replicas": args.max_servers,
         "scale_down_stabilization_seconds": args.scale_down_window_s,
     }
+    if args.metric == "token-rate" and not args.hand_set_target:
+        slo_ms = max(1, round(slo_s * 1e3))
+        spec = AutoscalingSpec(**common, metric="tokenRate", slo_time_per_output_token_millis=slo_ms)
+        aim = f"learned at the SLO ({slo_ms} ms p99 TPOT): {AUTOSCALER_HEADROOM:g} x the capacity"
+        return spec, aim, AUTOSCALER_HEADROOM
     if args.metric == "token-rate":
         rate = at_peak["tokens_per_server_s"]
         per_s = max(1, math.floor(args.headroom * rate))
@@ -870,6 +914,17 @@ def autoscaling(args: Any, at_peak: dict[str, Any]) -> tuple[AutoscalingSpec, st
     milli = args.target_utilization_milli or max(1, math.floor(1000 * args.headroom * busy))
     spec = AutoscalingSpec(**common, metric="busy", target_utilization_milli=milli)
     return spec, f"{milli / 1000:.3f} busy (the fixed pool's {busy:.3f})", milli / 1000 / busy
+
+
+def learned_from_sizing(sizing: list[dict[str, Any]], spec: AutoscalingSpec) -> Capacity:
+    """What the operator learned while this pool ran the sizing runs (the trough's rate on the
+    fewest servers, the peak's on more and more): each run's tokens/s per server against its p99
+    TPOT, as its settled resync passes would have recorded them. The arm goes on learning."""
+    capacity = Capacity(spec.slo_time_per_output_token_millis * 1000)
+    for row in sizing:
+        if row["failed"] == 0 and row["tpot_p99_s"] is not None:
+            capacity.observe(row["tokens_per_server_s"], round(row["tpot_p99_s"] * 1e6))
+    return capacity
 
 
 def print_windows(rates: np.ndarray, fixed: dict[str, Any], ours: dict[str, Any], window_s: float) -> None:
@@ -927,7 +982,7 @@ def report(
     oracle = oracle_saving(rates, args.min_servers, fixed_n)
     ceiling = controller_ceiling(
         rates, args.min_servers, args.max_servers, fixed_n, headroom,
-        args.scale_down_window_s, args.resync_seconds,
+        args.scale_down_window_s, args.resync_seconds, metric=spec.metric,
     )  # fmt: skip
     print(
         f"\nsaved {ratio:.1%} of the fixed pool's GPU-seconds (target >= 30%); violating windows "

@@ -134,12 +134,51 @@ def test_finer_experts_keep_a_tokens_expert_flops(trace: ModuleType) -> None:
 
 
 def test_the_token_rate_target_is_the_headroom_of_the_fixed_pools_rate(trace: ModuleType) -> None:
-    """``--metric token-rate``: the spec a user would write after the load test, as the operator
-    reads it (``metric: tokenRate``), at ``--headroom`` x what a server of the fixed pool carried."""
+    """``--metric token-rate --hand-set-target``: the spec a user would write after the load test,
+    as the operator reads it (``metric: tokenRate``), at ``--headroom`` x what a server of the fixed
+    pool carried."""
     args = argparse.Namespace(
-        min_servers=2, max_servers=6, scale_down_window_s=10, metric="token-rate", headroom=0.9
+        min_servers=2,
+        max_servers=6,
+        scale_down_window_s=10,
+        metric="token-rate",
+        headroom=0.9,
+        hand_set_target=True,
     )
-    spec, aim, headroom = trace.autoscaling(args, {"tokens_per_server_s": 410.5})
+    spec, aim, headroom = trace.autoscaling(args, {"tokens_per_server_s": 410.5}, 0.2)
     assert spec.metric == "tokenRate" and spec.target_tokens_per_second == 369
     assert (spec.min_replicas, spec.max_replicas, spec.scale_down_stabilization_seconds) == (2, 6, 10)
     assert "369 tokens/s per server" in aim and abs(headroom - 369 / 410.5) < 1e-9
+
+
+def test_the_learned_token_rate_starts_from_the_sizing_runs_and_has_its_own_ceiling(
+    trace: ModuleType,
+) -> None:
+    """The default arm learns its target at the run's SLO: the operator has seen the sizing runs
+    (tokens/s per server against p99 TPOT), so the arm starts with a capacity where they cross the
+    SLO; its ceiling runs the token rate's policy on the ideal metric."""
+    args = argparse.Namespace(
+        metric="token-rate",
+        hand_set_target=False,
+        min_servers=2,
+        max_servers=4,
+        scale_down_window_s=20,
+        headroom=0.85,
+    )
+    spec, aim, headroom = trace.autoscaling(args, {"tokens_per_server_s": 500.0}, 0.2)
+    assert spec.metric == "tokenRate" and spec.target_tokens_per_second is None
+    assert spec.slo_time_per_output_token_millis == 200 and "learned" in aim and headroom == 0.9
+    sizing = [
+        {"servers": 2, "tokens_per_server_s": 300.0, "tpot_p99_s": 0.08, "failed": 0},  # the trough
+        {"servers": 2, "tokens_per_server_s": 900.0, "tpot_p99_s": 0.40, "failed": 0},
+        {"servers": 3, "tokens_per_server_s": 600.0, "tpot_p99_s": 0.16, "failed": 0},
+        {"servers": 4, "tokens_per_server_s": 450.0, "tpot_p99_s": 0.50, "failed": 2},  # failed: left out
+    ]
+    capacity, how = trace.learned_from_sizing(sizing, spec).estimate()
+    assert capacity == pytest.approx(600 + 300 * (0.2 - 0.16) / (0.40 - 0.16)) and "crosses" in how
+    args.hand_set_target = True
+    spec, aim, _ = trace.autoscaling(args, {"tokens_per_server_s": 500.0}, 0.2)
+    assert spec.target_tokens_per_second == 425  # HEADROOM (0.85) x the fixed pool's
+    step = np.r_[np.full(120, 1.5), np.full(120, 0.375)]
+    token = trace.controller_ceiling(step, 2, 6, 6, 0.9, scale_down_window_s=0, metric="tokenRate")
+    assert 0.25 < token <= trace.oracle_saving(step, 2, 6)
