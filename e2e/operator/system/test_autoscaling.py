@@ -537,6 +537,10 @@ def test_mode_handover_has_one_writer_at_a_time(
     try:
         with Drill(system, metrics, "handover", results_dir) as drill, drill.heavy:
             drill.mark("heavy load")
+            # The state the handover needs: the built-in autoscaler has scaled up. A pool still at
+            # R for the steady window only says the first reading was slow (a busy machine), so
+            # wait for the scale-up itself before waiting for the size to hold.
+            wait_until(lambda: drill.replicas() > MIN_SERVERS, 180, "the built-in autoscaler scaling up")
             steady, _ = drill.hold_steady()
             created = drill.mark("HPA created")
             apply_hpa(system, hpa_manifest(MIN_SERVERS, target))
