@@ -43,6 +43,7 @@ from eaas.operator.api.moeservice import AutoscalingSpec
 TOLERANCE = 0.1  # busy and expertWait: the HPA's
 HEADROOM = 0.9  # tokenRate learned: the target is this fraction of the capacity at the SLO
 DOWN_TOLERANCE = 0.03  # tokenRate: scale down once the pool is sized below (1 - this) x the target
+FRONTIER = 0.7  # below the SLO, the line is fitted to the bands at >= this x the highest rate seen
 EXPLORE = 1.25  # the learned capacity is at most this x the highest rate seen meeting the SLO
 SETTLE_S = 30.0  # readings count once the pool's size held this long (its windows are 10 s)
 BUCKET_RATIO = 1.05  # readings are kept per 5%-wide band of the token rate
@@ -91,12 +92,17 @@ class Capacity:
     server does not get faster with more load, so a dip is noise.
 
     The estimate (:meth:`estimate`): where the fitted curve crosses the SLO, interpolated; with no
-    band above the SLO, a line through the fitted curve extrapolated to the SLO, but never more than
+    band above the SLO, a line through the fitted curve's top (the bands at >= ``FRONTIER`` x the
+    highest rate seen: a time per token that steepens near saturation is not extrapolated from
+    its flat start) extrapolated to the SLO, but never more than
     ``EXPLORE`` x the highest rate seen meeting it (the pool learns upwards by running there); with
-    every band above the SLO, the lowest band's rate scaled by SLO / its time (proportional: the
-    next readings correct it), unless the bands span a factor of 2 or more: then fewer tokens per
-    server did not help, the time per token is not the expert servers' to fix (the attention pool,
-    the network), and there is no estimate (the pool's size holds; the reason says so)."""
+    every band above the SLO, a line through the fitted curve extrapolated down to the SLO (one
+    band: its rate scaled by SLO / its time; the next readings correct it), unless fewer tokens per
+    server did not shorten the time per token (the curve falls by less than 10% over a 1.5x span of
+    rates, or the line never reaches the SLO): then the time per token is not the expert servers'
+    to fix (the attention pool, the network), and the estimate is the busiest rate seen, so the
+    pool neither grows past what carried that load nor stays large once the load falls (the reason
+    says so)."""
 
     slo_micros: int
     readings: dict[int, deque[tuple[float, int]]] = field(default_factory=dict)  # band: (rate, us)
@@ -127,26 +133,41 @@ class Capacity:
         above = np.nonzero(fitted > slo)[0]
         if above.size == 0:
             top = float(rates[-1])
-            crossing = math.inf
-            if rates.size >= 2:
-                slope, intercept = np.polyfit(rates, fitted, 1)
-                if slope > 0:
-                    crossing = (slo - intercept) / slope
+            crossing = frontier_crossing(rates, fitted, slo)
             if crossing <= EXPLORE * top:
                 return max(crossing, top), "the fitted time per token extrapolated to the SLO"
             return EXPLORE * top, f"{EXPLORE:g} x the highest rate seen meeting the SLO"
         first = int(above[0])
         if first > 0:
             r0, r1, y0, y1 = rates[first - 1], rates[first], fitted[first - 1], fitted[first]
-            return float(
-                r0 + (slo - y0) * (r1 - r0) / (y1 - y0)
-            ), "where the fitted time per token crosses the SLO"
-        if rates[-1] >= 2 * rates[0]:
-            return None, (
-                f"the SLO is missed even at {rates[0]:.0f} tokens/s per server, half the rates seen: "
-                "not the expert servers' load"
+            between = float(r0 + (slo - y0) * (r1 - r0) / (y1 - y0))
+            # Between two distant bands a curve that steepens is under the chord: the line through
+            # the bands below the SLO says where it crosses better, within the bands around it.
+            crossing = frontier_crossing(rates[:first], fitted[:first], slo)
+            if math.isfinite(crossing):
+                between = max(between, min(crossing, float(r1)))
+            return between, "where the fitted time per token crosses the SLO"
+        if rates.size == 1:
+            return float(rates[0] * slo / fitted[0]), "the one rate seen, scaled to the SLO"
+        slope, intercept = np.polyfit(rates, fitted, 1)
+        flat = fitted[0] > 0.9 * fitted[-1] and rates[-1] >= 1.5 * rates[0]
+        if flat or slope <= 0 or intercept >= slo:
+            return float(rates[-1]), (
+                f"the SLO is missed even at {rates[0]:.0f} tokens/s per server, and fewer tokens per "
+                "server did not shorten the time per token: not the expert servers' load, so the target "
+                "holds at the busiest rate seen"
             )
-        return float(rates[0] * slo / fitted[0]), "the lowest rate seen, scaled to the SLO"
+        return float((slo - intercept) / slope), "the fitted time per token extrapolated down to the SLO"
+
+
+def frontier_crossing(rates: np.ndarray, fitted: np.ndarray, slo: float) -> float:
+    """Where a line through the fitted curve's top (its bands at >= ``FRONTIER`` x its highest
+    rate, at least two) reaches `slo`; infinite when there are too few bands or it does not rise."""
+    near = rates >= FRONTIER * rates[-1]
+    if near.sum() < 2:
+        return math.inf
+    slope, intercept = np.polyfit(rates[near], fitted[near], 1)
+    return float((slo - intercept) / slope) if slope > 0 else math.inf
 
 
 def isotonic(values: list[float], weights: list[int]) -> np.ndarray:

@@ -92,15 +92,29 @@ def test_capacity_below_the_slo_is_extrapolated_but_never_far() -> None:
     assert estimate == pytest.approx(EXPLORE * 0.4 * CAPACITY, rel=0.03) and "highest rate" in how
 
 
-def test_a_slo_the_expert_servers_cannot_meet_gives_no_estimate() -> None:
-    """Missed at every rate over a 2x span: fewer tokens per server did not help, so scaling the
-    expert pool up would not either; there is no estimate and the reason says why."""
+def test_a_slo_the_expert_servers_cannot_meet_stops_the_pool_growing() -> None:
+    """Missed at every rate over a 1.5x span with no fall in the time per token: fewer tokens per
+    server did not help, so scaling the expert pool up would not either; the estimate is the
+    busiest rate seen (the pool neither grows on nor stays large when the load falls) and the
+    reason says why. Where the time did fall, the line through the readings finds the SLO."""
     capacity = Capacity(SLO_MS * 1000)
     capacity.observe(800.0, 150_000)
     estimate, _ = capacity.estimate()
     assert estimate == pytest.approx(800 * 100 / 150)  # one band: proportional, corrected by the next
     capacity.observe(350.0, 160_000)
-    assert capacity.estimate()[0] is None and "not the expert servers' load" in capacity.estimate()[1]
+    estimate, how = capacity.estimate()
+    assert estimate == pytest.approx(800.0) and "not the expert servers' load" in how
+    # In a run: the time per token never falls with more servers. The pool grows while the
+    # evidence is one-sided, then stops, and goes back to the floor without load.
+    demand = np.r_[np.full(600, 20.0), np.full(300, 0.0)]
+    scaler, held, _ = run(demand, start=20, tpot=lambda load: 150_000)
+    assert held[:600].max() <= 2 * 20 / HEADROOM + 1 and held[-1] == SPEC.min_replicas
+    assert "not the expert servers' load" in scaler.reason
+    falling = Capacity(SLO_MS * 1000)  # 50 ms + 100 ms per 1000 tokens/s: the SLO at 500
+    falling.observe(1500.0, 200_000)
+    falling.observe(675.0, 117_500)
+    estimate, how = falling.estimate()
+    assert estimate == pytest.approx(500.0) and "extrapolated down" in how
 
 
 def test_a_diurnal_day_keeps_every_invariant_at_every_step() -> None:
