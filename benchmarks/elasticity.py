@@ -11,13 +11,15 @@ per rate: the server's token rate (``eaas_expert_server_tokens_total``, one toke
 computes) and busy fraction (``eaas_expert_server_step_seconds_sum`` over wall time), both from
 its ``/metrics``, and the p99 over requests of the time per output token after the first (TPOT).
 The SLO is p99 TPOT <= ``--slo-tpot-ms`` (100 ms). One measurement on this shared 2-core machine
-is noisy (a rate can read slower than a higher one), so Part A runs ``--repeats`` times (3, quick
-2) with fresh processes and seeds, and the calibration is a monotone model, not one run's points:
-all repeats' (token rate, p99 TPOT) points pooled and fitted non-decreasing (``isotonic``, the
-operator's own fit: a server does not get faster with more load). The *capacity at SLO* is where
-that fit crosses the SLO (interpolated). Each repeat's own crossing is printed as the spread, and
-the run fails loudly (``IncoherentCalibration``) when the pooled fit does not cross the SLO (every
-rate met it, or none did) or the repeats' capacities differ by more than 2x.
+is noisy (a rate can read slower than a higher one; one pause of the machine puts a p99 far off),
+so Part A runs ``--repeats`` times (3, quick 2) with fresh processes and seeds, and the
+calibration is a monotone model of what is stable, not one run's points: per offered rate the
+median over the repeats of the token rate, p99 TPOT and busy fraction, fitted non-decreasing
+(``isotonic``, the operator's own fit: a server does not get faster with more load). The
+*capacity at SLO* is where that fit crosses the SLO (interpolated). Each repeat's own crossing is
+printed as the spread, and the run fails loudly (``IncoherentCalibration``) when the fit does not
+cross the SLO (every rate met it, or none did) or no majority of the repeats has its own capacity
+within 25% of it (both of two in ``--quick``).
 
 **Part B, simulated: a day at scale.** Demand ``D`` is in capacities at SLO (so ``D`` servers serve
 it at the SLO's edge). ``n`` ready servers share it evenly: each carries ``D / n`` capacities,
@@ -94,9 +96,10 @@ from eaas.runtime.placement import round_robin
 STEP_S = 10  # the operator's resync period (EAAS_OPERATOR_RESYNC_SECONDS): one autoscaler call per step
 DAY_S = 24 * 3600
 BUSY_HEADROOM = 0.85  # per-gpu-busy: the target busy fraction, as a fraction of u_slo
-RATES = (1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0)  # requests/s offered in Part A
-QUICK_RATES = (1.0, 4.0, 8.0, 16.0)
+RATES = (1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0)  # requests/s offered in Part A
+QUICK_RATES = (1.0, 4.0, 8.0, 12.0, 16.0)
 UNITS = (8, 16, 32)
+AGREEMENT = 0.25  # a calibration stands when most repeats' own capacities are within this of it
 
 
 # --- Part B: the simulation (pure) --------------------------------------------------------------------
@@ -189,34 +192,57 @@ def crossing(rates: list[float], tpot: list[float], slo_s: float) -> float:
     return float(x0 + (slo_s - y0) * (x1 - x0) / (y1 - y0))
 
 
-def calibrate(repeats: list[list[dict[str, Any]]], slo_s: float, spread_limit: float = 2.0) -> dict[str, Any]:
-    """Part A's repeats (rows per rate) made one calibration: the capacity at the SLO of all the
-    points pooled (the non-decreasing fit's crossing), each repeat's own capacity for the spread,
-    and the curves in capacities. Raises ``IncoherentCalibration`` when the pooled points do not
-    cross the SLO, or the repeats' capacities differ by more than ``spread_limit`` x."""
-    rows = [row for rows in repeats for row in rows if row["failed"] == 0]
-    capacity = crossing([r["server_tokens_per_s"] for r in rows], [r["tpot_p99_s"] for r in rows], slo_s)
-    each = []
-    for index, rows_of in enumerate(repeats):
-        try:
-            each.append(
-                crossing(
-                    [r["server_tokens_per_s"] for r in rows_of], [r["tpot_p99_s"] for r in rows_of], slo_s
-                )
+def calibrate(repeats: list[list[dict[str, Any]]], slo_s: float) -> dict[str, Any]:
+    """Part A's repeats (rows per rate) made one calibration: per offered rate the median over the
+    repeats of the server's token rate, p99 TPOT and busy fraction (one disturbed measurement, a
+    pause of the shared machine, moves no median of three), the capacity at the SLO where the
+    medians' non-decreasing fit crosses it, each repeat's own capacity for the spread, and the
+    curves in capacities. Raises ``IncoherentCalibration`` when the medians do not cross the SLO,
+    or no majority of the repeats has its own capacity within ``AGREEMENT`` of theirs."""
+    rates = sorted({row["rate_rps"] for rows in repeats for row in rows})
+    medians = []
+    for rate in rates:
+        rows = [row for rows in repeats for row in rows if row["rate_rps"] == rate and row["failed"] == 0]
+        if rows:
+            medians.append(
+                {
+                    key: statistics.median(row[key] for row in rows)
+                    for key in ("server_tokens_per_s", "tpot_p99_s", "busy_fraction")
+                }
             )
-        except IncoherentCalibration as error:
-            print(f"repeat {index + 1}: {error}")
-    if len(each) >= 2 and max(each) > spread_limit * min(each):
+    capacity = crossing(
+        [r["server_tokens_per_s"] for r in medians], [r["tpot_p99_s"] for r in medians], slo_s
+    )
+    each: list[tuple[float, float]] = []  # per repeat: its capacity, or the bounds it gives one
+    for rows_of in repeats:
+        rates, tpot = [r["server_tokens_per_s"] for r in rows_of], [r["tpot_p99_s"] for r in rows_of]
+        try:
+            one = crossing(rates, tpot, slo_s)
+            each.append((one, one))
+        except IncoherentCalibration:  # all rates met the SLO (at least the highest) or none did
+            met = max(tpot) <= slo_s
+            each.append((max(rates), math.inf) if met else (0.0, min(rates)))
+    low, high = (1.0 - AGREEMENT) * capacity, (1.0 + AGREEMENT) * capacity
+    agreeing = [bounds for bounds in each if bounds[0] <= high and bounds[1] >= low]
+    if 2 * len(agreeing) <= len(repeats):
         raise IncoherentCalibration(
-            f"the repeats' capacities at the SLO differ more than {spread_limit:g}x: "
-            + ", ".join(f"{c:.0f}" for c in each)
-            + " tok/s; the machine is too noisy for a calibration"
+            f"only {len(agreeing)} of {len(repeats)} repeats' capacities at the SLO ({spread(each)} tok/s) "
+            f"are within {AGREEMENT:.0%} of the medians' {capacity:.0f}: the machine is too noisy for a "
+            "calibration"
         )
-    ordered = sorted(rows, key=lambda r: r["server_tokens_per_s"])
+    ordered = sorted(medians, key=lambda r: r["server_tokens_per_s"])
     loads = tuple(r["server_tokens_per_s"] / capacity for r in ordered)
     fitted = isotonic([r["tpot_p99_s"] for r in ordered], [1] * len(ordered))
     calibration = Calibration(loads, tuple(r["busy_fraction"] for r in ordered), tuple(fitted.tolist()))
-    return {"capacity_tokens_per_s": capacity, "repeat_capacities": each, "calibration": calibration}
+    return {"capacity_tokens_per_s": capacity, "repeat_capacities": spread(each), "calibration": calibration}
+
+
+def spread(each: list[tuple[float, float]]) -> str:
+    """The repeats' own capacities as text: a value, ">= x" (every rate met the SLO) or "< x"."""
+    return ", ".join(
+        f"{low:.0f}" if low == high else (f">= {low:.0f}" if math.isinf(high) else f"< {high:.0f}")
+        for low, high in each
+    )
 
 
 @dataclass
@@ -471,19 +497,18 @@ def main() -> None:
         raise SystemExit(f"Part A cannot calibrate the simulation: {error}") from error
     calibration: Calibration = fit["calibration"]
     capacity = fit["capacity_tokens_per_s"]
-    spread = fit["repeat_capacities"]
-    each = ", ".join(f"{c:.0f}" for c in spread) or "none"
+    each = fit["repeat_capacities"]
     print(
-        f"SLO p99 TPOT <= {args.slo_tpot_ms:.0f} ms: capacity {capacity:.0f} server tok/s (the pooled "
-        f"points' non-decreasing fit crossing the SLO; per repeat: {each}), busy fraction there "
-        f"u_slo = {calibration.u_slo:.2f}"
+        f"SLO p99 TPOT <= {args.slo_tpot_ms:.0f} ms: capacity {capacity:.0f} server tok/s (the medians "
+        f"per rate over the repeats, fitted non-decreasing, crossing the SLO; per repeat: {each}), busy "
+        f"fraction there u_slo = {calibration.u_slo:.2f}"
     )
     results.append(
         {
             "part": "A",
             "slo_tpot_p99_s": slo_s,
             "capacity_tokens_per_s": capacity,
-            "repeat_capacities": spread,
+            "repeat_capacities": each,
             "u_slo": calibration.u_slo,
         }
     )

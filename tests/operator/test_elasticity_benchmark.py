@@ -104,26 +104,35 @@ def test_a_pool_that_served_a_day_saves_the_target_on_the_peaked_trace(elasticit
     assert {day.name for day in baselines} >= {"units-8", "units-32", "per-gpu-busy", "per-gpu-day-1"}
 
 
-def test_calibration_is_the_pooled_monotone_fit_and_refuses_incoherence(elasticity: ModuleType) -> None:
-    def rows(points: list[tuple[float, float]]) -> list[dict[str, float]]:
+def test_calibration_is_the_monotone_fit_of_the_medians_and_refuses_incoherence(
+    elasticity: ModuleType,
+) -> None:
+    def rows(points: list[tuple[float, float, float]]) -> list[dict[str, float]]:
         return [
-            {"server_tokens_per_s": r, "tpot_p99_s": t, "busy_fraction": 0.3, "failed": 0} for r, t in points
+            {"rate_rps": rps, "server_tokens_per_s": r, "tpot_p99_s": t, "busy_fraction": 0.3, "failed": 0}
+            for rps, r, t in points
         ]
 
-    first = rows([(200, 0.02), (800, 0.06), (1200, 0.14)])
-    second = rows([(300, 0.03), (900, 0.05), (1000, 0.12), (1400, 0.2)])  # 900 reads faster than 800
-    fit = elasticity.calibrate([first, second], 0.1)
-    assert 900 < fit["capacity_tokens_per_s"] < 1000 and len(fit["repeat_capacities"]) == 2
+    first = rows([(1, 200, 0.02), (4, 800, 0.06), (6, 1200, 0.14)])
+    second = rows([(1, 300, 0.03), (4, 900, 0.05), (6, 1000, 0.12)])
+    third = rows([(1, 250, 0.025), (4, 700, 0.30), (6, 1100, 0.13)])  # a pause: 300 ms at 4 req/s
+    fit = elasticity.calibrate([first, second, third], 0.1)
     calibration = fit["calibration"]
+    # the medians: (250, 25 ms), (800, 60 ms), (1100, 130 ms): the outlier moves nothing
+    assert fit["capacity_tokens_per_s"] == pytest.approx(800 + 300 * 40 / 70)
+    assert len(calibration.loads) == 3 and fit["repeat_capacities"].count(",") == 2
     assert calibration.tpot_at(1.0) == pytest.approx(0.1)
     assert list(calibration.tpot) == sorted(calibration.tpot)
     assert calibration.tpot_at(2.0) > calibration.tpot_at(1.5) > 0.1  # continued past the last point
     with pytest.raises(elasticity.IncoherentCalibration, match="every rate met the SLO"):
-        elasticity.calibrate([rows([(200, 0.02), (800, 0.06)])], 0.1)
+        elasticity.calibrate([rows([(1, 200, 0.02), (4, 800, 0.06)])], 0.1)
     with pytest.raises(elasticity.IncoherentCalibration, match="no rate met the SLO"):
-        elasticity.calibrate([rows([(200, 0.2), (800, 0.6)])], 0.1)
-    with pytest.raises(elasticity.IncoherentCalibration, match="differ more than 2x"):
-        elasticity.calibrate([first, rows([(100, 0.05), (300, 0.2)])], 0.1)
+        elasticity.calibrate([rows([(1, 200, 0.2), (4, 800, 0.6)])], 0.1)
+    with pytest.raises(elasticity.IncoherentCalibration, match="only 0 of 2 repeats"):
+        elasticity.calibrate([first, rows([(1, 100, 0.05), (4, 300, 0.2)])], 0.1)
+    # A repeat that met the SLO at every rate up to one near the capacity agrees (it bounds it).
+    met_all = rows([(1, 240, 0.02), (4, 820, 0.06), (6, 1000, 0.09)])
+    assert ">= 1000" in elasticity.calibrate([first, second, met_all], 0.1)["repeat_capacities"]
 
 
 def test_savings_on_a_hand_checkable_day(elasticity: ModuleType) -> None:
