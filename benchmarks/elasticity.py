@@ -219,9 +219,9 @@ def calibrate(repeats: list[list[dict[str, Any]]], slo_s: float) -> dict[str, An
         try:
             one = crossing(rates, tpot, slo_s)
             each.append((one, one))
-        except IncoherentCalibration:  # all rates met the SLO (at least the highest) or none did
-            met = max(tpot) <= slo_s
-            each.append((max(rates), math.inf) if met else (0.0, min(rates)))
+        except IncoherentCalibration:  # the fit met the SLO at every rate (at least the highest) or at none
+            top = float(isotonic([t for _, t in sorted(zip(rates, tpot, strict=True))], [1] * len(rates))[-1])
+            each.append((max(rates), math.inf) if top <= slo_s else (0.0, min(rates)))
     low, high = (1.0 - AGREEMENT) * capacity, (1.0 + AGREEMENT) * capacity
     agreeing = [bounds for bounds in each if bounds[0] <= high and bounds[1] >= low]
     if 2 * len(agreeing) <= len(repeats):
