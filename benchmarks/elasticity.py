@@ -43,9 +43,12 @@ reading); every step with ``D > n`` (TPOT above the SLO) is an SLO-violating ste
   is set from Part A. The autoscaled policies run two days: the day before (the same shape,
   another noise seed), starting from a pool sized for the peak, then the measured day, so the
   figure is a pool's that has served a day; ``per-gpu-day-1`` is ours on that first day, learning.
-  Scale-up window = ``--ready-seconds`` (the time an added GPU server needs to load its experts,
-  120 s; the local process's start time is printed for comparison), scale-down window 300 s (the
-  default). ``per-gpu-0s`` is the same with the default 0 s scale-up window. ``minReplicas`` = the
+  The CRD's default windows: scale up at once (servers still starting count as idle, so a
+  scale-up is not compounded while they load), scale down to the highest recommendation of 300 s.
+  Added servers serve ``--ready-seconds`` later (the time a GPU server needs to load its experts,
+  120 s; the local process's start time is printed for comparison). ``per-gpu-120s`` is ours with
+  a scale-up window as long as that (what the busy policy needed before the fix that counts
+  starting servers as idle). ``minReplicas`` = the
   R-based floor ``--min-servers`` (17: DeepSeek-V3's routed experts in fp8, 58 x 256 x 3 x 7168 x
   2048 bytes = 654 GB, twice (R = 2), on 80 GB GPUs).
 - **Fixed deployment units** ``fixed-8``/``-16``/``-32``: whole N-GPU units (an EP group as
@@ -68,11 +71,16 @@ Not modelled: the attention pool (it scales on its own), placement changes (an a
 share of the load is assumed even at once), collectives' warm-up for units; removals are immediate.
 
 Usage: python benchmarks/elasticity.py [--quick] [--repeats N] [--peak-servers N] [--ready-seconds S]
-    [--json-out PATH]
+    [--part-a-from EARLIER.json] [--json-out PATH]
+
+``--part-a-from`` runs Part B on the Part A measurements an earlier run recorded in its
+``--json-out`` (its commit and device are printed): the simulation again, on the same
+measurements, at this commit.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
@@ -344,14 +352,11 @@ def simulate(
     first (`before` [S], default `demand` itself), from a pool sized for its peak, and is measured
     on the second day: it learned its target on the first, as a pool that has served for a day
     has (``per-gpu-day-1`` is ours on that first day, learning). Baselines: fixed units, fixed
-    per-GPU peak sizing, autoscaled units, ours with the default (0 s) scale-up window, and the
-    previous default policy (``busy``, target ``BUSY_HEADROOM`` x ``u_slo``)."""
+    per-GPU peak sizing, autoscaled units, ours with a scale-up window of `ready_s`, and the
+    previous default policy (``busy``, target ``BUSY_HEADROOM`` x ``u_slo``); all with the CRD's
+    default windows unless named."""
     spec = AutoscalingSpec(
-        mode="builtin",
-        min_replicas=floor,
-        max_replicas=4096,
-        slo_time_per_output_token_millis=slo_ms,
-        scale_up_stabilization_seconds=math.ceil(ready_s),
+        mode="builtin", min_replicas=floor, max_replicas=4096, slo_time_per_output_token_millis=slo_ms
     )
     slo_s = slo_ms / 1e3
     if not math.isclose(calibration.tpot_at(1.0), slo_s, rel_tol=0.02):
@@ -370,8 +375,8 @@ def simulate(
     baselines.append(fixed("fixed-peak", demand, 1, floor))
     for unit in UNITS:
         baselines.append(one_day(run(f"units-{unit}", unit, spec), days, 1))
-    instant = spec.model_copy(update={"scale_up_stabilization_seconds": 0})
-    baselines.append(one_day(run("per-gpu-0s", 1, instant), days, 1))
+    windowed = spec.model_copy(update={"scale_up_stabilization_seconds": math.ceil(ready_s)})
+    baselines.append(one_day(run(f"per-gpu-{math.ceil(ready_s)}s", 1, windowed), days, 1))
     busy = spec.model_copy(
         update={
             "metric": "busy",
@@ -468,6 +473,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     p.add_argument("--repeats", type=int, help="Part A's repeats (default 3; --quick 2)")
+    p.add_argument(
+        "--part-a-from",
+        type=Path,
+        help="take Part A's measurements from this earlier run's --json-out instead of measuring",
+    )
     args = p.parse_args()
     rates, seconds = (QUICK_RATES, 6.0) if args.quick else (RATES, 15.0)
     repeats = args.repeats or (2 if args.quick else 3)
@@ -478,10 +488,25 @@ def main() -> None:
         f"{'repeat':>6} {'req/s':>6} {'server tok/s':>12} {'busy':>6} {'out tok/s':>9} {'TPOT p50':>9} "
         f"{'p99':>8}  failed"
     )
-    measured = []
+    measured: list[list[dict[str, Any]]] = []
     results: list[dict[str, Any]] = []
+    recorded: list[dict[str, Any]] = []
+    if args.part_a_from is not None:
+        earlier = json.loads(args.part_a_from.read_text())
+        recorded = [r for r in earlier["results"] if r.get("part") == "A" and "repeat" in r]
+        repeats = max(r["repeat"] for r in recorded)
+        print(f"(measured by {earlier['commit']} on {earlier['device']}: {args.part_a_from})")
     for repeat in range(repeats):
-        part_a = measure_capacity(rates, seconds, args.seed + 100 * repeat)
+        part_a: dict[str, Any]
+        if recorded:
+            rows = [
+                {k: v for k, v in r.items() if k not in ("part", "repeat")}
+                for r in recorded
+                if r["repeat"] == repeat + 1
+            ]
+            part_a = {"rows": rows, "server_start_s": math.nan}
+        else:
+            part_a = measure_capacity(rates, seconds, args.seed + 100 * repeat)
         measured.append(part_a["rows"])
         for row in part_a["rows"]:
             print(
