@@ -367,18 +367,22 @@ class RecentP99:
 
     def record(self, seconds: float) -> None:
         with self._lock:
-            self._samples.append((self._clock(), seconds))
+            now = self._clock()
+            self._samples.append((now, seconds))
+            self._forget(now)  # also where nothing reads it (no Lease, no scrape): memory stays bounded
 
     def micros(self) -> int | None:
         """The p99 in microseconds over the window (nearest rank), None without a sample."""
         with self._lock:
-            horizon = self._clock() - self._window_s
-            while self._samples and self._samples[0][0] < horizon:
-                self._samples.popleft()
+            self._forget(self._clock())
             values = sorted(seconds for _, seconds in self._samples)
         if not values:
             return None
         return round(1e6 * values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)])
+
+    def _forget(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self._window_s:
+            self._samples.popleft()
 
 
 class Heartbeat(DaemonLoop):

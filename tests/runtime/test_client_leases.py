@@ -312,6 +312,7 @@ def test_attention_leases_carry_the_p99_time_per_output_token_of_the_window() ->
     assert recent.micros() == 108_000  # the 99th of 100
     now[0] = 31.0
     recent.record(0.020)
+    assert len(recent._samples) == 1  # forgotten on record too: no reader needed to bound memory
     assert recent.micros() == 20_000  # the old ones left the window
     settings = LeaseSettings(
         "m-attention-abc", "ns", "m-attention", 1, 3, component=contract.ATTENTION_COMPONENT
