@@ -63,10 +63,10 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "metric expertWait needs targetExpertWaitMillis",
     ),
     (
-        "tokentarget",
-        {"autoscaling.metric": "tokenRate"},
-        "spec.autoscaling.targetTokensPerSecond: Invalid value",
-        "metric tokenRate needs targetTokensPerSecond",
+        "slo",
+        {"autoscaling.sloTimePerOutputTokenMillis": 0},
+        "spec.autoscaling.sloTimePerOutputTokenMillis: Invalid value",
+        "should be greater than or equal to 1",
     ),
     (
         "apikeys",
