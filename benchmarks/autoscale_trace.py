@@ -65,18 +65,22 @@ only inflate the baseline); the output says which rule applied.
 **Ours.** The autoscaler between ``--min-servers`` (2, = R) and ``--max-servers`` (4), scale-up
 window 0 s (the CRD's default), scale-down window ``--scale-down-window-s`` (20 s: the default 300 s
 belongs to full days and GPU servers that take minutes to start; server start-up and placement
-changes are not compressed with the day, so neither is the window). Its target utilization, as a
-user would set it after a load test: ``elasticity.HEADROOM`` (0.85) x the busy fraction the fixed
-pool had at the peak (the busiest it may be while meeting the SLO), unless
-``--target-utilization-milli``. With ``--metric expert-wait`` it scales as ``spec.autoscaling.metric:
-expertWait`` does, on the attention client's expert time per decoder step (``runtime.lease.ExpertWait``
-of its ``eaas_attention_step_expert_seconds``, as its Lease carries it), target HEADROOM x the
-fixed pool's at the peak unless ``--target-expert-wait-ms``. With ``--metric token-rate`` it scales
-as ``metric: tokenRate`` does, on the servers' routed (token, expert) entries per second
+changes are not compressed with the day, so neither is the window). By default (``--metric
+token-rate``) it runs the operator's default, ``metric: tokenRate`` with its target learned at the
+run's SLO (``sloTimePerOutputTokenMillis``): the servers' routed (token, expert) entries per second
 (``runtime.lease.TokenRate`` of ``total_tokens`` in ``/v1/stats``, averaged as
-``ExpertPool.status.tokensPerSecond`` is), target ``--headroom`` x the fixed pool's at the peak
-(0.9 = 1 / (1 + the 10% tolerance) keeps it from running busier than the tested pool).
-``--headroom`` (default HEADROOM) applies to every metric and to ``--ceilings``. Both arms start
+``ExpertPool.status.tokensPerSecond`` is) against the client's p99 time per output token over the
+last 30 s (``eaas_attention_time_per_output_token_p99_seconds``, what its Lease carries). It
+starts from what the operator would have learned while this pool ran the sizing runs
+(``learned_from_sizing``) and goes on learning during the arm. ``--hand-set-target`` sets
+``targetTokensPerSecond`` to ``--headroom`` x what a server of the fixed pool carried at the peak
+instead. With ``--metric busy`` its target utilization, as a user would set it after a load test,
+is ``elasticity.BUSY_HEADROOM`` (0.85) x the busy fraction the fixed pool had at the peak, unless
+``--target-utilization-milli``. With ``--metric expert-wait`` it scales as
+``spec.autoscaling.metric: expertWait`` does, on the attention client's expert time per decoder
+step (``runtime.lease.ExpertWait`` of its ``eaas_attention_step_expert_seconds``, as its Lease
+carries it), target HEADROOM x the fixed pool's at the peak unless ``--target-expert-wait-ms``.
+``--headroom`` (default HEADROOM) applies to the targets set by hand and to ``--ceilings``. Both arms start
 the replay with their pool settled (ours at the minimum); they run one after the other, fixed first.
 
 **Reported** per arm: GPU-seconds (over servers, the time from starting a server's process until it
