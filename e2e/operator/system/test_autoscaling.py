@@ -288,46 +288,35 @@ def calibration(system: System, stack: MetricsStack) -> int:
     return target
 
 
-def servers_token_rate(system: System) -> list[int]:
-    """The routed tokens per second each expert server's Lease carries (``metric: tokenRate``)."""
+def lease_readings(system: System, component: str, annotation: str) -> list[int]:
+    """The values of `annotation` on the Leases of `component`'s pods, as the operator reads them."""
     listed = system.cluster.kubectl(
         "get", "leases", "-n", system.namespace, "-o", "json",
-        "-l", f"{contract.COMPONENT_LABEL}={contract.EXPERT_COMPONENT}",
+        "-l", f"{contract.COMPONENT_LABEL}={component}",
     )  # fmt: skip
     return [
         int(value)
         for lease in json.loads(listed.stdout)["items"]
-        if (value := (lease["metadata"].get("annotations") or {}).get(contract.TOKEN_RATE_ANNOTATION))
+        if (value := (lease["metadata"].get("annotations") or {}).get(annotation))
     ]
+
+
+def servers_token_rate(system: System) -> list[int]:
+    """The routed tokens per second each expert server's Lease carries (``metric: tokenRate``)."""
+    return lease_readings(system, contract.EXPERT_COMPONENT, contract.TOKEN_RATE_ANNOTATION)
 
 
 def clients_expert_wait(system: System) -> float | None:
     """The attention clients' mean expert wait per decoder step (ms) as their Leases carry it
     for the operator (``metric: expertWait``); None before any Lease has one."""
-    listed = system.cluster.kubectl(
-        "get", "leases", "-n", system.namespace, "-o", "json",
-        "-l", f"{contract.COMPONENT_LABEL}={contract.ATTENTION_COMPONENT}",
-    )  # fmt: skip
-    values = [
-        int(value)
-        for lease in json.loads(listed.stdout)["items"]
-        if (value := (lease["metadata"].get("annotations") or {}).get(contract.EXPERT_WAIT_ANNOTATION))
-    ]
+    values = lease_readings(system, contract.ATTENTION_COMPONENT, contract.EXPERT_WAIT_ANNOTATION)
     return sum(values) / len(values) / 1000 if values else None
 
 
 def clients_tpot(system: System) -> float | None:
     """The highest p99 time per output token (ms) the attention clients' Leases carry for the
     operator (``metric: tokenRate`` learns from it); None before any Lease has one."""
-    listed = system.cluster.kubectl(
-        "get", "leases", "-n", system.namespace, "-o", "json",
-        "-l", f"{contract.COMPONENT_LABEL}={contract.ATTENTION_COMPONENT}",
-    )  # fmt: skip
-    values = [
-        int(value)
-        for lease in json.loads(listed.stdout)["items"]
-        if (value := (lease["metadata"].get("annotations") or {}).get(contract.TPOT_ANNOTATION))
-    ]
+    values = lease_readings(system, contract.ATTENTION_COMPONENT, contract.TPOT_ANNOTATION)
     return max(values) / 1000 if values else None
 
 
@@ -391,13 +380,19 @@ class Drill:
             raise AssertionError(f"{error}\n{self.timeline.table(2)}") from None
         return int(since["n"]), self.timeline.mean_metric(since["t"] + seconds / 2)
 
-    def ramp(self, at_steady: Callable[[], object] = lambda: None) -> tuple[int, float | None]:
+    def ramp(
+        self, at_steady: Callable[[], object] = lambda: None, grows: bool = False
+    ) -> tuple[int, float | None]:
         """Light load for 10 s, then heavy load until the pool holds one size (`at_steady` runs
-        then), then none until it is back at R: the steady size and its busy fraction per server."""
+        then), then none until it is back at R: the steady size and its busy fraction per server.
+        `grows`: first wait for the pool to grow past R (an autoscaler whose first reading takes
+        longer than the steady window, or a busy machine, would otherwise leave it at R "steady")."""
         with self.light:
             time.sleep(10)
             with self.heavy:
                 self.mark("heavy load")
+                if grows:
+                    wait_until(lambda: self.replicas() > MIN_SERVERS, 180, f"{self.name}: the pool growing")
                 steady, busy = self.hold_steady()
                 self.mark(f"steady at {steady}")
                 at_steady()
@@ -755,7 +750,9 @@ def test_builtin_autoscaler_learns_its_token_rate_target_at_the_slo(
     set_mode(system, learned)
     try:
         with Drill(system, metrics, "builtin-learned-token-rate", results_dir) as drill:
-            steady, _ = drill.ramp()
+            # its first reading counts once the pool has held its size 30 s (SETTLE_S): past the
+            # 20 s steady window, so wait for the growth itself
+            steady, _ = drill.ramp(grows=True)
     finally:
         set_mode(system, {"mode": "external", "metric": "busy"})
     scaled = [e["message"] for e in events(system, "ScaledUp", "MoEService") if "learned" in e["message"]]
