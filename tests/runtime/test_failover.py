@@ -3,8 +3,10 @@ a restarted server rejoins; no live replica → ExpertUnavailable; a killed clie
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -54,6 +56,21 @@ def client_for(
         transport=transport, request_timeout_s=timeout_s, rejoin_min_s=0.1, rejoin_max_s=0.5, **more
     )
     return AttentionClient(cluster.checkpoint, cluster.placement, cluster.urls, options).connect()
+
+
+def time_steps(client: AttentionClient, at_step: int = -1, action: object = None) -> list[float]:
+    """Times each forward pass at its first MoE layer (running ``action`` there at ``at_step``):
+    the returned list fills as the client generates."""
+    first_moe = client.config.moe_layers[0]
+    times: list[float] = []
+
+    def on_step(current: int) -> None:
+        times.append(time.monotonic())
+        if current == at_step:
+            action()  # type: ignore[operator]
+
+    client.decoder.experts = StepHook(client.experts, first_moe, on_step)
+    return times
 
 
 def kill_at_step(client: AttentionClient, step: int, action: object) -> None:
@@ -122,15 +139,16 @@ def test_a_hung_server_fails_alone_within_two_seconds(
     # and 2 are already there. Only server 0 may be failed over; with R = 2 every expert keeps a
     # live replica, so no request fails. The default 30 s request timeout stays: the hang is found
     # by the liveness probe, within 2 s of the send.
+    # The stall is the hung step's time less a healthy decode step's, both timed at the first MoE
+    # layer: the other steps' times, which swing with whatever else the machine runs, stay out of it.
     client = client_for(healthy, transport, timeout_s=30.0)
     try:
-        start = time.monotonic()
+        healthy_at = time_steps(client)
         assert client.generate(PROMPTS, MAX_NEW_TOKENS)[0] == reference_outputs[FAMILY][0]
-        healthy_s = time.monotonic() - start
-        kill_at_step(client, 1, lambda: healthy.kill(0, signal.SIGSTOP))
-        start = time.monotonic()
+        healthy_step_s = statistics.median(b - a for a, b in itertools.pairwise(healthy_at[1:]))
+        faulted_at = time_steps(client, at_step=1, action=lambda: healthy.kill(0, signal.SIGSTOP))
         tokens, _ = client.generate(PROMPTS, MAX_NEW_TOKENS)
-        stall_s = time.monotonic() - start - healthy_s
+        stall_s = faulted_at[2] - faulted_at[1] - healthy_step_s
         assert tokens == reference_outputs[FAMILY][0]
         failed = [(event.server, event.detail) for event in client.experts.events if event.kind == "failed"]
         assert [server for server, _ in failed] == [0], failed
