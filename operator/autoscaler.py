@@ -39,13 +39,15 @@ from statistics import median
 import numpy as np
 
 from eaas.operator.api.moeservice import AutoscalingSpec
+from eaas.runtime.contract import TPOT_WINDOW_S
 
 TOLERANCE = 0.1  # busy and expertWait: the HPA's
 HEADROOM = 0.9  # tokenRate learned: the target is this fraction of the capacity at the SLO
 DOWN_TOLERANCE = 0.03  # tokenRate: scale down once the pool is sized below (1 - this) x the target
-FRONTIER = 0.7  # below the SLO, the line is fitted to the bands at >= this x the highest rate seen
+FRONTIER = 0.85  # below the SLO, the line is fitted to the bands at >= this x the highest rate seen
 EXPLORE = 1.25  # the learned capacity is at most this x the highest rate seen meeting the SLO
-SETTLE_S = 30.0  # readings count once the pool's size held this long (its windows are 10 s)
+SETTLE_S = TPOT_WINDOW_S  # readings count once the pool's size held as long as the p99's window ...
+STEADY_BAND = 0.1  # ... and its token rate stayed within 10% over that window
 BUCKET_RATIO = 1.05  # readings are kept per 5%-wide band of the token rate
 READINGS_PER_BUCKET = 15  # the newest, per band; a band reads as their median
 
@@ -93,8 +95,9 @@ class Capacity:
 
     The estimate (:meth:`estimate`): where the fitted curve crosses the SLO, interpolated; with no
     band above the SLO, a line through the fitted curve's top (the bands at >= ``FRONTIER`` x the
-    highest rate seen: a time per token that steepens near saturation is not extrapolated from
-    its flat start) extrapolated to the SLO, but never more than
+    highest rate seen: a time per token that turns steeply up near saturation, as measured CPU
+    servers' does within a few percent of the SLO, is not extrapolated from its flat part, which
+    a pool running at its target mostly reads) extrapolated to the SLO, but never more than
     ``EXPLORE`` x the highest rate seen meeting it (the pool learns upwards by running there); with
     every band above the SLO, a line through the fitted curve extrapolated down to the SLO (one
     band: its rate scaled by SLO / its time; the next readings correct it), unless fewer tokens per
@@ -197,6 +200,7 @@ class Autoscaler:
     per_server: float | None = None  # the tokenRate target of the last call (learned or hand-set)
     reason: str = ""  # how the learned target was found, or why there is none
     _sized: tuple[int, float] | None = None  # (replicas, since when) of the pool as last seen
+    _rates: deque[tuple[float, int]] = field(default_factory=deque)  # (when, per-server rate) in the window
 
     def recommend(
         self,
@@ -254,15 +258,24 @@ class Autoscaler:
         tpot_micros: int | None,
     ) -> float | None:
         """tokenRate's per-server target: hand-set, or ``HEADROOM`` x the learned capacity, fed this
-        reading when the pool has settled (every server serving, its size held ``SETTLE_S``)."""
+        reading when it describes one load: every server serving, the pool's size held for the p99's
+        window (``SETTLE_S``), and the token rate steady over it (within ``STEADY_BAND``). A p99
+        over 30 s of a rising load reads the lower rates of the window's start: paired with the
+        newest rate it says a server carries more than it does."""
         if spec.target_tokens_per_second is not None:
             return float(spec.target_tokens_per_second)
         slo = spec.slo_time_per_output_token_millis * 1000
         if self.capacity is None or self.capacity.slo_micros != slo:
             self.capacity = Capacity(slo)
         assert self._sized is not None
+        if value is not None:
+            self._rates.append((now, value))
+        while self._rates and self._rates[0][0] < now - TPOT_WINDOW_S:
+            self._rates.popleft()
         settled = serving == current and now - self._sized[1] >= SETTLE_S
-        if settled and value is not None and tpot_micros is not None:
+        rates = [rate for _, rate in self._rates]
+        steady = bool(rates) and max(rates) <= (1 + STEADY_BAND) * min(rates)
+        if settled and steady and value is not None and tpot_micros is not None:
             self.capacity.observe(value, tpot_micros)
         capacity, self.reason = self.capacity.estimate()
         return HEADROOM * capacity if capacity is not None else None

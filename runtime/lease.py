@@ -352,7 +352,7 @@ class ExpertWait(_Window):
         return max(0, round(1e6 * (seconds - seconds_then) / (steps - steps_then)))
 
 
-TPOT_WINDOW_S = 30.0  # requests finish seldom at a low load: a wider window than the counters'
+TPOT_WINDOW_S = contract.TPOT_WINDOW_S
 
 
 class RecentP99:

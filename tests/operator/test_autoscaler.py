@@ -117,6 +117,49 @@ def test_a_slo_the_expert_servers_cannot_meet_stops_the_pool_growing() -> None:
     assert estimate == pytest.approx(500.0) and "extrapolated down" in how
 
 
+def test_a_knee_just_below_the_slo_is_not_extrapolated_past() -> None:
+    """A time per token that is flat and then turns steeply up shortly before the SLO (what Part A
+    of benchmarks/elasticity.py measures on a CPU server): a pool that runs at its target reads
+    mostly the flat part. After two days of 3%-noisy readings the capacity it learned is within 3%
+    above the truth (a line through the flat part as well would put it 6-11% above, and a step
+    that rises faster than the headroom then violates the SLO)."""
+
+    def knee(load: float) -> int:
+        at = 0.985 * load  # the curve's SLO crossing scaled to load 1.0
+        return round(1000 * (30 + 40 * at if at <= 0.9 else 66 + 400 * (at - 0.9)))
+
+    for seed in range(3):
+        demand = np.r_[day(60.0), day(60.0)]
+        noise = np.random.default_rng(seed).normal(0.0, 0.03, demand.size)
+        scaler, _, ready = run(demand, start=64, tpot=knee, noise=noise)
+        assert scaler.capacity is not None
+        estimate, _ = scaler.capacity.estimate()
+        assert estimate is not None and CAPACITY <= estimate <= 1.03 * CAPACITY, (seed, estimate)
+        assert int((demand[8640:] > ready[8640:]).sum()) == 0
+
+
+def test_readings_of_a_changing_load_are_not_learned_from() -> None:
+    """The clients' p99 covers 30 s: while the token rate moves by more than 10% within that
+    window, the pair (newest rate, p99) describes no one load and is not recorded. Once the rate
+    has held for the window, it is."""
+    scaler = Autoscaler()
+    now = 0.0
+    for _ in range(5):  # 40 s at 500 tokens/s per server, the pool's size held: readings
+        scaler.recommend(now, 10, 500, SPEC, 10, 40_000)
+        now += 10
+    assert scaler.capacity is not None
+    recorded = sum(len(r) for r in scaler.capacity.readings.values())
+    assert recorded > 0
+    for value in (560, 620, 680, 740):  # a rise of 12% per 10 s
+        scaler.recommend(now, 10, value, SPEC, 10, 45_000)
+        now += 10
+    assert sum(len(r) for r in scaler.capacity.readings.values()) == recorded
+    for _ in range(4):  # the rate holds at 740: recorded again once the window saw only it
+        scaler.recommend(now, 10, 740, SPEC, 10, 60_000)
+        now += 10
+    assert sum(len(r) for r in scaler.capacity.readings.values()) > recorded
+
+
 def test_a_diurnal_day_keeps_every_invariant_at_every_step() -> None:
     """From an oversized start (a new pool sized by guess) the policy learns the capacity and then,
     at every step once no server is starting: no more servers than ceil(1.15 x the highest demand
