@@ -10,7 +10,7 @@ import click
 
 F = TypeVar("F", bound=Callable[..., object])
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "deepseek_v3", "kimi_k2")  # auto + ``serving.tools.FORMATS``
+TOOL_CALL_PARSERS = ("auto", "hermes", "glm45", "deepseek_v3", "kimi_k2")  # auto + ``serving.tools.FORMATS``
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``serving.reasoning.STYLES``
 
 
@@ -56,8 +56,8 @@ def kernel_backend_option(command: F) -> F:
 
 
 def serving_feature_options(command: F) -> F:
-    """``--tool-call-parser``, ``--reasoning-parser``, ``--enable-prefix-caching/--no-...`` and
-    ``--default-max-tokens``."""
+    """``--tool-call-parser``, ``--reasoning-parser``, ``--structured-outputs-in-reasoning``,
+    ``--enable-prefix-caching/--no-...`` and ``--default-max-tokens``."""
     command = click.option(
         "--default-max-tokens",
         type=click.IntRange(min=1),
@@ -77,6 +77,16 @@ def serving_feature_options(command: F) -> F:
         help="reuse the computed KV blocks of prompts' shared prefixes (continuous batching)",
     )(command)
     command = click.option(
+        "--structured-outputs-in-reasoning/--no-structured-outputs-in-reasoning",
+        "structured_outputs_in_reasoning",
+        default=False,
+        show_default=True,
+        envvar="EAAS_STRUCTURED_OUTPUTS_IN_REASONING",
+        show_envvar=True,
+        help="a reasoning model's grammar (structured outputs, a required tool call) from its first "
+        "token; by default it starts after the thinking",
+    )(command)
+    command = click.option(
         "--reasoning-parser",
         type=click.Choice(REASONING_PARSERS),
         default="auto",
@@ -92,6 +102,7 @@ def serving_feature_options(command: F) -> F:
         show_default=True,
         envvar="EAAS_TOOL_CALL_PARSER",
         show_envvar=True,
-        help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> blocks; "
-        "deepseek_v3, kimi_k2: their marker tokens, tool_choice auto only)",
+        help="the format of the model's tool calls (auto: by its family; hermes: <tool_call> JSON blocks; "
+        "glm45: <tool_call> blocks of <arg_key>/<arg_value> pairs; deepseek_v3, kimi_k2: their marker "
+        "tokens, tool_choice auto only)",
     )(command)

@@ -167,7 +167,9 @@ class Completions:
         ``reasoning_content`` (and ``reasoning``) deltas. With tools, content is held from where a
         call may start, and the calls go out as whole ``tool_calls`` deltas when the choice ends."""
         announced: set[int] = set()
-        streams = {r.index: StreamedCalls(call.tool_format) for r in requests} if call.tools else {}
+        streams: dict[int, StreamedCalls] = {}
+        if call.tools:
+            streams = {r.index: StreamedCalls(call.tool_format, call.tools.parameters) for r in requests}
         thinking = {r.index: StreamedReasoning(self.reasoning) for r in requests} if self.reasoning else {}
         for item in self.chunks(call, requests, start):
             choices = []
@@ -221,7 +223,8 @@ class Completions:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = choice["finish_reason"]
             if call.tools:
-                content, calls = call.tool_format.parse(text)  # from the answer, never the thinking
+                # the calls in the answer, never in the thinking
+                content, calls = call.tool_format.parse(text, call.tools.parameters)
                 if calls:
                     message = {
                         "role": "assistant",

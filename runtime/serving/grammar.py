@@ -279,6 +279,34 @@ class Grammars:
         return compiled.deep_copy()
 
 
+# A reasoning model's thinking (regular expressions of llguidance's Lark): opened by the model (or
+# by the template), then anything up to the one closing marker and the whitespace after it. One
+# lexeme, so that a "</think>" inside it cannot be taken for the answer's text, nor the other way.
+OPENED = r"[ \t\r\n]*<think>"
+THINKING = r"(?s:.*)<\/think>[ \t\r\n]*"
+TWO_CLOSES = r"(?s:.*)<\/think>(?s:.*)<\/think>(?s:.*)"
+
+
+def after_thinking(constraint: Constraint, starts_inside: bool) -> Constraint:
+    """`constraint` for the answer only: the thinking before it (up to ``</think>``) is free, as
+    vLLM starts a reasoning model's grammar after its reasoning. ``starts_inside``: the chat
+    template opened the thinking, so the output is thinking until ``</think>``; otherwise the
+    model may open it with ``<think>`` or answer at once."""
+    opened = "" if starts_inside else OPENED
+    lexeme = f"THINKING: /{opened}{THINKING}/ & ~/{opened}{TWO_CLOSES}/"
+    start = "start: THINKING @answer" if starts_inside else "start: THINKING? @answer"
+    text = constraint.grammar.strip()
+    if text.startswith("{"):  # a top-level grammar (JSON schema, regex)
+        grammars = json.loads(text)["grammars"]
+        if len(grammars) != 1:
+            return constraint  # not one of ours (never made here): applied from the first token
+        answer = {**grammars[0], "name": "answer"}
+    else:  # Lark
+        answer = {"name": "answer", "lark_grammar": text}
+    top = {"grammars": [{"name": "thinking", "lark_grammar": f"{start}\n{lexeme}\n"}, answer]}
+    return Constraint(constraint.field, json.dumps(top))
+
+
 def first_line(error: str) -> str:
     """llguidance's errors carry the parser's state after their first line."""
     return error.strip().splitlines()[0] if error.strip() else "no reason given"

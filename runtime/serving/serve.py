@@ -46,7 +46,7 @@ from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
 from eaas.runtime.serving.completions import Completions, result_of
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.engine_worker import EngineWorker
-from eaas.runtime.serving.grammar import Grammars
+from eaas.runtime.serving.grammar import Grammars, after_thinking
 from eaas.runtime.serving.http_api import (
     ApiError,
     ApiServer,
@@ -109,6 +109,9 @@ class ServeOptions:
     placement_poll_s: float = 1.0
     tool_call_parser: str | None = None  # the format of the model's tool calls (None: by its family)
     reasoning_parser: str | None = None  # how its thinking is marked (None: by its family; "none")
+    # A reasoning model's grammar (structured outputs, a required call) from its first token, not
+    # from the end of its thinking (vLLM's structured-outputs enable_in_reasoning)
+    structured_outputs_in_reasoning: bool = False
     client: ClientOptions = field(default_factory=lambda: ClientOptions(transport="tcp"))
 
 
@@ -436,6 +439,9 @@ class AttentionService:
             body, encode = read_body(), self.tokenizer.encode
             if chat:
                 call = parse_chat(body, self.limits, self.chat_template, encode, self.tool_format)[0]
+                thinking = self.completions.reasoning if self.completions is not None else None
+                if call.constraint and thinking and not self.options.structured_outputs_in_reasoning:
+                    call = replace(call, constraint=after_thinking(call.constraint, thinking.starts_inside))
             else:
                 call = parse_completion(body, self.limits, encode)
             if self.tokenizer.eos_token_ids and not (isinstance(body, dict) and body.get("ignore_eos")):

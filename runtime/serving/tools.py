@@ -4,7 +4,8 @@ text, and the grammar that makes a required or named call always parse.
 A model writes tool calls in its family's format; ``ToolFormat`` knows one. The format is chosen
 by the checkpoint's family or by ``--tool-call-parser``: ``hermes``, the
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of Qwen2.5/Qwen3 (and of the
-many models fine-tuned on the Hermes format); ``deepseek_v3`` and ``kimi_k2``, sections of marker
+many models fine-tuned on the Hermes format); ``glm45``, GLM-4.5's ``<tool_call>NAME`` blocks of
+``<arg_key>``/``<arg_value>`` pairs; ``deepseek_v3`` and ``kimi_k2``, sections of marker
 tokens (``SectionFormat``; chosen by the flag only: both families' checkpoints say
 ``deepseek_v3``). A family without a format refuses ``tools`` with a 400 that says how to choose one.
 
@@ -33,14 +34,15 @@ from eaas.runtime.serving.http_api import bad
 from eaas.runtime.serving.text_stream import partial_suffix
 
 MAX_TOOLS = 128
+Parameters = dict[str, dict[str, Any]]  # function name -> its parameters' JSON schema
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-FORMAT_BY_FAMILY = {"qwen3_moe": "hermes", "qwen2_moe": "hermes"}
+FORMAT_BY_FAMILY = {"qwen3_moe": "hermes", "qwen2_moe": "hermes", "glm4_moe": "glm45"}
 
 
 @dataclass(frozen=True)
 class ToolRequest:
     tools: list[dict[str, Any]]  # as the request gave them (the chat template renders them)
-    parameters: dict[str, dict[str, Any]]  # function name -> its JSON schema
+    parameters: Parameters
     choice: str  # "auto", "none", "required", or the name of the function to call
     parallel: bool  # more than one call may be made
 
@@ -117,9 +119,10 @@ class HermesFormat:
     end = "</tool_call>"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, parameters: Parameters | None = None) -> tuple[str, list[ToolCall]]:
         """(content, calls): the text before the first call, and every block that parses as a call.
-        Text with a block that does not parse is all content."""
+        Text with a block that does not parse is all content. (``parameters``: unused, the
+        arguments are JSON.)"""
         first = text.find(self.start)
         if first < 0:
             return text, []
@@ -162,6 +165,104 @@ class HermesFormat:
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
 
+class GlmFormat:
+    """GLM-4.5's calls: one ``<tool_call>NAME`` block per call, each argument a pair of lines
+    ``<arg_key>KEY</arg_key>`` ``<arg_value>VALUE</arg_value>``, then ``</tool_call>``. A value is
+    raw text where the tool's schema says the argument is a string, else JSON (as the family's
+    chat template writes it: ``tojson`` unless a string); a value that is not JSON is kept as
+    text, as vLLM's ``glm45`` parser does."""
+
+    name = "glm45"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _pair = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    _name = re.compile(r"\s*([^\s<]+)")
+
+    def parse(self, text: str, parameters: Parameters | None = None) -> tuple[str, list[ToolCall]]:
+        """(content, calls), as ``HermesFormat.parse``; ``parameters`` type the values."""
+        first = text.find(self.start)
+        if first < 0:
+            return text, []
+        calls = []
+        for block in self._block.findall(text[first:]):
+            head = self._name.match(block)
+            if head is None:
+                return text, []
+            name, at, arguments = head.group(1), head.end(), {}
+            properties = ((parameters or {}).get(name) or {}).get("properties") or {}
+            while (pair := self._pair.match(block, at)) is not None:
+                key, value = pair.group(1).strip(), pair.group(2)
+                arguments[key] = value if _is_string(properties.get(key)) else _json_or_text(value)
+                at = pair.end()
+            if block[at:].strip():
+                return text, []  # something other than argument pairs: not a call
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        if not calls:
+            return text, []
+        return text[:first].rstrip(), calls
+
+    def constraint(self, request: ToolRequest) -> Constraint:
+        """One call (or, when parallel calls are allowed, one or more) to the named function or to
+        any of the tools, laid out as the chat template writes calls. Each function's arguments are
+        its schema's properties in the schema's order (the required ones always, the others
+        optionally); a string is text up to the next ``<`` (or one of its ``enum``), any other
+        value JSON valid against the property's schema. Other keys, with text values, only where the
+        schema's ``additionalProperties`` allows them (a function without parameters takes none)."""
+        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        rules = []
+        for i, name in enumerate(names):
+            schema = request.parameters[name]
+            properties = schema.get("properties") or {}
+            required = set(schema.get("required") or [])
+            pairs = []
+            for key, subschema in properties.items():
+                if not isinstance(key, str) or "<" in key:
+                    raise bad("tools", f"{name}: argument name {key!r} cannot be written in the glm45 format")
+                value = _lark_value(subschema)
+                pair = f'"<arg_key>{_lark_text(key)}</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"'
+                pairs.append(pair if key in required else f"({pair})?")
+            if schema.get("additionalProperties") not in (False, None):  # other keys, given leave
+                free = '"<arg_key>" /[A-Za-z0-9_.-]+/ "</arg_key>\\n<arg_value>"'
+                pairs.append(f'({free} /[^<]*/ "</arg_value>\\n")*')
+            rules.append(f'call{i}: "{self.start}{_lark_text(name)}\\n" {" ".join(pairs)} "{self.end}"')
+        calls = " | ".join(f"call{i}" for i in range(len(names)))
+        repeat = ' ("\\n" call)*' if request.parallel else ""
+        lark = "\n".join([f"start: call{repeat}", f"call: {calls}", *rules]) + "\n"
+        return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
+
+
+def _is_string(schema: Any) -> bool:
+    return isinstance(schema, dict) and schema.get("type") == "string"
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _lark_text(text: str) -> str:
+    """`text` inside a Lark string literal."""
+    return json.dumps(text)[1:-1]
+
+
+def _lark_value(schema: Any) -> str:
+    """A glm45 argument value: text for a string (one of its ``enum``; within its ``minLength``
+    and ``maxLength``), else JSON of `schema`."""
+    if _is_string(schema):
+        choices = schema.get("enum")
+        if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+            return "(" + " | ".join(f'"{_lark_text(c)}"' for c in choices) + ")"
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if not isinstance(low, int) or not isinstance(high, int | None) or (high is not None and high < low):
+            raise bad("tools", f"minLength / maxLength of a string argument: bad bounds in {schema}")
+        return f"/[^<]{{{low},{'' if high is None else high}}}/"
+    subschema = schema if isinstance(schema, dict) else {}
+    return f"%json {json.dumps({'x-guidance': {'whitespace_pattern': JSON_WHITESPACE}, **subschema})}"
+
+
 @dataclass(frozen=True)
 class SectionFormat:
     """Calls in a section of marker tokens, one call per ``call_start`` ... ``call_end``, whose
@@ -183,7 +284,7 @@ class SectionFormat:
     call_end: str
     head: re.Pattern[str]  # matches a call's text up to its arguments; its last group is the name
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, parameters: Parameters | None = None) -> tuple[str, list[ToolCall]]:
         """(content, calls), as ``HermesFormat.parse``."""
         first = text.find(self.start)
         if first < 0:
@@ -229,8 +330,13 @@ KIMI_K2 = SectionFormat(
     "<|tool_call_end|>",
     re.compile(r"\s*(?:functions\.)?(?P<name>[^:\s<]+):\d+\s*<\|tool_call_argument_begin\|>"),
 )
-ToolFormat = HermesFormat | SectionFormat
-FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
+ToolFormat = HermesFormat | GlmFormat | SectionFormat
+FORMATS: dict[str, ToolFormat] = {
+    "hermes": HermesFormat(),
+    "glm45": GlmFormat(),
+    "deepseek_v3": DEEPSEEK_V3,
+    "kimi_k2": KIMI_K2,
+}
 
 
 def tool_format(parser: str | None, family: str) -> ToolFormat | None:
@@ -247,8 +353,9 @@ class StreamedCalls:
     """Streaming with tools: content is released until a call may be starting, then held. The
     calls are parsed when the choice ends and sent as whole ``tool_calls`` deltas."""
 
-    def __init__(self, form: ToolFormat) -> None:
+    def __init__(self, form: ToolFormat, parameters: Parameters | None = None) -> None:
         self.form = form
+        self.parameters = parameters
         self.text = ""
         self.released = 0  # characters of ``text`` already sent as content
         self.calling = False  # a call's marker was seen: nothing more goes out as content
@@ -271,5 +378,5 @@ class StreamedCalls:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, calls) once the choice ended."""
-        _, calls = self.form.parse(self.text)
+        _, calls = self.form.parse(self.text, self.parameters)
         return ("", calls) if calls else (self.text[self.released :], [])

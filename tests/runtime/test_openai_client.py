@@ -411,24 +411,50 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def tool_client(checkpoint: Path, cluster: LocalCluster) -> Iterator[Any]:
-    """The same model served with ``--tool-call-parser hermes --reasoning-parser qwen3``."""
+    """The same model served with ``--tool-call-parser hermes --reasoning-parser qwen3
+    --structured-outputs-in-reasoning``: the grammars below hold from the first token, so that the
+    random model, which would not close a free thinking, writes what they allow (one of them
+    writes a short thinking itself)."""
     discovery = static_discovery(cluster.urls)
-    options = serve_options(tool_call_parser="hermes", reasoning_parser="qwen3", max_tokens=256)
+    options = serve_options(
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+        structured_outputs_in_reasoning=True,
+        max_tokens=256,
+    )
     with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
         yield openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def test_required_and_named_tool_calls_always_parse(tool_client: Any) -> None:
-    """The random model, sampled, makes calls that name a tool and whose arguments validate."""
-    messages = [{"role": "user", "content": "what is the weather?"}]
-    answer = tool_client.chat.completions.create(
+def required_calls_validate(client: Any, messages: list[dict[str, Any]], seed: int) -> Any:
+    """Four sampled answers with ``tool_choice: required`` and one call each: every call names a
+    tool and its arguments validate. Returns the answer."""
+    answer = client.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-        temperature=1.0, seed=11, n=4, max_tokens=256,
+        temperature=1.0, seed=seed, n=4, max_tokens=256,
     )  # fmt: skip
     for choice in answer.choices:
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         call = choice.message.tool_calls[0]
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return answer
+
+
+def streamed_tool_calls(stream: Any) -> list[Any]:
+    """The tool-call deltas of a streamed answer that finished with ``tool_calls``."""
+    deltas, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and deltas
+    return deltas
+
+
+def test_required_and_named_tool_calls_always_parse(tool_client: Any) -> None:
+    """The random model, sampled, makes calls that name a tool and whose arguments validate."""
+    messages = [{"role": "user", "content": "what is the weather?"}]
+    answer = required_calls_validate(tool_client, messages, seed=11)
     named = tool_client.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS, temperature=1.0, seed=12, max_tokens=256,
         tool_choice={"type": "function", "function": {"name": "add"}},
@@ -441,13 +467,7 @@ def test_required_and_named_tool_calls_always_parse(tool_client: Any) -> None:
         model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=1.0, seed=13,
         max_tokens=256, stream=True,
     )  # fmt: skip
-    deltas, finish = [], None
-    for chunk in stream:
-        for choice in chunk.choices:
-            deltas += choice.delta.tool_calls or []
-            finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and deltas
-    for delta in deltas:
+    for delta in streamed_tool_calls(stream):
         jsonschema.validate(json.loads(delta.function.arguments), SCHEMAS[delta.function.name])
     # the call and its result go back into the conversation
     followed = tool_client.chat.completions.create(
@@ -535,6 +555,50 @@ def test_thinking_is_told_from_the_answer_and_calls_are_read_from_the_answer(too
     assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
         ("add", {"a": 7, "b": True})
     ]
+
+
+def test_a_reasoning_models_grammar_holds_after_its_thinking(checkpoint: Path, cluster: LocalCluster) -> None:
+    """By default a reasoning model (here ``--reasoning-parser qwen3``) may think before its
+    grammar starts. The random model, free to open a thinking or answer at once, does both over
+    a few seeds: the answers keep the grammar; the thinkers never close it within max_tokens,
+    their output all reasoning (what a real model would follow with a constrained answer)."""
+    discovery = static_discovery(cluster.urls)
+    options = serve_options(reasoning_parser="qwen3", max_tokens=64)
+    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
+        client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "yes or no?"}], temperature=1.0, seed=5,
+            n=12, max_tokens=48, extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )  # fmt: skip
+        kinds = set()
+        for choice in answer.choices:
+            if choice.finish_reason == "stop":
+                assert choice.message.content in ("yes", "no"), choice.message
+                kinds.add("answered")
+            else:
+                assert choice.finish_reason == "length" and not choice.message.content
+                assert choice.message.reasoning_content, choice.message
+                kinds.add("thinking")
+        assert kinds == {"answered", "thinking"}
+
+
+def test_glm45_calls_through_the_openai_client(checkpoint: Path, cluster: LocalCluster) -> None:
+    """``--tool-call-parser glm45`` (what a GLM-4.5 checkpoint gets by its family): required and
+    named calls, whole and streamed, always parse and validate, though the random model writes
+    the arguments; the city's enum is written as text, the days as JSON."""
+    discovery = static_discovery(cluster.urls)
+    options = serve_options(tool_call_parser="glm45", max_tokens=256)
+    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
+        client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        messages = [{"role": "user", "content": "what is the weather?"}]
+        required_calls_validate(client, messages, seed=21)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, temperature=1.0, seed=22, max_tokens=256,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
+        )  # fmt: skip
+        for delta in streamed_tool_calls(stream):
+            assert delta.function.name == "get_weather"
+            jsonschema.validate(json.loads(delta.function.arguments), SCHEMAS["get_weather"])
 
 
 def test_a_chat_without_max_tokens_runs_to_the_context_or_the_servers_default() -> None:

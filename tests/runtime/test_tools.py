@@ -209,3 +209,59 @@ def test_marker_token_formats_are_chosen_by_the_flag_and_refuse_constrained_call
     with pytest.raises(ApiError) as caught:
         KIMI_K2.constraint(request)
     assert caught.value.param == "tool_choice" and "kimi_k2" in caught.value.message
+
+
+def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
+    glm = tool_format("auto", "glm4_moe")
+    assert glm is FORMATS["glm45"]
+    request = parse_tools(
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "book",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"room": {"type": "string"}, "nights": {"type": "integer"}},
+                        },
+                    },
+                }
+            ]
+        }
+    )
+    assert request is not None
+    text = (
+        "Booking it.\n<tool_call>book\n<arg_key>room</arg_key>\n<arg_value>101</arg_value>\n"
+        "<arg_key>nights</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+        "<tool_call>book\n<arg_key>room</arg_key><arg_value>sea view</arg_value>\n</tool_call>"
+    )
+    content, calls = glm.parse(text, request.parameters)
+    assert content == "Booking it."
+    # "101" stays a string, as the schema says; 3 is JSON
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("book", {"room": "101", "nights": 3}),
+        ("book", {"room": "sea view"}),
+    ]
+    untyped = glm.parse(text)[1][0]  # without the schema: JSON where the value is JSON
+    assert json.loads(untyped.arguments) == {"room": 101, "nights": 3}
+    for broken in ("<tool_call>book\nroom=101</tool_call>", "<tool_call></tool_call>", "<tool_call>book"):
+        assert glm.parse(broken, request.parameters) == (broken, [])
+    stream = StreamedCalls(glm, request.parameters)
+    sent = "".join(stream.push(text[i : i + 5]) for i in range(0, len(text), 5))
+    assert sent == "Booking it.\n"
+    rest, streamed = stream.finish()
+    assert rest == "" and [json.loads(c.arguments) for c in streamed] == [
+        {"room": "101", "nights": 3},
+        {"room": "sea view"},
+    ]
+
+
+def test_glm45_grammar_refuses_what_the_format_cannot_write() -> None:
+    parameters = {"type": "object", "properties": {"<b>": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    request = parse_tools({"tools": tools, "tool_choice": "required"})
+    assert request is not None
+    with pytest.raises(ApiError) as caught:
+        FORMATS["glm45"].constraint(request)
+    assert caught.value.param == "tools" and "<b>" in caught.value.message

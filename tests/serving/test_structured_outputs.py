@@ -17,10 +17,11 @@ from eaas.runtime.model import load_reference
 from eaas.runtime.model.decoder import Decoder
 from eaas.runtime.model.tokenizer import ByteTokenizer
 from eaas.runtime.serving.engine import Engine, EngineOptions
-from eaas.runtime.serving.grammar import Constraint, GrammarError, Grammars, parse_constraint
+from eaas.runtime.serving.grammar import Constraint, GrammarError, Grammars, after_thinking, parse_constraint
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.sampling import SamplingParams
 from eaas.runtime.serving.scheduler import Sequence
+from eaas.runtime.serving.tools import FORMATS, parse_tools
 
 PERSON = {
     "type": "object",
@@ -50,12 +51,12 @@ def grammars(decoder: Decoder) -> Grammars:
 def generate(
     decoder: Decoder,
     grammars: Grammars,
-    body: dict[str, Any],
+    body: dict[str, Any] | Constraint,
     seeds: range,
     blocks: int = 256,
     max_tokens: int = MAX_TOKENS,
 ) -> tuple[Engine, list[Sequence]]:
-    constraint = parse_constraint(body)
+    constraint = body if isinstance(body, Constraint) else parse_constraint(body)
     assert constraint is not None
     per_block = KVPool.bytes_per_block(decoder.config, 4, decoder.side.dtype)
     engine = Engine(
@@ -222,3 +223,54 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(gram
     assert first.consume_token(ord("a"))
     assert not first.is_stopped() and not second.is_stopped()
     assert second.consume_token(ord("a")) and second.consume_token(ord("b")) and second.is_stopped()
+
+
+def test_a_random_model_always_writes_glm45_calls_that_validate(decoder: Decoder, grammars: Grammars) -> None:
+    """A required call in GLM-4.5's format (text values for strings, JSON for the rest), sampled
+    from the random model: every output parses into calls that name a tool and validate."""
+    tools = [
+        {"type": "function", "function": {"name": "describe", "parameters": PERSON}},
+        {"type": "function", "function": {"name": "now"}},
+    ]
+    request = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None
+    glm = FORMATS["glm45"]
+    _, seqs = generate(decoder, grammars, glm.constraint(request), range(12))
+    names = set()
+    for seq in seqs:
+        assert seq.finish_reason == "stop", (seq.finish_reason, text(seq))
+        content, calls = glm.parse(text(seq), request.parameters)
+        assert content == "" and len(calls) == 1, text(seq)
+        names.add(calls[0].name)
+        arguments = json.loads(calls[0].arguments)
+        if calls[0].name == "describe":
+            jsonschema.validate(arguments, PERSON)
+    assert names == {"describe", "now"}  # the mask chose neither: the noise did
+
+
+@pytest.mark.parametrize("starts_inside", [False, True])
+def test_a_reasoning_grammar_starts_after_the_thinking(grammars: Grammars, starts_inside: bool) -> None:
+    """``after_thinking``: free thinking up to its one ``</think>``, then the request's grammar.
+    The model may answer at once unless the template opened the thinking (``starts_inside``)."""
+    answer = parse_constraint({"structured_outputs": {"regex": "(yes|no)"}})
+    assert answer is not None
+    wrapped = after_thinking(answer, starts_inside)
+    assert wrapped.field == answer.field  # errors still name the request's field
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.matcher(wrapped)
+        return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+    opened = "" if starts_inside else "<think>"
+    assert accepts(f"{opened}a </thin <b> {{not json}}</think>\n\nyes")
+    assert not accepts(f"{opened}a</think>maybe")  # the answer keeps its grammar
+    assert not accepts(f"{opened}a</think>x</think>no")  # thinking ends at its first </think>
+    assert accepts("no") is not starts_inside  # answering at once: only if the model opens thinking
+    if not starts_inside:
+        assert accepts(" \n<think>b</think>no") and not accepts("x<think>b</think>no")
+    lark = parse_constraint({"structured_outputs": {"grammar": 'start: "n=" /[0-9]+/'}})
+    json_schema = parse_constraint({"response_format": {"type": "json_object"}})
+    for inner, answer_text in ((lark, "n=42"), (json_schema, '{"a": [1]}')):
+        assert inner is not None
+        wrapped = after_thinking(inner, starts_inside)
+        assert accepts(f"{opened}hm</think>{answer_text}")
