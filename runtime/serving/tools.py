@@ -233,7 +233,13 @@ class GlmFormat:
 
 
 def _is_string(schema: Any) -> bool:
-    return isinstance(schema, dict) and schema.get("type") == "string"
+    """Whether an argument's schema admits strings only (as the template writes them: raw)."""
+    if not isinstance(schema, dict):
+        return False
+    if "type" in schema:
+        return schema["type"] == "string"
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values)
 
 
 def _json_or_text(value: str) -> Any:
@@ -249,10 +255,10 @@ def _lark_text(text: str) -> str:
 
 
 def _lark_value(schema: Any) -> str:
-    """A glm45 argument value: text for a string (one of its ``enum``; within its ``minLength``
-    and ``maxLength``), else JSON of `schema`."""
+    """A glm45 argument value: text for a string (its ``const`` or one of its ``enum``; within
+    its ``minLength`` and ``maxLength``), else JSON of `schema`."""
     if _is_string(schema):
-        choices = schema.get("enum")
+        choices = [schema["const"]] if "const" in schema else schema.get("enum")
         if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
             return "(" + " | ".join(f'"{_lark_text(c)}"' for c in choices) + ")"
         low, high = schema.get("minLength", 0), schema.get("maxLength")

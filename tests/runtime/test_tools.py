@@ -223,7 +223,11 @@ def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
                         "name": "book",
                         "parameters": {
                             "type": "object",
-                            "properties": {"room": {"type": "string"}, "nights": {"type": "integer"}},
+                            "properties": {
+                                "room": {"type": "string"},
+                                "nights": {"type": "integer"},
+                                "view": {"enum": ["sea", "park"]},
+                            },
                         },
                     },
                 }
@@ -234,15 +238,19 @@ def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
     text = (
         "Booking it.\n<tool_call>book\n<arg_key>room</arg_key>\n<arg_value>101</arg_value>\n"
         "<arg_key>nights</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
-        "<tool_call>book\n<arg_key>room</arg_key><arg_value>sea view</arg_value>\n</tool_call>"
+        "<tool_call>book\n<arg_key>room</arg_key><arg_value>sea view</arg_value>\n"
+        "<arg_key>view</arg_key><arg_value>sea</arg_value>\n</tool_call>"
     )
     content, calls = glm.parse(text, request.parameters)
     assert content == "Booking it."
-    # "101" stays a string, as the schema says; 3 is JSON
+    # "101" stays a string, as the schema says, and so does an enum of strings; 3 is JSON
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("book", {"room": "101", "nights": 3}),
-        ("book", {"room": "sea view"}),
+        ("book", {"room": "sea view", "view": "sea"}),
     ]
+    required = parse_tools({"tools": request.tools, "tool_choice": "required"})
+    assert required is not None
+    assert '<arg_value>" ("sea" | "park") "</arg_value>' in glm.constraint(required).grammar  # raw, unquoted
     untyped = glm.parse(text)[1][0]  # without the schema: JSON where the value is JSON
     assert json.loads(untyped.arguments) == {"room": 101, "nights": 3}
     for broken in ("<tool_call>book\nroom=101</tool_call>", "<tool_call></tool_call>", "<tool_call>book"):
@@ -253,7 +261,7 @@ def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
     rest, streamed = stream.finish()
     assert rest == "" and [json.loads(c.arguments) for c in streamed] == [
         {"room": "101", "nights": 3},
-        {"room": "sea view"},
+        {"room": "sea view", "view": "sea"},
     ]
 
 
