@@ -76,6 +76,11 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
         schema = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(schema, dict):
             raise bad("tools", f"{where}.function.parameters must be a JSON schema object")
+        if not isinstance(schema.get("properties", {}), dict):
+            raise bad("tools", f"{where}.function.parameters.properties must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise bad("tools", f"{where}.function.parameters.required must be a list of names")
         parameters[name] = schema
     if choice is None:
         choice = "auto"
@@ -222,7 +227,7 @@ class GlmFormat:
                 value = _lark_value(subschema)
                 pair = f'"<arg_key>{_lark_text(key)}</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"'
                 pairs.append(pair if key in required else f"({pair})?")
-            if schema.get("additionalProperties") not in (False, None):  # other keys, given leave
+            if schema.get("additionalProperties") not in (False, None):  # other keys, where allowed
                 free = '"<arg_key>" /[A-Za-z0-9_.-]+/ "</arg_key>\\n<arg_value>"'
                 pairs.append(f'({free} /[^<]*/ "</arg_value>\\n")*')
             rules.append(f'call{i}: "{self.start}{_lark_text(name)}\\n" {" ".join(pairs)} "{self.end}"')

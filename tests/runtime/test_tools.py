@@ -32,6 +32,10 @@ WEATHER = {
 HERMES = HermesFormat()
 
 
+def function_with(parameters: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -40,6 +44,8 @@ HERMES = HermesFormat()
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"tools": [function_with({"properties": [1]})]}, "tools"),
+        ({"tools": [function_with({"required": 1})]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
