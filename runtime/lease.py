@@ -352,14 +352,13 @@ class ExpertWait(_Window):
         return max(0, round(1e6 * (seconds - seconds_then) / (steps - steps_then)))
 
 
-TPOT_WINDOW_S = contract.TPOT_WINDOW_S
-
-
 class RecentP99:
     """The p99 of the samples recorded (any thread) over the last `window_s` seconds: an attention
     client's time per output token of each finished request (the SLO's quantity)."""
 
-    def __init__(self, window_s: float = TPOT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, window_s: float = contract.TPOT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._window_s = window_s
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque()

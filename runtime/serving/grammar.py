@@ -296,11 +296,9 @@ def after_thinking(constraint: Constraint, starts_inside: bool) -> Constraint:
     lexeme = f"THINKING: /{opened}{THINKING}/ & ~/{opened}{TWO_CLOSES}/"
     start = "start: THINKING @answer" if starts_inside else "start: THINKING? @answer"
     text = constraint.grammar.strip()
-    if text.startswith("{"):  # a top-level grammar (JSON schema, regex)
-        grammars = json.loads(text)["grammars"]
-        if len(grammars) != 1:
-            return constraint  # not one of ours (never made here): applied from the first token
-        answer = {**grammars[0], "name": "answer"}
+    if text.startswith("{"):  # a top-level grammar of one grammar (JSON schema, regex, choice)
+        (grammar,) = json.loads(text)["grammars"]
+        answer = {**grammar, "name": "answer"}
     else:  # Lark
         answer = {"name": "answer", "lark_grammar": text}
     top = {"grammars": [{"name": "thinking", "lark_grammar": f"{start}\n{lexeme}\n"}, answer]}

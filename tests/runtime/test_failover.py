@@ -58,29 +58,19 @@ def client_for(
     return AttentionClient(cluster.checkpoint, cluster.placement, cluster.urls, options).connect()
 
 
-def time_steps(client: AttentionClient, at_step: int = -1, action: object = None) -> list[float]:
-    """Times each forward pass at its first MoE layer (running ``action`` there at ``at_step``):
-    the returned list fills as the client generates."""
+def kill_at_step(client: AttentionClient, step: int = -1, action: object = None) -> list[float]:
+    """Runs ``action`` when a forward pass of `client` reaches its first MoE layer at decode step
+    `step`. Returns the times each pass reached it (the list fills as the client generates)."""
     first_moe = client.config.moe_layers[0]
     times: list[float] = []
 
     def on_step(current: int) -> None:
         times.append(time.monotonic())
-        if current == at_step:
-            action()  # type: ignore[operator]
-
-    client.decoder.experts = StepHook(client.experts, first_moe, on_step)
-    return times
-
-
-def kill_at_step(client: AttentionClient, step: int, action: object) -> None:
-    first_moe = client.config.moe_layers[0]
-
-    def on_step(current: int) -> None:
         if current == step:
             action()  # type: ignore[operator]
 
     client.decoder.experts = StepHook(client.experts, first_moe, on_step)
+    return times
 
 
 @pytest.mark.slow
@@ -143,10 +133,10 @@ def test_a_hung_server_fails_alone_within_two_seconds(
     # layer: the other steps' times, which swing with whatever else the machine runs, stay out of it.
     client = client_for(healthy, transport, timeout_s=30.0)
     try:
-        healthy_at = time_steps(client)
+        healthy_at = kill_at_step(client)  # nothing done: the times only
         assert client.generate(PROMPTS, MAX_NEW_TOKENS)[0] == reference_outputs[FAMILY][0]
         healthy_step_s = statistics.median(b - a for a, b in itertools.pairwise(healthy_at[1:]))
-        faulted_at = time_steps(client, at_step=1, action=lambda: healthy.kill(0, signal.SIGSTOP))
+        faulted_at = kill_at_step(client, 1, lambda: healthy.kill(0, signal.SIGSTOP))
         tokens, _ = client.generate(PROMPTS, MAX_NEW_TOKENS)
         stall_s = faulted_at[2] - faulted_at[1] - healthy_step_s
         assert tokens == reference_outputs[FAMILY][0]
