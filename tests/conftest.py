@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny random checkpoints, written once per session."""
+"""Shared fixtures: tiny random checkpoints, written once per session, and small trained
+tokenizers."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,3 +20,28 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         family: write_random_checkpoint(preset(family), root / family, seed=7, max_shard_bytes=256 * 1024)
         for family in FAMILIES
     }
+
+
+def bpe_tokenizer(corpus: Iterable[str], special: Iterable[str] = (), added: Iterable[str] = ()) -> Any:
+    """A byte-level BPE tokenizer (``tokenizers.Tokenizer``) of 300 ids trained on `corpus`, with
+    ``<unk>``, ``<s>`` and ``</s>``, then the `special` tokens and the (non-special) `added` ones."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(list(corpus), trainer)
+    tokenizer.add_special_tokens(list(special))
+    tokenizer.add_tokens([AddedToken(text, special=False) for text in added])
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def train_tokenizer() -> Any:
+    """``bpe_tokenizer``, for test modules in any folder."""
+    return bpe_tokenizer

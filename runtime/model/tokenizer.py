@@ -2,6 +2,10 @@
 for random checkpoints that have none, a byte-level one (token id = byte value; ids >= 256
 decode to nothing). ``load_tokenizer`` picks.
 
+Special tokens are kept out of decoded text, except the *markers* the server's chat formats read
+(``load_tokenizer(markers=...)``: gpt-oss's ``<|channel|>``, Kimi-K2's ``<|tool_call_begin|>``, any
+``<think>`` a tokenizer declares special): their text stays, so the parsers can find it.
+
 Both decode whole id lists; streaming callers (``serving/text_stream.py``) decode a short window
 of the growing list and hold back a trailing U+FFFD, so a character split over several tokens is
 released only once complete.
@@ -10,6 +14,7 @@ released only once complete.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,6 +26,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def marker_id(self, text: str) -> int | None:
+        """The id of the added token (special or not) whose text is `text`, if there is one:
+        grammars write such a marker as its token (llguidance's lexer spells no added token)."""
+        ...
 
 
 class ByteTokenizer:
@@ -37,15 +46,24 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def marker_id(self, text: str) -> int | None:
+        return None  # every id that decodes to text is a byte
+
 
 class HFTokenizer:
-    """``tokenizer.json`` of a checkpoint; special tokens are kept out of decoded text."""
+    """``tokenizer.json`` of a checkpoint; special tokens are kept out of decoded text, but for
+    `markers`."""
 
-    def __init__(self, directory: Path, vocab_size: int) -> None:
+    def __init__(self, directory: Path, vocab_size: int, markers: Iterable[str] = ()) -> None:
         from tokenizers import Tokenizer as Backend
 
         self.backend = Backend.from_file(str(directory / "tokenizer.json"))
         self.vocab_size = vocab_size
+        added = self.backend.get_added_tokens_decoder()
+        self.added = {token.content: i for i, token in added.items()}
+        specials = {i for i, token in added.items() if token.special}
+        kept = {self.added[m] for m in markers if self.added.get(m) in specials}
+        self.dropped = frozenset(specials - kept) if kept else None  # None: drop every special token
         config = _read_json(directory / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
@@ -66,14 +84,20 @@ class HFTokenizer:
         return list(ids)  # ids past the model's vocabulary are refused by the engine, naming the prompt
 
     def decode(self, ids: list[int]) -> str:
-        return str(self.backend.decode(ids, skip_special_tokens=True))
+        if self.dropped is None:
+            return str(self.backend.decode(ids, skip_special_tokens=True))
+        return str(self.backend.decode([i for i in ids if i not in self.dropped], skip_special_tokens=False))
+
+    def marker_id(self, text: str) -> int | None:
+        return self.added.get(text)
 
 
-def load_tokenizer(directory: str | Path, vocab_size: int) -> Tokenizer:
-    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer."""
+def load_tokenizer(directory: str | Path, vocab_size: int, markers: Iterable[str] = ()) -> Tokenizer:
+    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer. The
+    special tokens among `markers` decode to their text."""
     directory = Path(directory)
     if (directory / "tokenizer.json").is_file():
-        return HFTokenizer(directory, vocab_size)
+        return HFTokenizer(directory, vocab_size, markers)
     return ByteTokenizer(vocab_size)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from eaas.runtime.serving.grammar import TEXT_MARKERS, Markers
 from eaas.runtime.serving.http_api import CompletionRequest, Limits, bad, parse_completion
 from eaas.runtime.serving.tools import ToolFormat, parse_tools
 
@@ -109,14 +110,20 @@ def _is_call(call: Any) -> bool:
 
 
 def parse_chat(
-    body: Any, limits: Limits, template: ChatTemplate, encode: Any, tool_format: ToolFormat | None = None
+    body: Any,
+    limits: Limits,
+    template: ChatTemplate,
+    encode: Any,
+    tool_format: ToolFormat | None = None,
+    markers: Markers = TEXT_MARKERS,
 ) -> tuple[CompletionRequest, list[dict[str, Any]]]:
     """An OpenAI ``/v1/chat/completions`` body as the completion of the rendered conversation.
 
     Chat's own spellings map to the completion fields: ``max_completion_tokens`` (or
     ``max_tokens``), ``logprobs: true`` with ``top_logprobs``. ``echo``, ``prompt`` and
     ``suffix`` do not apply to chat and are refused. ``tools`` need the model's ``tool_format``
-    (``tools.py``); a required or named ``tool_choice`` becomes the request's constraint.
+    (``tools.py``); a required or named ``tool_choice`` becomes the request's constraint (its
+    markers written as the tokenizer has them: ``markers``).
     """
     if not isinstance(body, dict):
         raise bad("body", "must be a JSON object")
@@ -175,6 +182,6 @@ def parse_chat(
                 raise bad(
                     "tool_choice", f"a required or named call cannot be combined with {constraint.field}"
                 )
-            constraint = tool_format.constraint(tools)
+            constraint = tool_format.constraint(tools, markers)
         call = replace(call, constraint=constraint, tools=tools, tool_format=tool_format)
     return call, messages

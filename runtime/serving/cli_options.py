@@ -10,8 +10,9 @@ import click
 
 F = TypeVar("F", bound=Callable[..., object])
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "glm45", "deepseek_v3", "kimi_k2")  # auto + ``serving.tools.FORMATS``
-REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # auto, none + ``serving.reasoning.STYLES``
+# auto + ``serving.tools.FORMATS``; auto, none + ``serving.reasoning.STYLES``
+TOOL_CALL_PARSERS = ("auto", "hermes", "glm45", "deepseek_v3", "kimi_k2", "harmony")
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "harmony")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

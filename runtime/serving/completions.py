@@ -23,7 +23,7 @@ from eaas.runtime.serving.engine_worker import EngineWorker, Events, Request
 from eaas.runtime.serving.grammar import GrammarError, Grammars
 from eaas.runtime.serving.http_api import ApiError, CompletionRequest, bad, overloaded
 from eaas.runtime.serving.metrics import AttentionMetrics
-from eaas.runtime.serving.reasoning import ReasoningStyle, StreamedReasoning
+from eaas.runtime.serving.reasoning import Style
 from eaas.runtime.serving.sampling import Sampled
 from eaas.runtime.serving.text_stream import TextStream
 from eaas.runtime.serving.tools import StreamedCalls
@@ -41,7 +41,7 @@ class Completions:
         metrics: AttentionMetrics,
         to_api_error: Callable[[BaseException], ApiError],
         grammars: Grammars | None = None,
-        reasoning: ReasoningStyle | None = None,
+        reasoning: Style | None = None,
     ) -> None:
         self.worker = worker
         self.grammars = grammars
@@ -170,7 +170,7 @@ class Completions:
         streams: dict[int, StreamedCalls] = {}
         if call.tools:
             streams = {r.index: StreamedCalls(call.tool_format, call.tools.parameters) for r in requests}
-        thinking = {r.index: StreamedReasoning(self.reasoning) for r in requests} if self.reasoning else {}
+        thinking = {r.index: self.reasoning.stream() for r in requests} if self.reasoning else {}
         for item in self.chunks(call, requests, start):
             choices = []
             for piece in item["choices"]:

@@ -279,29 +279,62 @@ class Grammars:
         return compiled.deep_copy()
 
 
+class Markers:
+    """How a grammar writes a chat format's markers (``<tool_call>``, ``<|channel|>``) for one
+    tokenizer: a marker that is an added token of the tokenizer, special or not, as that token
+    (``<[id]>``: llguidance's lexer spells text, and it takes every added token for a special one,
+    which no text spells), any other as its text."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, text: str) -> int | None:
+        return self.tokenizer.marker_id(text) if self.tokenizer is not None else None
+
+    def __call__(self, text: str) -> str:
+        """`text` as a term of llguidance's Lark."""
+        token = self.token(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
+
+
+TEXT_MARKERS = Markers()  # every marker written as text (the byte tokenizer's only choice)
+
 # A reasoning model's thinking (regular expressions of llguidance's Lark): opened by the model (or
 # by the template), then anything up to the one closing marker and the whitespace after it. One
 # lexeme, so that a "</think>" inside it cannot be taken for the answer's text, nor the other way.
 OPENED = r"[ \t\r\n]*<think>"
 THINKING = r"(?s:.*)<\/think>[ \t\r\n]*"
 TWO_CLOSES = r"(?s:.*)<\/think>(?s:.*)<\/think>(?s:.*)"
+TEXT_AND_SPACE = "TEXT: /(?s:.+)/\nSPACE: /[ \\t\\r\\n]+/"  # text between special tokens
 
 
-def after_thinking(constraint: Constraint, starts_inside: bool) -> Constraint:
+def after_thinking(
+    constraint: Constraint, starts_inside: bool, markers: Markers = TEXT_MARKERS
+) -> Constraint:
     """`constraint` for the answer only: the thinking before it (up to ``</think>``) is free, as
     vLLM starts a reasoning model's grammar after its reasoning. ``starts_inside``: the chat
     template opened the thinking, so the output is thinking until ``</think>``; otherwise the
-    model may open it with ``<think>`` or answer at once."""
-    opened = "" if starts_inside else OPENED
-    lexeme = f"THINKING: /{opened}{THINKING}/ & ~/{opened}{TWO_CLOSES}/"
-    start = "start: THINKING @answer" if starts_inside else "start: THINKING? @answer"
+    model may open it with ``<think>`` or answer at once. Where the tokenizer has ``</think>`` as
+    an added token (Qwen3, DeepSeek-R1, GLM-4.5) the thinking ends at that token."""
+    if markers.token("</think>") is None:
+        opened = "" if starts_inside else OPENED
+        rules = f"thinking: THINKING\nTHINKING: /{opened}{THINKING}/ & ~/{opened}{TWO_CLOSES}/"
+    else:
+        opened = "" if starts_inside else f"SPACE? {markers('<think>')} "
+        rules = f"thinking: {opened}TEXT? {markers('</think>')} SPACE?\n{TEXT_AND_SPACE}"
+    start = "start: thinking @answer" if starts_inside else "start: thinking? @answer"
+    return answer_after(constraint, f"{start}\n{rules}\n")
+
+
+def answer_after(constraint: Constraint, lark: str) -> Constraint:
+    """`constraint` as the ``@answer`` of the Lark grammar `lark` (a chat format's preamble)."""
     text = constraint.grammar.strip()
     if text.startswith("{"):  # a top-level grammar of one grammar (JSON schema, regex, choice)
         (grammar,) = json.loads(text)["grammars"]
         answer = {**grammar, "name": "answer"}
     else:  # Lark
         answer = {"name": "answer", "lark_grammar": text}
-    top = {"grammars": [{"name": "thinking", "lark_grammar": f"{start}\n{lexeme}\n"}, answer]}
+    top = {"grammars": [{"name": "thinking", "lark_grammar": lark}, answer]}
     return Constraint(constraint.field, json.dumps(top))
 
 

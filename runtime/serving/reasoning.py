@@ -1,13 +1,14 @@
 """Reasoning models: the thinking a model writes between ``<think>`` and ``</think>`` goes to
 ``reasoning_content`` (and vLLM's newer name for it, ``reasoning``), the rest to ``content``.
 
-Two styles, chosen by the checkpoint's family or ``--reasoning-parser``:
+Three styles, chosen by the checkpoint's family or ``--reasoning-parser``:
 
 - ``deepseek_r1``: the chat template opens the thinking itself (its generation prompt ends with
   ``<think>``), so the output starts inside it. Everything up to ``</think>`` is reasoning. An
   output cut off before ``</think>`` is all reasoning.
 - ``qwen3`` (Qwen3, GLM-4.5): the model opens the thinking itself. An output that does not start
   with ``<think>`` (thinking switched off) is all content.
+- ``harmony`` (gpt-oss): the ``analysis`` channel is the reasoning (``harmony.py``).
 
 Tool calls are read from the content only, never from the reasoning.
 """
@@ -16,17 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eaas.runtime.serving.grammar import Constraint, Markers, after_thinking
+from eaas.runtime.serving.harmony import HarmonyReasoning
 from eaas.runtime.serving.text_stream import partial_suffix
 
 START = "<think>"
 END = "</think>"
-PARSER_BY_FAMILY = {"qwen3_moe": "qwen3", "glm4_moe": "qwen3"}
+PARSER_BY_FAMILY = {"qwen3_moe": "qwen3", "glm4_moe": "qwen3", "gpt_oss": "harmony"}
 
 
 @dataclass(frozen=True)
 class ReasoningStyle:
     name: str
     starts_inside: bool  # the output begins inside the thinking (the template opened it)
+    markers = (START, END)
 
     def split(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of a whole output."""
@@ -41,14 +45,23 @@ class ReasoningStyle:
             return body.strip(), ""
         return body[:end].strip(), body[end + len(END) :].lstrip()
 
+    def stream(self) -> StreamedReasoning:
+        return StreamedReasoning(self)
 
-STYLES = {
+    def answer_grammar(self, constraint: Constraint, markers: Markers) -> Constraint:
+        """`constraint` for the answer after the thinking."""
+        return after_thinking(constraint, self.starts_inside, markers)
+
+
+Style = ReasoningStyle | HarmonyReasoning
+STYLES: dict[str, Style] = {
     "deepseek_r1": ReasoningStyle("deepseek_r1", starts_inside=True),
     "qwen3": ReasoningStyle("qwen3", starts_inside=False),
+    "harmony": HarmonyReasoning(),
 }
 
 
-def reasoning_style(parser: str | None, family: str) -> ReasoningStyle | None:
+def reasoning_style(parser: str | None, family: str) -> Style | None:
     """The style ``--reasoning-parser`` names (``auto``/None: by the checkpoint's family; ``none``:
     no reasoning parsing)."""
     if parser in (None, "", "auto"):

@@ -46,7 +46,7 @@ from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
 from eaas.runtime.serving.completions import Completions, result_of
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.engine_worker import EngineWorker
-from eaas.runtime.serving.grammar import Grammars, after_thinking
+from eaas.runtime.serving.grammar import Grammars, Markers
 from eaas.runtime.serving.http_api import (
     ApiError,
     ApiServer,
@@ -129,9 +129,14 @@ class AttentionService:
         self.discovery = discovery
         reader = CheckpointReader(checkpoint)
         self.config = reader.config
-        self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size)
-        self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
         self.tool_format = tool_format(self.options.tool_call_parser, self.config.family)
+        self.reasoning = reasoning_style(self.options.reasoning_parser, self.config.family)
+        # the markers the formats read decode to their text, and grammars write them as tokens
+        formats = (self.tool_format, self.reasoning)
+        markers = [m for form in formats if form is not None for m in form.markers]
+        self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size, markers)
+        self.markers = Markers(self.tokenizer)
+        self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
         self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)
         o = self.options
         self.limits = Limits(
@@ -176,7 +181,7 @@ class AttentionService:
                 self.metrics,
                 _api_error,
                 Grammars(self.tokenizer, self.config.vocab_size),
-                reasoning_style(o.reasoning_parser, self.config.family),
+                self.reasoning,
             )
         else:
             self.scheduler = BatchScheduler(
@@ -438,10 +443,12 @@ class AttentionService:
         try:
             body, encode = read_body(), self.tokenizer.encode
             if chat:
-                call = parse_chat(body, self.limits, self.chat_template, encode, self.tool_format)[0]
-                thinking = self.completions.reasoning if self.completions is not None else None
+                call = parse_chat(
+                    body, self.limits, self.chat_template, encode, self.tool_format, self.markers
+                )[0]
+                thinking = self.reasoning if self.completions is not None else None
                 if call.constraint and thinking and not self.options.structured_outputs_in_reasoning:
-                    call = replace(call, constraint=after_thinking(call.constraint, thinking.starts_inside))
+                    call = replace(call, constraint=thinking.answer_grammar(call.constraint, self.markers))
             else:
                 call = parse_completion(body, self.limits, encode)
             if self.tokenizer.eos_token_ids and not (isinstance(body, dict) and body.get("ignore_eos")):

@@ -29,14 +29,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, load_llguidance
+from eaas.runtime.serving import harmony
+from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, Markers, load_llguidance
 from eaas.runtime.serving.http_api import bad
 from eaas.runtime.serving.text_stream import partial_suffix
 
 MAX_TOOLS = 128
 Parameters = dict[str, dict[str, Any]]  # function name -> its parameters' JSON schema
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-FORMAT_BY_FAMILY = {"qwen3_moe": "hermes", "qwen2_moe": "hermes", "glm4_moe": "glm45"}
+FORMAT_BY_FAMILY = {"qwen3_moe": "hermes", "qwen2_moe": "hermes", "glm4_moe": "glm45", "gpt_oss": "harmony"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class HermesFormat:
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
+    markers = (start, end)
     _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def parse(self, text: str, parameters: Parameters | None = None) -> tuple[str, list[ToolCall]]:
@@ -147,7 +149,7 @@ class HermesFormat:
             return text, []
         return text[:first].rstrip(), calls
 
-    def constraint(self, request: ToolRequest) -> Constraint:
+    def constraint(self, request: ToolRequest, markers: Markers) -> Constraint:
         """The grammar of one call (or, when parallel calls are allowed, one or more) to the named
         function, or to any of the tools for ``required``."""
         names = [request.choice] if request.choice in request.parameters else list(request.parameters)
@@ -156,14 +158,17 @@ class HermesFormat:
             "anyOf": [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": name}, "arguments": request.parameters[name]},
+                    "properties": {
+                        "name": {"const": name},
+                        "arguments": _arguments(request.parameters[name]),
+                    },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
                 for name in names
             ],
         }
-        call = f'"{self.start}\\n" %json {json.dumps(schema)} "\\n{self.end}"'
+        call = f'{markers(self.start)} "\\n" %json {json.dumps(schema)} "\\n" {markers(self.end)}'
         repeat = ' ("\\n" call)*' if request.parallel else ""
         lark = f"start: call{repeat}\ncall: {call}\n"
         # A tool's parameters schema that does not compile is the tools' fault: the 400 names them.
@@ -180,6 +185,7 @@ class GlmFormat:
     name = "glm45"
     start = "<tool_call>"
     end = "</tool_call>"
+    markers = (start, end, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _pair = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
     _name = re.compile(r"\s*([^\s<]+)")
@@ -207,7 +213,7 @@ class GlmFormat:
             return text, []
         return text[:first].rstrip(), calls
 
-    def constraint(self, request: ToolRequest) -> Constraint:
+    def constraint(self, request: ToolRequest, markers: Markers) -> Constraint:
         """One call (or, when parallel calls are allowed, one or more) to the named function or to
         any of the tools, laid out as the chat template writes calls. Each function's arguments are
         its schema's properties in the schema's order (the required ones always, the others
@@ -215,26 +221,39 @@ class GlmFormat:
         value JSON valid against the property's schema. Other keys, with text values, only where the
         schema's ``additionalProperties`` allows them (a function without parameters takes none)."""
         names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        key, end_key, value, end_value = (markers(m) for m in self.markers[2:])
         rules = []
         for i, name in enumerate(names):
             schema = request.parameters[name]
             properties = schema.get("properties") or {}
             required = set(schema.get("required") or [])
             pairs = []
-            for key, subschema in properties.items():
-                if not isinstance(key, str) or "<" in key:
-                    raise bad("tools", f"{name}: argument name {key!r} cannot be written in the glm45 format")
-                value = _lark_value(subschema)
-                pair = f'"<arg_key>{_lark_text(key)}</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"'
-                pairs.append(pair if key in required else f"({pair})?")
+            for argument, subschema in properties.items():
+                if not isinstance(argument, str) or "<" in argument:
+                    raise bad(
+                        "tools", f"{name}: argument name {argument!r} cannot be written in the glm45 format"
+                    )
+                written = f'{key} "{_lark_text(argument)}" {end_key} "\\n" {value} {_lark_value(subschema)}'
+                pair = f'{written} {end_value} "\\n"'
+                pairs.append(pair if argument in required else f"({pair})?")
             if schema.get("additionalProperties") not in (False, None):  # other keys, where allowed
-                free = '"<arg_key>" /[A-Za-z0-9_.-]+/ "</arg_key>\\n<arg_value>"'
-                pairs.append(f'({free} /[^<]*/ "</arg_value>\\n")*')
-            rules.append(f'call{i}: "{self.start}{_lark_text(name)}\\n" {" ".join(pairs)} "{self.end}"')
+                free = f'{key} /[A-Za-z0-9_.-]+/ {end_key} "\\n" {value}'
+                pairs.append(f'({free} /[^<]*/ {end_value} "\\n")*')
+            head = f'{markers(self.start)} "{_lark_text(name)}\\n"'
+            rules.append(f"call{i}: {head} {' '.join(pairs)} {markers(self.end)}")
         calls = " | ".join(f"call{i}" for i in range(len(names)))
         repeat = ' ("\\n" call)*' if request.parallel else ""
         lark = "\n".join([f"start: call{repeat}", f"call: {calls}", *rules]) + "\n"
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
+
+
+def _arguments(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema as its calls' grammar takes it: no keys beyond its
+    ``properties`` unless ``additionalProperties`` says so (a function without parameters takes
+    none), as OpenAI's strict function calling and the glm45 grammar have it."""
+    if "additionalProperties" in schema:
+        return schema
+    return {**schema, "additionalProperties": False}
 
 
 def _is_string(schema: Any) -> bool:
@@ -285,15 +304,22 @@ class SectionFormat:
     - ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
       <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
 
-    Found in free generation (``tool_choice`` ``auto``). A required or named call needs a grammar
-    over the tokenizer's marker tokens, which is not written for these formats: such requests get
-    a 400 that says so."""
+    A required or named call is constrained to the first form of each (with any index for Kimi's
+    ``IDX``)."""
 
     name: str
     start: str  # the section's first marker: content ends here
     call_start: str
+    arguments: str  # the marker between a call's head and its arguments
     call_end: str
+    end: str  # the section's last marker
     head: re.Pattern[str]  # matches a call's text up to its arguments; its last group is the name
+    prefix: str = ""  # written before the function's name
+    index: bool = False  # ":IDX" after the name
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.start, self.call_start, self.arguments, self.call_end, self.end)
 
     def parse(self, text: str, parameters: Parameters | None = None) -> tuple[str, list[ToolCall]]:
         """(content, calls), as ``HermesFormat.parse``."""
@@ -319,34 +345,116 @@ class SectionFormat:
             return text, []
         return text[:first].rstrip(), calls
 
-    def constraint(self, request: ToolRequest) -> Constraint:
-        raise bad(
-            "tool_choice",
-            f"{request.choice!r} needs a grammar over the {self.name} format's marker tokens, which "
-            "this server does not have yet; use tool_choice auto (or a model whose format is hermes)",
+    def constraint(self, request: ToolRequest, markers: Markers) -> Constraint:
+        """One section of one call (or, when parallel calls are allowed, one or more) to the named
+        function or to any of the tools, whose arguments validate against its schema."""
+        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        index = ' ":" /[0-9]+/' if self.index else ""
+        rules = []
+        for i, name in enumerate(names):
+            schema = {
+                "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
+                **_arguments(request.parameters[name]),
+            }
+            head = f'{markers(self.call_start)} "{_lark_text(self.prefix + name)}"{index}'
+            head += f" {markers(self.arguments)}"
+            rules.append(f"call{i}: {head} %json {json.dumps(schema)} {markers(self.call_end)}")
+        calls = " | ".join(f"call{i}" for i in range(len(names)))
+        repeat = "+" if request.parallel else ""
+        lark = "\n".join(
+            [f"start: {markers(self.start)} call{repeat} {markers(self.end)}", f"call: {calls}", *rules]
         )
+        return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark + "\n")))
 
 
 DEEPSEEK_V3 = SectionFormat(
     "deepseek_v3",
     "<｜tool▁calls▁begin｜>",
     "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
     "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
     re.compile(r"\s*(?:function<｜tool▁sep｜>(?P<fenced>[^\s`]+)|(?P<name>[^<\s]+)<｜tool▁sep｜>)"),
 )
 KIMI_K2 = SectionFormat(
     "kimi_k2",
     "<|tool_calls_section_begin|>",
     "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
     re.compile(r"\s*(?:functions\.)?(?P<name>[^:\s<]+):\d+\s*<\|tool_call_argument_begin\|>"),
+    prefix="functions.",
+    index=True,
 )
-ToolFormat = HermesFormat | GlmFormat | SectionFormat
+
+
+class HarmonyFormat:
+    """gpt-oss's calls, as ``harmony.HarmonyReasoning`` writes them into the content:
+    ``<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>``."""
+
+    name = "harmony"
+    start = harmony.CALL_OPEN
+    markers = harmony.MARKERS
+    _call = re.compile(
+        re.escape(harmony.CALL_OPEN)
+        + r"(\S+?)"
+        + re.escape(harmony.MESSAGE)
+        + r"(.*?)"
+        + re.escape(harmony.CALL),
+        re.DOTALL,
+    )
+
+    def parse(self, text: str, parameters: Parameters | None = None) -> tuple[str, list[ToolCall]]:
+        """(content, calls), as ``HermesFormat.parse``."""
+        first = text.find(self.start)
+        if first < 0:
+            return text, []
+        calls = []
+        for recipient, body in self._call.findall(text[first:]):
+            try:
+                arguments = json.loads(body)
+            except json.JSONDecodeError:
+                return text, []
+            if not isinstance(arguments, dict):
+                return text, []
+            name = recipient.removeprefix(harmony.FUNCTIONS)
+            calls.append(ToolCall(name, json.dumps(arguments)))
+        if not calls:
+            return text, []
+        return text[:first].rstrip(), calls
+
+    def constraint(self, request: ToolRequest, markers: Markers) -> Constraint:
+        """One call to the named function or to any of the tools, after an optional analysis, as
+        gpt-oss writes calls; the arguments validate against the tool's schema. One call whatever
+        ``parallel_tool_calls`` says: the model's turn ends at ``<|call|>``."""
+        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        rules = []
+        for i, name in enumerate(names):
+            schema = {
+                "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
+                **_arguments(request.parameters[name]),
+            }
+            head = f'{markers(harmony.CHANNEL)} "commentary to={harmony.FUNCTIONS}{_lark_text(name)} "'
+            body = (
+                f'{markers(harmony.CONSTRAIN)} "json" {markers(harmony.MESSAGE)} %json {json.dumps(schema)}'
+            )
+            rules.append(f"call{i}: {head} {body} {markers(harmony.CALL)}")
+        calls = " | ".join(f"call{i}" for i in range(len(names)))
+        lark = "\n".join(["start: analysis? call", f"call: {calls}", *rules])
+        return Constraint(
+            "tools",
+            str(load_llguidance().LLMatcher.grammar_from_lark(f"{lark}\n{harmony.analysis_rules(markers)}")),
+        )
+
+
+ToolFormat = HermesFormat | GlmFormat | SectionFormat | HarmonyFormat
 FORMATS: dict[str, ToolFormat] = {
     "hermes": HermesFormat(),
     "glm45": GlmFormat(),
     "deepseek_v3": DEEPSEEK_V3,
     "kimi_k2": KIMI_K2,
+    "harmony": HarmonyFormat(),
 }
 
 

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from eaas.runtime.client import ClientOptions
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import CheckpointReader, Decoder, load_reference, load_tokenizer
 from eaas.runtime.placement import round_robin
+from eaas.runtime.serving import harmony
 from eaas.runtime.serving.chat import ChatTemplate
 from eaas.runtime.serving.http_api import ApiError
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, static_discovery
@@ -41,22 +43,13 @@ CORPUS = ["experts as a service on kubernetes", "mixture of experts serve tokens
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(
+    tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, train_tokenizer: Any
+) -> Path:
     """The tiny mixtral checkpoint plus a byte-level BPE tokenizer of 300 ids and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     directory = tmp_path_factory.mktemp("chat") / "ckpt"
     shutil.copytree(tiny_checkpoints["mixtral"], directory)
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
+    train_tokenizer(CORPUS).save(str(directory / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
@@ -75,6 +68,14 @@ def serve_options(**overrides: Any) -> ServeOptions:
     client = ClientOptions(transport="tcp", request_timeout_s=10.0)
     settings: dict[str, Any] = {"max_tokens": 64, **overrides}
     return ServeOptions(host="127.0.0.1", port=0, model_name=MODEL, client=client, **settings)
+
+
+@contextmanager
+def served(checkpoint: Path, cluster: LocalCluster, **overrides: Any) -> Iterator[Any]:
+    """The official client of an attention service over the cluster, with ``serve_options(**overrides)``."""
+    options = serve_options(**overrides)
+    with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
+        yield openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -415,15 +416,15 @@ def tool_client(checkpoint: Path, cluster: LocalCluster) -> Iterator[Any]:
     --structured-outputs-in-reasoning``: the grammars below hold from the first token, so that the
     random model, which would not close a free thinking, writes what they allow (one of them
     writes a short thinking itself)."""
-    discovery = static_discovery(cluster.urls)
-    options = serve_options(
+    with served(
+        checkpoint,
+        cluster,
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
         structured_outputs_in_reasoning=True,
         max_tokens=256,
-    )
-    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
-        yield openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    ) as client:
+        yield client
 
 
 def required_calls_validate(client: Any, messages: list[dict[str, Any]], seed: int) -> Any:
@@ -562,10 +563,7 @@ def test_a_reasoning_models_grammar_holds_after_its_thinking(checkpoint: Path, c
     grammar starts. The random model, free to open a thinking or answer at once, does both over
     a few seeds: the answers keep the grammar; the thinkers never close it within max_tokens,
     their output all reasoning (what a real model would follow with a constrained answer)."""
-    discovery = static_discovery(cluster.urls)
-    options = serve_options(reasoning_parser="qwen3", max_tokens=64)
-    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
-        client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with served(checkpoint, cluster, reasoning_parser="qwen3", max_tokens=64) as client:
         answer = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "yes or no?"}], temperature=1.0, seed=5,
             n=12, max_tokens=48, extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
@@ -586,10 +584,7 @@ def test_glm45_calls_through_the_openai_client(checkpoint: Path, cluster: LocalC
     """``--tool-call-parser glm45`` (what a GLM-4.5 checkpoint gets by its family): required and
     named calls, whole and streamed, always parse and validate, though the random model writes
     the arguments; the city's enum is written as text, the days as JSON."""
-    discovery = static_discovery(cluster.urls)
-    options = serve_options(tool_call_parser="glm45", max_tokens=256)
-    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as svc:
-        client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with served(checkpoint, cluster, tool_call_parser="glm45", max_tokens=256) as client:
         messages = [{"role": "user", "content": "what is the weather?"}]
         required_calls_validate(client, messages, seed=21)
         stream = client.chat.completions.create(
@@ -645,3 +640,81 @@ def test_chat_fields_sent_as_null_or_false_count_as_not_set() -> None:
         parse_chat({"messages": messages, "echo": True}, Limits(256, 512, 64), template, encode)
     with pytest.raises(ApiError, match="ignore_eos: must be true or false"):
         parse_chat({"messages": messages, "ignore_eos": "false"}, Limits(256, 512, 64), template, encode)
+
+
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] or '' }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_client(
+    checkpoint: Path, cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """The model with gpt-oss's markers as special tokens of its tokenizer (``<|call|>`` and
+    ``<|return|>`` its end-of-sequence ids), served with ``--reasoning-parser harmony
+    --tool-call-parser harmony`` (what a gpt-oss checkpoint gets by its family), grammars from the
+    first token: a random model would not end a free analysis."""
+    from tokenizers import Tokenizer
+
+    directory = tmp_path_factory.mktemp("harmony") / "ckpt"
+    shutil.copytree(checkpoint, directory)
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(harmony.MARKERS))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|return|>", "chat_template": HARMONY_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    ends = [tokenizer.token_to_id("<|return|>"), tokenizer.token_to_id("<|call|>")]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    with served(
+        directory,
+        cluster,
+        tool_call_parser="harmony",
+        reasoning_parser="harmony",
+        structured_outputs_in_reasoning=True,
+        max_tokens=128,
+    ) as client:
+        yield client
+
+
+def test_harmony_channels_and_calls_through_the_openai_client(harmony_client: Any) -> None:
+    """gpt-oss's output, written by the random model under a grammar of harmony's special tokens:
+    the analysis channel comes back as reasoning_content, a message to functions.add as a tool
+    call whose arguments validate (whole and streamed), a final message as the content."""
+    messages = [{"role": "user", "content": "add them"}]
+    analysis = '<|channel|> "analysis" <|message|> /[a-z]{2,8}/ <|end|> <|start|> "assistant" '
+    arguments = json.dumps(SCHEMAS["add"])
+    call = f'<|channel|> "commentary to=functions.add " <|constrain|> "json" <|message|> %json {arguments}'
+    call += " <|call|>"
+    calling = {"structured_outputs": {"grammar": f"start: {analysis}{call}"}}
+    answer = harmony_client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, temperature=1.0, seed=31, n=3, extra_body=calling
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.reasoning_content.isalpha() and not choice.message.content
+        (made,) = choice.message.tool_calls
+        assert made.function.name == "add"
+        jsonschema.validate(json.loads(made.function.arguments), SCHEMAS["add"])
+    stream = harmony_client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, temperature=1.0, seed=31, extra_body=calling, stream=True
+    )
+    reasoning, deltas, finish = "", [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            deltas += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    first = answer.choices[0].message
+    assert (finish, reasoning) == ("tool_calls", first.reasoning_content)  # the same seed
+    assert [d.function.arguments for d in deltas] == [first.tool_calls[0].function.arguments]
+    final = {
+        "structured_outputs": {"grammar": f'start: {analysis}<|channel|> "final" <|message|> ("yes" | "no")'}
+    }
+    answer = harmony_client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=1.0, seed=32, max_tokens=64, extra_body=final
+    )
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "stop" and message.content in ("yes", "no"), message
+    assert message.reasoning_content.isalpha() and "<|" not in message.content + message.reasoning_content

@@ -46,6 +46,7 @@ def test_parsers_by_family_and_by_flag() -> None:
     assert (
         reasoning_style("deepseek_r1", "deepseek_v3") is R1 and reasoning_style("none", "qwen3_moe") is None
     )
+    assert reasoning_style(None, "gpt_oss") is STYLES["harmony"]
     with pytest.raises(ValueError, match="reasoning-parser"):
-        reasoning_style("harmony", "gpt_oss")
+        reasoning_style("granite", "mixtral")
     assert set(REASONING_PARSERS) == {"auto", "none", *STYLES}  # the CLI offers exactly the styles

@@ -1,5 +1,6 @@
-"""Tool calls: the request's tools and tool_choice checked field by field, Hermes-style calls
-found in the model's text (whole and streamed), and the grammar of a required call."""
+"""Tool calls: the request's tools and tool_choice checked field by field, each family's calls
+found in the model's text (whole and streamed), and the grammar of a required call, which takes
+the format's own text."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from eaas.runtime.serving.chat import ChatTemplate, parse_messages
 from eaas.runtime.serving.cli_options import TOOL_CALL_PARSERS
+from eaas.runtime.serving.grammar import TEXT_MARKERS, Grammars
 from eaas.runtime.serving.http_api import ApiError
+from eaas.runtime.serving.reasoning import STYLES
 from eaas.runtime.serving.tools import (
     DEEPSEEK_V3,
     FORMATS,
@@ -30,6 +33,16 @@ WEATHER = {
     },
 }
 HERMES = HermesFormat()
+HARMONY = FORMATS["harmony"]
+
+
+def accepts(grammar: str, text: str) -> bool:
+    """Whether `grammar` (a ``Constraint``'s) takes `text` whole, byte by byte."""
+    from eaas.runtime.model.tokenizer import ByteTokenizer
+    from eaas.runtime.serving.grammar import Constraint
+
+    matcher = Grammars(ByteTokenizer(512), 512).matcher(Constraint("tools", grammar))
+    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
 
 
 def function_with(parameters: Any) -> dict[str, Any]:
@@ -206,15 +219,92 @@ def test_kimi_k2_calls_are_found_and_streamed() -> None:
     assert rest == "" and [c.name for c in streamed] == ["get_weather", "get_weather"]
 
 
-def test_marker_token_formats_are_chosen_by_the_flag_and_refuse_constrained_calls() -> None:
+def test_marker_token_formats_are_chosen_by_the_flag_and_constrain_calls_as_they_write_them() -> None:
     assert tool_format("auto", "deepseek_v3") is None  # DeepSeek-V3 and Kimi-K2 checkpoints look alike
     assert tool_format("kimi_k2", "deepseek_v3") is KIMI_K2
     assert tool_format("deepseek_v3", "deepseek_v3") is DEEPSEEK_V3
     request = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
-    assert request is not None
-    with pytest.raises(ApiError) as caught:
-        KIMI_K2.constraint(request)
-    assert caught.value.param == "tool_choice" and "kimi_k2" in caught.value.message
+    single = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None and single is not None
+    oslo, rome = '{"city": "Oslo"}', '{"city":"Rome"}'
+    written = {
+        DEEPSEEK_V3: [
+            f"<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{city}<｜tool▁call▁end｜>"
+            for city in (oslo, rome)
+        ],
+        KIMI_K2: [
+            f"<|tool_call_begin|>functions.get_weather:{i}<|tool_call_argument_begin|>{city}<|tool_call_end|>"
+            for i, city in enumerate((oslo, rome))
+        ],
+    }
+    for form, calls in written.items():
+        one, two = (f"{form.start}{''.join(calls[:n])}{form.end}" for n in (1, 2))
+        grammar = form.constraint(request, TEXT_MARKERS).grammar
+        assert accepts(grammar, one) and accepts(grammar, two)
+        assert accepts(form.constraint(single, TEXT_MARKERS).grammar, one)
+        assert not accepts(form.constraint(single, TEXT_MARKERS).grammar, two)  # one call only
+        assert not accepts(grammar, one.replace('"Oslo"', "Oslo"))  # no longer JSON
+        assert not accepts(grammar, one.replace('"city"', '"town"'))  # not the schema
+        assert not accepts(grammar, one.replace("get_weather", "get_time"))  # not a tool
+        assert [(c.name, json.loads(c.arguments)) for c in form.parse(two)[1]] == [
+            ("get_weather", {"city": "Oslo"}),
+            ("get_weather", {"city": "Rome"}),
+        ]
+
+
+HARMONY_OUTPUT = (
+    "<|channel|>analysis<|message|>The user wants the weather; 2 < 3.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Oslo"}'
+)
+
+
+def test_harmony_channels_are_split_and_calls_found_whole_and_streamed() -> None:
+    """gpt-oss: the analysis channel is reasoning, a commentary without recipient is content, a
+    message to functions.NAME is a call (cut off by <|call|>, which ends generation and never
+    reaches the text); the same split whatever the pieces a stream brings."""
+    reasoning_style = STYLES["harmony"]
+    assert tool_format("auto", "gpt_oss") is HARMONY
+    reasoning, content = reasoning_style.split(HARMONY_OUTPUT)
+    assert reasoning == "The user wants the weather; 2 < 3."
+    text, calls = HARMONY.parse(content)
+    assert text == "Looking it up." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    final = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    assert reasoning_style.split(final) == ("Easy.", "It is 4.")
+    assert reasoning_style.split("no harmony <here>") == ("", "no harmony <here>")  # all content
+    assert HARMONY.parse("It is 4.") == ("It is 4.", [])
+    for size in (1, 2, 3, 5, 8, 13):
+        stream = reasoning_style.stream()
+        calls_stream = StreamedCalls(HARMONY)
+        reasoning = sent = ""
+        for i in range(0, len(HARMONY_OUTPUT), size):
+            r, c = stream.push(HARMONY_OUTPUT[i : i + size])
+            reasoning, sent = reasoning + r, sent + calls_stream.push(c)
+        r, c = stream.finish()
+        reasoning, sent = reasoning + r, sent + calls_stream.push(c)
+        rest, streamed = calls_stream.finish()
+        assert (reasoning, sent + rest) == ("The user wants the weather; 2 < 3.", "Looking it up."), size
+        assert [c.name for c in streamed] == ["get_weather"]
+
+
+def test_harmony_grammar_is_one_call_after_an_optional_analysis() -> None:
+    request = parse_tools(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
+    assert request is not None and request.parallel  # asked for, but a harmony turn holds one call
+    grammar = HARMONY.constraint(request, TEXT_MARKERS).grammar
+    call = (
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
+    )
+    analysis = "<|channel|>analysis<|message|>Think: a < b, c <= d.<|end|><|start|>assistant"
+    assert accepts(grammar, call) and accepts(grammar, analysis + call)
+    assert not accepts(grammar, call + call)
+    assert not accepts(grammar, analysis.replace("Think", "<|end|>") + call)  # a marker in the thinking
+    content = STYLES["harmony"].split(analysis + call)[1]
+    assert [json.loads(c.arguments) for c in HARMONY.parse(content)[1]] == [{"city": "Oslo"}]
 
 
 def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
@@ -256,7 +346,10 @@ def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
     ]
     required = parse_tools({"tools": request.tools, "tool_choice": "required"})
     assert required is not None
-    assert '<arg_value>" ("sea" | "park") "</arg_value>' in glm.constraint(required).grammar  # raw, unquoted
+    assert accepts(
+        glm.constraint(required, TEXT_MARKERS).grammar,
+        "<tool_call>book\n<arg_key>view</arg_key>\n<arg_value>park</arg_value>\n</tool_call>",
+    )  # raw, unquoted
     untyped = glm.parse(text)[1][0]  # without the schema: JSON where the value is JSON
     assert json.loads(untyped.arguments) == {"room": 101, "nights": 3}
     for broken in ("<tool_call>book\nroom=101</tool_call>", "<tool_call></tool_call>", "<tool_call>book"):
@@ -277,5 +370,5 @@ def test_glm45_grammar_refuses_what_the_format_cannot_write() -> None:
     request = parse_tools({"tools": tools, "tool_choice": "required"})
     assert request is not None
     with pytest.raises(ApiError) as caught:
-        FORMATS["glm45"].constraint(request)
+        FORMATS["glm45"].constraint(request, TEXT_MARKERS)
     assert caught.value.param == "tools" and "<b>" in caught.value.message

@@ -15,10 +15,20 @@ import pytest
 
 from eaas.runtime.model import load_reference
 from eaas.runtime.model.decoder import Decoder
-from eaas.runtime.model.tokenizer import ByteTokenizer
+from eaas.runtime.model.tokenizer import ByteTokenizer, HFTokenizer
+from eaas.runtime.serving import harmony
 from eaas.runtime.serving.engine import Engine, EngineOptions
-from eaas.runtime.serving.grammar import Constraint, GrammarError, Grammars, after_thinking, parse_constraint
+from eaas.runtime.serving.grammar import (
+    TEXT_MARKERS,
+    Constraint,
+    GrammarError,
+    Grammars,
+    Markers,
+    after_thinking,
+    parse_constraint,
+)
 from eaas.runtime.serving.paged_cache import KVPool
+from eaas.runtime.serving.reasoning import STYLES
 from eaas.runtime.serving.sampling import SamplingParams
 from eaas.runtime.serving.scheduler import Sequence
 from eaas.runtime.serving.tools import FORMATS, parse_tools
@@ -55,9 +65,19 @@ def generate(
     seeds: range,
     blocks: int = 256,
     max_tokens: int = MAX_TOKENS,
+    written: list[int] | None = None,
 ) -> tuple[Engine, list[Sequence]]:
+    """Sequences sampled under the constraint. ``written``: tokens the model is taken to have
+    written already (the matcher consumes them, the prompt ends with them)."""
     constraint = body if isinstance(body, Constraint) else parse_constraint(body)
     assert constraint is not None
+    written = written or []
+
+    def matcher() -> Any:
+        fresh = grammars.matcher(constraint)
+        assert all(fresh.consume_token(t) for t in written)
+        return fresh
+
     per_block = KVPool.bytes_per_block(decoder.config, 4, decoder.side.dtype)
     engine = Engine(
         decoder,
@@ -65,9 +85,7 @@ def generate(
     )
     seqs = [
         engine.add(
-            PROMPT,
-            SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s),
-            grammars.matcher(constraint),
+            PROMPT + written, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s), matcher()
         )
         for s in seeds
     ]
@@ -225,27 +243,59 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(gram
     assert second.consume_token(ord("a")) and second.consume_token(ord("b")) and second.is_stopped()
 
 
-def test_a_random_model_always_writes_glm45_calls_that_validate(decoder: Decoder, grammars: Grammars) -> None:
-    """A required call in GLM-4.5's format (text values for strings, JSON for the rest), sampled
-    from the random model: every output parses into calls that name a tool and validate."""
-    tools = [
-        {"type": "function", "function": {"name": "describe", "parameters": PERSON}},
-        {"type": "function", "function": {"name": "now"}},
-    ]
-    request = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+TOOLS = [
+    {"type": "function", "function": {"name": "describe", "parameters": PERSON}},
+    {"type": "function", "function": {"name": "now"}},
+]
+
+
+@pytest.mark.parametrize("name", ["hermes", "glm45", "deepseek_v3", "kimi_k2"])
+def test_a_random_model_always_writes_calls_that_validate(
+    decoder: Decoder, grammars: Grammars, name: str
+) -> None:
+    """A required call in each family's format (GLM-4.5's: text values for strings, JSON for the
+    rest), sampled from the random model: every output parses into calls that name a tool and
+    validate."""
+    request = parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
     assert request is not None
-    glm = FORMATS["glm45"]
-    _, seqs = generate(decoder, grammars, glm.constraint(request), range(12))
+    form = FORMATS[name]
+    _, seqs = generate(decoder, grammars, form.constraint(request, TEXT_MARKERS), range(12))
     names = set()
     for seq in seqs:
         assert seq.finish_reason == "stop", (seq.finish_reason, text(seq))
-        content, calls = glm.parse(text(seq), request.parameters)
+        content, calls = form.parse(text(seq), request.parameters)
         assert content == "" and len(calls) == 1, text(seq)
         names.add(calls[0].name)
         arguments = json.loads(calls[0].arguments)
         if calls[0].name == "describe":
             jsonschema.validate(arguments, PERSON)
     assert names == {"describe", "now"}  # the mask chose neither: the noise did
+
+
+def test_a_random_model_always_writes_harmony_calls_that_validate(
+    decoder: Decoder, grammars: Grammars
+) -> None:
+    """gpt-oss: a required call comes after the model's analysis, which is free text up to
+    ``<|end|>``; a random model would hardly ever end it, so the analysis is taken as written
+    and the call is sampled."""
+    request = parse_tools({"tools": TOOLS, "tool_choice": "required"})
+    assert request is not None
+    analysis = "<|channel|>analysis<|message|>Pick a tool: a < b.<|end|><|start|>assistant"
+    written = list(analysis.encode())
+    _, seqs = generate(
+        decoder, grammars, FORMATS["harmony"].constraint(request, TEXT_MARKERS), range(8), written=written
+    )
+    names = set()
+    for seq in seqs:
+        assert seq.finish_reason == "stop", (seq.finish_reason, text(seq))
+        reasoning, content = STYLES["harmony"].split(analysis + text(seq))
+        assert reasoning == "Pick a tool: a < b."
+        _, calls = FORMATS["harmony"].parse(content)
+        assert len(calls) == 1, text(seq)
+        names.add(calls[0].name)
+        if calls[0].name == "describe":
+            jsonschema.validate(json.loads(calls[0].arguments), PERSON)
+    assert names == {"describe", "now"}
 
 
 @pytest.mark.parametrize("starts_inside", [False, True])
@@ -274,3 +324,96 @@ def test_a_reasoning_grammar_starts_after_the_thinking(grammars: Grammars, start
         assert inner is not None
         wrapped = after_thinking(inner, starts_inside)
         assert accepts(f"{opened}hm</think>{answer_text}")
+
+
+HARMONY_MARKERS = list(harmony.MARKERS)
+KIMI_MARKERS = list(FORMATS["kimi_k2"].markers)
+DEEPSEEK_MARKERS = list(FORMATS["deepseek_v3"].markers)
+
+
+@pytest.fixture(scope="module")
+def marked(decoder: Decoder, tmp_path_factory: pytest.TempPathFactory, train_tokenizer: Any) -> Path:
+    """A tokenizer as the real families have them: byte-level BPE whose harmony, Kimi-K2 and
+    ``<think>`` markers are special tokens and whose DeepSeek-V3 markers are added, non-special
+    tokens; it fits the tiny model's vocabulary."""
+    corpus = ['{"name": "Ann", "age": 30}', "analysis assistant commentary"] * 20
+    specials = [*HARMONY_MARKERS, *KIMI_MARKERS, "<think>", "</think>"]
+    tokenizer = train_tokenizer(corpus, specials, DEEPSEEK_MARKERS)
+    assert tokenizer.get_vocab_size() <= decoder.config.vocab_size
+    directory = tmp_path_factory.mktemp("marked")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_special_markers_decode_only_where_a_format_reads_them(decoder: Decoder, marked: Path) -> None:
+    vocab = decoder.config.vocab_size
+    plain, harmony_reader = HFTokenizer(marked, vocab), HFTokenizer(marked, vocab, HARMONY_MARKERS)
+    text = "<s><|channel|>final<|message|>hi<|tool_call_begin|><｜tool▁sep｜></s>"
+    ids = plain.encode(text)
+    assert plain.marker_id("<|channel|>") in ids and plain.marker_id("<｜tool▁sep｜>") in ids
+    assert plain.decode(ids) == "finalhi<｜tool▁sep｜>"  # special tokens dropped, added ones kept
+    assert harmony_reader.decode(ids) == "<|channel|>final<|message|>hi<｜tool▁sep｜>"  # but the format's
+
+
+def test_grammars_write_special_markers_as_their_tokens(decoder: Decoder, marked: Path) -> None:
+    """Calls constrained with a tokenizer whose markers are added tokens: the model writes each
+    marker as its one token (a lexer could not spell it), the text decodes with the markers, and
+    every call parses and validates. Kimi-K2 (special), DeepSeek-V3 (non-special: to llguidance
+    added tokens all the same), gpt-oss (special, after its analysis)."""
+    request = parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None
+    vocab = decoder.config.vocab_size
+    for name, markers in (
+        ("kimi_k2", KIMI_MARKERS),
+        ("deepseek_v3", DEEPSEEK_MARKERS),
+        ("harmony", HARMONY_MARKERS),
+    ):
+        tokenizer = HFTokenizer(marked, vocab, markers)
+        form, grammars = FORMATS[name], Grammars(tokenizer, vocab)
+        analysis = (
+            "<|channel|>analysis<|message|>I will call.<|end|><|start|>assistant" if name == "harmony" else ""
+        )
+        written = tokenizer.encode(analysis)
+        _, seqs = generate(
+            decoder, grammars, form.constraint(request, Markers(tokenizer)), range(6), written=written
+        )
+        for seq in seqs:
+            output = tokenizer.decode(written + seq.output)
+            assert seq.finish_reason == "stop", (name, output)
+            tokens = {tokenizer.marker_id(m) for m in markers}
+            assert None not in tokens and tokens & set(seq.output), (name, seq.output)  # markers as tokens
+            if name == "harmony":
+                reasoning, output = STYLES["harmony"].split(output)
+                assert reasoning == "I will call."
+            content, calls = form.parse(output, request.parameters)
+            assert content == "" and len(calls) == 1, (name, output)
+            if calls[0].name == "describe":
+                jsonschema.validate(json.loads(calls[0].arguments), PERSON)
+
+
+def test_answers_after_special_thinking_markers(decoder: Decoder, marked: Path) -> None:
+    """Structured outputs after the thinking where its markers are special tokens: ``</think>``
+    (Qwen3-style) and harmony's analysis end the free part at their tokens."""
+    vocab = decoder.config.vocab_size
+    tokenizer = HFTokenizer(marked, vocab, [*HARMONY_MARKERS, "<think>", "</think>"])
+    grammars, markers = Grammars(tokenizer, vocab), Markers(tokenizer)
+    answer = parse_constraint({"structured_outputs": {"regex": "(yes|no)"}})
+    assert answer is not None
+
+    def accepts(constraint: Constraint, text: str) -> bool:
+        matcher = grammars.matcher(constraint)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+    think = STYLES["qwen3"].answer_grammar(answer, markers)
+    assert accepts(think, "<think>a </think> b</think>\n\nyes") is False  # the closing token ends it once
+    assert accepts(think, "<think>a </thin <b> {x}</think>\n\nyes") and accepts(think, "no")
+    assert not accepts(think, "<think>a</think>maybe")
+    final = STYLES["harmony"].answer_grammar(answer, markers)
+    assert accepts(
+        final, "<|channel|>analysis<|message|>hm, <b><|end|><|start|>assistant<|channel|>final<|message|>no"
+    )
+    assert accepts(final, "<|channel|>final<|message|>yes")
+    assert not accepts(final, "<|channel|>final<|message|>maybe")
+    assert not accepts(final, "<|channel|>commentary<|message|>yes")
+    # the same grammars with the markers as text (a byte tokenizer)
+    assert STYLES["harmony"].answer_grammar(answer, TEXT_MARKERS).grammar != final.grammar
