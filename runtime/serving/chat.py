@@ -2,14 +2,21 @@
 environment (templates are data from the checkpoint: no access to Python attributes, files or
 imports), or a plain default for checkpoints that ship none. The request's ``tools`` go to the
 template as ``tools`` (as transformers passes them); assistant messages keep their ``tool_calls``
-and tool messages their ``tool_call_id`` (``tools.py`` reads the model's calls back)."""
+and tool messages their ``tool_call_id`` (``tools.py`` reads the model's calls back). A call's
+``arguments``, a JSON string in OpenAI's API, reach the template as the object it encodes, as
+transformers' chat format has them (GLM-4.5's template walks ``arguments.items()``, gpt-oss's and
+Kimi-K2's write ``arguments | tojson``), as vLLM passes them. An assistant message's
+``reasoning_content`` (or ``reasoning``) reaches it too (Qwen3's template reads it)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
-from typing import Any
+from datetime import datetime
+from typing import Any, ClassVar
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from eaas.runtime.serving.grammar import TEXT_MARKERS, Markers
@@ -21,7 +28,8 @@ DEFAULT_TEMPLATE = (
     "{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}\n"
     "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
-    '{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] }}}'
+    '{"name": {{ call["function"]["name"] | tojson }}, '
+    '"arguments": {{ call["function"]["arguments"] | tojson }}}'
     "\n</tool_call>\n{% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -30,9 +38,18 @@ MAX_MESSAGES = 256
 
 
 class ChatTemplate:
+    """A chat template rendered as transformers renders it (``apply_chat_template``): the same
+    Jinja settings, ``tojson`` writing JSON as ``json.dumps`` does (keys in their order, no HTML
+    escaping; Jinja's own sorts keys and escapes ``<``), ``raise_exception``, ``strftime_now``,
+    ``break``/``continue`` and the ``{% generation %}`` block (rendered as its body)."""
+
     def __init__(self, template: str | None, special: dict[str, str] | None = None) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         self.source = template or DEFAULT_TEMPLATE
         self.is_default = template is None
         self.special = special or {}
@@ -53,6 +70,30 @@ class ChatTemplate:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's tokens with
+    it): its body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -90,14 +131,27 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
                     f"{where}.tool_calls: assistant messages only, a list of "
                     "{id, type: function, function: {name, arguments (a JSON string)}}",
                 )
-            entry["tool_calls"] = calls
-        for key in ("tool_call_id", "name"):
+            entry["tool_calls"] = [
+                _with_arguments(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)
+            ]
+        for key in ("tool_call_id", "name", "reasoning_content", "reasoning"):
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
                     raise bad("messages", f"{where}.{key} must be a string")
                 entry[key] = message[key]
         messages.append(entry)
     return messages
+
+
+def _with_arguments(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """`call` with its ``function.arguments`` decoded (the template sees an object)."""
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise bad("messages", f"{where}.function.arguments must be a JSON object (as a string)")
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def _is_call(call: Any) -> bool:

@@ -169,6 +169,80 @@ def test_conversations_with_calls_and_results_reach_the_template() -> None:
     assert caught.value.param == "messages"
 
 
+# A template in the manner of the families' own (GLM-4.5's arguments walked as key/value pairs,
+# Qwen3's reasoning_content of earlier turns, tools written with tojson), using what transformers
+# gives templates: tojson without sorted keys or HTML escaping, break, {% generation %}.
+FAMILY_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>\n{% for tool in tools %}{{ tool['function'] | tojson }}\n"
+    "{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n"
+    "{% if m.role == 'assistant' %}{% generation %}"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>\n{% endif %}"
+    "{{ m.content or '' }}{% for call in m.tool_calls or [] %}<tool_call>{{ call.function.name }}\n"
+    "{% for key, value in call.function.arguments.items() %}<arg_key>{{ key }}</arg_key>"
+    "<arg_value>{{ value if value is string else value | tojson }}</arg_value>\n{% endfor %}</tool_call>"
+    "{% endfor %}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n"
+    "{% if m.role == 'tool' %}{% continue %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_templates_render_as_transformers_renders_them(train_tokenizer: Any) -> None:
+    """A conversation with tools, a call (OpenAI's arguments: a JSON string) and its result renders
+    exactly as transformers' ``apply_chat_template`` renders it (whose arguments are objects)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "description": "book a room <b>now</b> & pay",
+            "parameters": {
+                "type": "object",
+                "properties": {"room": {"type": "string"}, "nights": {"type": "integer"}},
+            },
+        },
+    }
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "book", "arguments": '{"room": "101", "nights": 3}'},
+    }
+    conversation = [
+        {"role": "system", "content": "Be brief. Prices in €."},
+        {"role": "user", "content": "book 101 for 3 nights"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "They want 101."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "booked"},
+    ]
+    ours = ChatTemplate(FAMILY_STYLE_TEMPLATE, {"bos_token": "<s>"}).render(
+        parse_messages(conversation), [tool]
+    )
+    transformers_tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(["x"]), bos_token="<s>")
+    decoded = [
+        {
+            **m,
+            "tool_calls": [{**call, "function": {"name": "book", "arguments": {"room": "101", "nights": 3}}}],
+        }
+        if m.get("tool_calls")
+        else m
+        for m in conversation
+    ]
+    theirs = transformers_tokenizer.apply_chat_template(
+        decoded, tools=[tool], chat_template=FAMILY_STYLE_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
+    assert '"description": "book a room <b>now</b> & pay", "parameters"' in ours  # in order, unescaped
+    assert (
+        "<arg_key>room</arg_key><arg_value>101</arg_value>" in ours
+        and "<think>They want 101.</think>" in ours
+    )
+    with pytest.raises(ApiError) as caught:  # arguments that are no JSON object cannot be walked
+        parse_messages(
+            [{**conversation[2], "tool_calls": [{**call, "function": {"name": "book", "arguments": "[1]"}}]}]
+        )
+    assert caught.value.param == "messages" and "tool_calls[0].function.arguments" in caught.value.message
+
+
 def test_deepseek_v3_calls_are_found_in_both_template_versions() -> None:
     v31 = (
         "Checking both."
