@@ -3,7 +3,7 @@ for random checkpoints that have none, a byte-level one (token id = byte value; 
 decode to nothing). ``load_tokenizer`` picks.
 
 Special tokens are kept out of decoded text, except the *markers* the server's chat formats read
-(``load_tokenizer(markers=...)``: gpt-oss's ``<|channel|>``, Kimi-K2's ``<|tool_call_begin|>``, any
+(``Tokenizer.keep``: gpt-oss's ``<|channel|>``, Kimi-K2's ``<|tool_call_begin|>``, any
 ``<think>`` a tokenizer declares special): their text stays, so the parsers can find it.
 
 Both decode whole id lists; streaming callers (``serving/text_stream.py``) decode a short window
@@ -31,6 +31,10 @@ class Tokenizer(Protocol):
         grammars write such a marker as its token (llguidance's lexer spells no added token)."""
         ...
 
+    def keep(self, markers: Iterable[str]) -> None:
+        """From now on, the special tokens among `markers` decode to their text."""
+        ...
+
 
 class ByteTokenizer:
     def __init__(self, vocab_size: int) -> None:
@@ -49,6 +53,9 @@ class ByteTokenizer:
     def marker_id(self, text: str) -> int | None:
         return None  # every id that decodes to text is a byte
 
+    def keep(self, markers: Iterable[str]) -> None:
+        pass  # no special tokens
+
 
 class HFTokenizer:
     """``tokenizer.json`` of a checkpoint; special tokens are kept out of decoded text, but for
@@ -61,9 +68,9 @@ class HFTokenizer:
         self.vocab_size = vocab_size
         added = self.backend.get_added_tokens_decoder()
         self.added = {token.content: i for i, token in added.items()}
-        specials = {i for i, token in added.items() if token.special}
-        kept = {self.added[m] for m in markers if self.added.get(m) in specials}
-        self.dropped = frozenset(specials - kept) if kept else None  # None: drop every special token
+        self.specials = frozenset(i for i, token in added.items() if token.special)
+        self.dropped: frozenset[int] | None = None  # None: drop every special token
+        self.keep(markers)
         config = _read_json(directory / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
@@ -91,13 +98,16 @@ class HFTokenizer:
     def marker_id(self, text: str) -> int | None:
         return self.added.get(text)
 
+    def keep(self, markers: Iterable[str]) -> None:
+        kept = {self.added[m] for m in markers if self.added.get(m) in self.specials}
+        self.dropped = self.specials - kept if kept else None
 
-def load_tokenizer(directory: str | Path, vocab_size: int, markers: Iterable[str] = ()) -> Tokenizer:
-    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer. The
-    special tokens among `markers` decode to their text."""
+
+def load_tokenizer(directory: str | Path, vocab_size: int) -> Tokenizer:
+    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer."""
     directory = Path(directory)
     if (directory / "tokenizer.json").is_file():
-        return HFTokenizer(directory, vocab_size, markers)
+        return HFTokenizer(directory, vocab_size)
     return ByteTokenizer(vocab_size)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
@@ -88,7 +88,7 @@ class _GenerationBlock(Extension):
     """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's tokens with
     it): its body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it so)
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno

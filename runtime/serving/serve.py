@@ -129,12 +129,12 @@ class AttentionService:
         self.discovery = discovery
         reader = CheckpointReader(checkpoint)
         self.config = reader.config
-        self.tool_format = tool_format(self.options.tool_call_parser, self.config.family)
+        self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size)
+        self.tool_format = tool_format(self.options.tool_call_parser, self.config.family, self.tokenizer)
         self.reasoning = reasoning_style(self.options.reasoning_parser, self.config.family)
         # the markers the formats read decode to their text, and grammars write them as tokens
         formats = (self.tool_format, self.reasoning)
-        markers = [m for form in formats if form is not None for m in form.markers]
-        self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size, markers)
+        self.tokenizer.keep(m for form in formats if form is not None for m in form.markers)
         self.markers = Markers(self.tokenizer)
         self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
         self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)

@@ -6,8 +6,13 @@ by the checkpoint's family or by ``--tool-call-parser``: ``hermes``, the
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of Qwen2.5/Qwen3 (and of the
 many models fine-tuned on the Hermes format); ``glm45``, GLM-4.5's ``<tool_call>NAME`` blocks of
 ``<arg_key>``/``<arg_value>`` pairs; ``deepseek_v3`` and ``kimi_k2``, sections of marker
-tokens (``SectionFormat``; chosen by the flag only: both families' checkpoints say
-``deepseek_v3``). A family without a format refuses ``tools`` with a 400 that says how to choose one.
+tokens (``SectionFormat``; both families' checkpoints say ``deepseek_v3``: the tokenizer's
+section marker tells them apart); ``harmony``, gpt-oss's channels (``harmony.py``). A family
+without a format refuses ``tools`` with a 400 that says how to choose one.
+
+A format's markers are tokens of the real tokenizers: the server keeps the special ones in the
+decoded text (``Tokenizer.keep``), and grammars write a marker that is an added token as that
+token (``grammar.Markers``).
 
 ``tool_choice``:
 
@@ -29,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from eaas.runtime.model.tokenizer import Tokenizer
 from eaas.runtime.serving import harmony
 from eaas.runtime.serving.grammar import JSON_WHITESPACE, Constraint, Markers, load_llguidance
 from eaas.runtime.serving.http_api import bad
@@ -458,9 +464,16 @@ FORMATS: dict[str, ToolFormat] = {
 }
 
 
-def tool_format(parser: str | None, family: str) -> ToolFormat | None:
-    """The format ``--tool-call-parser`` names (``auto``/None: by the checkpoint's family)."""
+def tool_format(parser: str | None, family: str, tokenizer: Tokenizer | None = None) -> ToolFormat | None:
+    """The format ``--tool-call-parser`` names (``auto``/None: by the checkpoint's family; for
+    ``deepseek_v3``, whose checkpoints are DeepSeek's or Kimi-K2's, by the section marker the
+    tokenizer has as a token)."""
     if parser in (None, "", "auto"):
+        if family == "deepseek_v3":
+            found = [
+                f for f in (DEEPSEEK_V3, KIMI_K2) if tokenizer is not None and tokenizer.marker_id(f.start)
+            ]
+            return found[0] if len(found) == 1 else None
         name = FORMAT_BY_FAMILY.get(family)
         return FORMATS[name] if name else None
     if parser not in FORMATS:

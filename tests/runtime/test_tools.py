@@ -5,10 +5,12 @@ the format's own text."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from eaas.runtime.model.tokenizer import HFTokenizer
 from eaas.runtime.serving.chat import ChatTemplate, parse_messages
 from eaas.runtime.serving.cli_options import TOOL_CALL_PARSERS
 from eaas.runtime.serving.grammar import TEXT_MARKERS, Grammars
@@ -293,10 +295,16 @@ def test_kimi_k2_calls_are_found_and_streamed() -> None:
     assert rest == "" and [c.name for c in streamed] == ["get_weather", "get_weather"]
 
 
-def test_marker_token_formats_are_chosen_by_the_flag_and_constrain_calls_as_they_write_them() -> None:
+def test_marker_token_formats_are_chosen_by_the_tokenizer_or_the_flag_and_constrain_calls(
+    train_tokenizer: Any, tmp_path: Path
+) -> None:
     assert tool_format("auto", "deepseek_v3") is None  # DeepSeek-V3 and Kimi-K2 checkpoints look alike
     assert tool_format("kimi_k2", "deepseek_v3") is KIMI_K2
     assert tool_format("deepseek_v3", "deepseek_v3") is DEEPSEEK_V3
+    for form in (DEEPSEEK_V3, KIMI_K2):  # ... but for their tokenizers' section markers
+        (tmp_path / form.name).mkdir()
+        train_tokenizer(["x"], added=form.markers).save(str(tmp_path / form.name / "tokenizer.json"))
+        assert tool_format("auto", "deepseek_v3", HFTokenizer(tmp_path / form.name, 320)) is form
     request = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
     single = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
     assert request is not None and single is not None
