@@ -103,11 +103,24 @@ class HFTokenizer:
         self.dropped = self.specials - kept if kept else None
 
 
+# Tokenizer files of other kinds: a checkpoint that ships one of these and no tokenizer.json is
+# refused, not served with the byte tokenizer (which would answer noise).
+OTHER_TOKENIZERS = ("tiktoken.model", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+
+
 def load_tokenizer(directory: str | Path, vocab_size: int) -> Tokenizer:
-    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer."""
+    """The checkpoint's tokenizer if it ships ``tokenizer.json``, else the byte tokenizer (random
+    checkpoints have none). ``ValueError`` for a checkpoint whose tokenizer is of another kind."""
     directory = Path(directory)
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer(directory, vocab_size)
+    other = [name for name in OTHER_TOKENIZERS if (directory / name).is_file()]
+    if other:
+        raise ValueError(
+            f"{directory}: the tokenizer is {other[0]}, which this server cannot read; it needs "
+            "tokenizer.json (transformers writes one: AutoTokenizer.from_pretrained(DIR)"
+            ".save_pretrained(DIR), where the tokenizer converts to a fast one)"
+        )
     return ByteTokenizer(vocab_size)
 
 

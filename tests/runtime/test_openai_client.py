@@ -103,6 +103,16 @@ def test_the_checkpoint_tokenizer_is_used(checkpoint: Path) -> None:
     assert tokenizer.eos_token_ids == (2,)
 
 
+def test_a_tokenizer_of_another_kind_is_refused_not_replaced(tmp_path: Path) -> None:
+    """A checkpoint whose tokenizer this server cannot read (Kimi-K2's tiktoken.model, a
+    SentencePiece tokenizer.model) is refused by name; only a checkpoint without any tokenizer
+    (a random one) gets the byte tokenizer."""
+    assert load_tokenizer(tmp_path, 320).decode([104, 105]) == "hi"
+    (tmp_path / "tiktoken.model").write_text("")
+    with pytest.raises(ValueError, match="tiktoken.model.*tokenizer.json"):
+        load_tokenizer(tmp_path, 320)
+
+
 def test_completions_equal_the_reference(client: Any, checkpoint: Path, reference: Decoder) -> None:
     tokenizer = load_tokenizer(checkpoint, 320)
     answer = client.completions.create(model=MODEL, prompt="experts as", max_tokens=8, temperature=0)
