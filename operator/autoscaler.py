@@ -38,7 +38,7 @@ from statistics import median
 
 import numpy as np
 
-from eaas.operator.api.moeservice import AutoscalingSpec
+from eaas.operator.api.moeservice import AutoscalingSpec, LearnedCapacity
 from eaas.runtime.contract import TPOT_WINDOW_S
 
 TOLERANCE = 0.1  # busy and expertWait: the HPA's
@@ -119,6 +119,18 @@ class Capacity:
         readings.append((tokens_per_second, tpot_micros))
         self._medians[band] = (median([r for r, _ in readings]), median([us for _, us in readings]))
 
+    def bands(self) -> list[tuple[float, float, int]]:
+        """(median rate, median time per token in us, readings) per band, lowest first: what
+        :meth:`restore` takes back (the estimate depends on nothing else)."""
+        return [(*self._medians[b], len(self.readings[b])) for b in sorted(self.readings)]
+
+    def restore(self, bands: list[tuple[float, float, int]]) -> None:
+        """Readings as :meth:`bands` gave them (each band's median, as many times as it had
+        readings): the same curve, and the same estimate."""
+        for rate, micros, count in bands:
+            for _ in range(min(count, READINGS_PER_BUCKET)):
+                self.observe(rate, round(micros))
+
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
         """(rates [B] increasing, fitted p99 time per output token [B] non-decreasing, us): per
         band the median rate and the median time."""
@@ -191,14 +203,17 @@ def isotonic(values: list[float], weights: list[int]) -> np.ndarray:
 @dataclass
 class Autoscaler:
     """Recommendation history of one ExpertPool, and with a learned tokenRate target its
-    :class:`Capacity` (in memory: a restarted operator starts cautious, because scaling down needs
-    a full window of low recommendations, and learns again)."""
+    :class:`Capacity`. The history is in memory (a restarted operator starts cautious, because
+    scaling down needs a full window of low recommendations); the capacity is kept in the
+    MoEService's status (``learnedCapacity``, :meth:`learned`), from which a restarted operator
+    takes it back (:meth:`restore`), so its target holds across the restart."""
 
     history: deque[tuple[float, int]] = field(default_factory=deque)
     started: float | None = None
     capacity: Capacity | None = None
     per_server: float | None = None  # the tokenRate target of the last call (learned or hand-set)
     reason: str = ""  # how the learned target was found, or why there is none
+    persisted: float | None = None  # when the learned capacity was last written to the status
     _sized: tuple[int, float] | None = None  # (replicas, since when) of the pool as last seen
     _rates: deque[tuple[float, int]] = field(default_factory=deque)  # (when, per-server rate) in the window
 
@@ -247,6 +262,28 @@ class Autoscaler:
             window = [r for t, r in self.history if t >= now - spec.scale_down_stabilization_seconds]
             return min(current, max(window))
         return current
+
+    def learned(self, slo_micros: int) -> dict[str, object] | None:
+        """The learned capacity at the SLO, as ``status.learnedCapacity`` keeps it (None: nothing
+        learned at this SLO)."""
+        if self.capacity is None or self.capacity.slo_micros != slo_micros or not self.capacity.readings:
+            return None
+        estimate, _ = self.capacity.estimate()
+        bands = [
+            {"tokensPerSecond": round(rate, 1), "timePerOutputTokenMicros": round(micros), "readings": count}
+            for rate, micros, count in self.capacity.bands()
+        ]
+        learned: dict[str, object] = {"sloTimePerOutputTokenMicros": slo_micros, "bands": bands}
+        if estimate is not None:
+            learned["tokensPerSecond"] = round(estimate, 1)
+        return learned
+
+    def restore(self, learned: LearnedCapacity) -> None:
+        """Takes back what :meth:`learned` kept (an operator that restarted)."""
+        self.capacity = Capacity(learned.slo_time_per_output_token_micros)
+        self.capacity.restore(
+            [(b.tokens_per_second, b.time_per_output_token_micros, b.readings) for b in learned.bands]
+        )
 
     def _token_target(
         self,

@@ -181,6 +181,30 @@ class PoolSummary(CRDModel):
     """Pods that are Ready."""
 
 
+class CapacityBand(CRDModel):
+    """One 5%-wide band of the token rate in the built-in autoscaler's readings."""
+
+    tokens_per_second: float = Field(ge=0)
+    """Median routed tokens per second per server of the band's readings."""
+    time_per_output_token_micros: int = Field(ge=0)
+    """Median of the attention clients' p99 time per output token at those readings."""
+    readings: int = Field(ge=1, le=15)
+    """How many readings the band holds (the newest 15 are kept)."""
+
+
+class LearnedCapacity(CRDModel):
+    """What the built-in tokenRate autoscaler learned of one expert server's capacity at the SLO
+    (a learned target only): kept here so that a restarted operator scales on it at once, instead
+    of learning again."""
+
+    slo_time_per_output_token_micros: int = Field(ge=1)
+    """The SLO the readings were judged against; another SLO starts afresh."""
+    tokens_per_second: float | None = Field(default=None, ge=0)
+    """The estimate: routed tokens per second one server carries at the SLO (the target is 0.9 x this)."""
+    bands: list[CapacityBand] = Field(default_factory=list, max_length=512)
+    """The readings, by band of the token rate, lowest first."""
+
+
 class MoEServiceStatus(CRDModel):
     """Observed state of a served model."""
 
@@ -194,5 +218,7 @@ class MoEServiceStatus(CRDModel):
     """Version of the ExpertPool's published placement."""
     endpoint: str = Field(default="", max_length=1024)
     """In-cluster URL of the OpenAI-compatible API."""
+    learned_capacity: LearnedCapacity | None = None
+    """The built-in tokenRate autoscaler's readings (a learned target only)."""
     conditions: list[Condition] = conditions_field()
     """``Ready``, ``Progressing``, ``Degraded``."""

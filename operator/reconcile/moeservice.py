@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from eaas.operator import naming
 from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
-from eaas.operator.api.moeservice import MoEServiceSpec
+from eaas.operator.api.moeservice import LearnedCapacity, MoEServiceSpec
 from eaas.operator.autoscaler import HEADROOM, Autoscaler
 from eaas.operator.builders import moeservice as build
 from eaas.operator.builders.common import (
@@ -29,6 +29,7 @@ from eaas.operator.status import aggregate, invalid_spec
 from eaas.runtime.contract import GROUP
 
 logger = logging.getLogger("eaas.operator")
+PERSIST_S = 60.0  # the learned capacity goes to the MoEService's status at most this often
 
 
 class NotOurs(Exception):
@@ -62,6 +63,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         "placementVersion": int(expert_status.get("placementVersion") or 0),
         "endpoint": attention_status.get("endpoint", ""),
     }
+    status["learnedCapacity"] = learned_capacity(ctx, body, spec, experts)
     observations = aggregate({EXPERTPOOL.kind: experts, ATTENTIONPOOL.kind: attention})
     ctx.write_status(MOESERVICE.kind, body, status, observations)
 
@@ -152,7 +154,7 @@ def set_expert_replicas(
     if writer == "moeservice":
         desired = spec.expert_pool.replicas
     else:
-        autoscaler = ctx.autoscalers.setdefault(key, Autoscaler())
+        autoscaler = ctx.autoscalers.get(key) or restored_autoscaler(ctx, body, spec, key)
         status = pool.get("status") or {}
         value, reading = autoscaling_metric(ctx, body, spec, status)
         tpot = None
@@ -177,6 +179,59 @@ def set_expert_replicas(
         reason,
         f"{metadata['name']}: {current} -> {desired} expert servers (writer: {writer}{reading})",
     )
+
+
+def learns_capacity(spec: MoEServiceSpec) -> bool:
+    """The built-in autoscaler on tokenRate with a learned target."""
+    scaling = spec.autoscaling
+    return (
+        build.replicas_writer(spec) == "autoscaler"
+        and scaling.metric == "tokenRate"
+        and scaling.target_tokens_per_second is None
+    )
+
+
+def restored_autoscaler(
+    ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, key: tuple[str, str]
+) -> Autoscaler:
+    """A new autoscaler for pool `key`, with the capacity a previous operator learned at this
+    SLO (``status.learnedCapacity``), so that its target holds across a restart."""
+    autoscaler = ctx.autoscalers[key] = Autoscaler()
+    kept = (body.get("status") or {}).get("learnedCapacity")
+    if kept is None or not learns_capacity(spec):
+        return autoscaler
+    try:
+        learned = LearnedCapacity.from_k8s(kept)
+    except ValidationError as error:
+        logger.warning("%s: status.learnedCapacity unreadable, learning afresh: %s", key[1], error)
+        return autoscaler
+    if learned.slo_time_per_output_token_micros == spec.autoscaling.slo_time_per_output_token_millis * 1000:
+        autoscaler.restore(learned)
+        logger.info("%s: took back the learned capacity (%d bands of readings)", key[1], len(learned.bands))
+    return autoscaler
+
+
+def learned_capacity(
+    ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, pool: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """``status.learnedCapacity``: the autoscaler's readings, written at most every
+    ``PERSIST_S`` (a restart loses at most that much learning); the status's own while this
+    operator has learned nothing yet at the SLO; none unless the target is learned."""
+    if not learns_capacity(spec):
+        return None
+    slo = spec.autoscaling.slo_time_per_output_token_millis * 1000
+    kept = (body.get("status") or {}).get("learnedCapacity")
+    if isinstance(kept, dict) and kept.get("sloTimePerOutputTokenMicros") != slo:
+        kept = None
+    autoscaler = ctx.autoscalers.get((pool["metadata"]["namespace"], pool["metadata"]["name"]))
+    learned = autoscaler.learned(slo) if autoscaler is not None else None
+    if learned is None or autoscaler is None:
+        return kept
+    now = time.monotonic()
+    if kept is not None and autoscaler.persisted is not None and now - autoscaler.persisted < PERSIST_S:
+        return kept
+    autoscaler.persisted = now
+    return learned
 
 
 def autoscaling_metric(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -449,3 +450,66 @@ def test_a_lease_is_as_old_as_the_operator_last_saw_it_renewed_not_as_its_timest
     late = clock.ages("ns", "tiny-experts", [newer], 1010.0)  # nothing new for 5.5 s: expired
     assert server_reports("tiny-experts", [newer], 1010.0, 0.0, late)[0].expired
     assert clock.ages("ns", "tiny-experts", [], 1011.0) == {}  # gone: forgotten
+
+
+def _learned_pass(kube: ScaleKube, manifest: dict[str, Any], context: Context) -> list[int]:
+    """One pass of a builtin tokenRate autoscaler with a learned target (SLO 100 ms; 2-10
+    servers, at 4, each carrying 900 tokens/s, no p99 reported yet): the /scale writes."""
+    manifest["spec"]["expertPool"]["replicas"] = 4
+    manifest["spec"]["autoscaling"] = {
+        "mode": "builtin",
+        "minReplicas": 2,
+        "maxReplicas": 10,
+        "metric": "tokenRate",
+    }
+    spec = MoEServiceSpec.from_k8s(manifest["spec"])
+    context.post_event = lambda *event: None  # type: ignore[method-assign]
+    pool = {
+        "metadata": {"namespace": "ns", "name": "tiny-experts"},
+        "spec": {"replicas": 4},
+        "status": {"readyReplicas": 4, "tokensPerSecond": 900},
+    }
+    before = len(kube.scaled)
+    set_expert_replicas(context, manifest, spec, pool)
+    return kube.scaled[before:]
+
+
+def test_the_learned_capacity_outlives_an_operator_restart(moes_body: dict[str, Any]) -> None:
+    """What the autoscaler learned goes to the MoEService's status; a new operator takes it back
+    and scales on it at its first pass (without it: no target yet, the size holds). Readings at
+    another SLO, or unreadable ones, are not taken."""
+    from eaas.operator.api.moeservice import LearnedCapacity
+    from eaas.operator.autoscaler import HEADROOM, Capacity
+    from eaas.operator.reconcile.moeservice import learned_capacity
+
+    kube = WaitKube([])
+    first = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    assert _learned_pass(kube, moes_body, first) == []  # nothing learned: the size holds
+    spec = MoEServiceSpec.from_k8s(moes_body["spec"])
+    pool = {"metadata": {"namespace": "ns", "name": "tiny-experts"}}
+    assert learned_capacity(first, moes_body, spec, pool) is None
+    capacity = first.autoscalers[("ns", "tiny-experts")].capacity
+    assert capacity is not None
+    for rate, micros in [(300, 40_000), (305, 41_000), (450, 60_000), (600, 90_000), (700, 130_000)]:
+        capacity.observe(rate, micros)
+    capacity.observe(452.5, 61_001)  # medians that are not integers
+    kept = learned_capacity(first, moes_body, spec, pool)
+    assert kept is not None and LearnedCapacity.from_k8s(kept).tokens_per_second == pytest.approx(
+        capacity.estimate()[0], rel=1e-3
+    )
+    capacity.observe(650, 110_000)
+    moes_body["status"] = {"learnedCapacity": kept}
+    assert learned_capacity(first, moes_body, spec, pool) == kept  # written at most every minute
+
+    restarted = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    moes_body["status"] = {"learnedCapacity": kept}
+    learned = LearnedCapacity.from_k8s(kept).tokens_per_second
+    assert learned is not None
+    want = math.ceil(4 * 900 / (HEADROOM * learned))
+    assert _learned_pass(kube, moes_body, restarted) == [want]  # at once, on what was learned
+    assert isinstance(restarted.autoscalers[("ns", "tiny-experts")].capacity, Capacity)
+
+    for status in ({**kept, "sloTimePerOutputTokenMicros": 50_000}, {**kept, "bands": "garbled"}):
+        fresh = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        moes_body["status"] = {"learnedCapacity": status}
+        assert _learned_pass(kube, moes_body, fresh) == []  # not taken: learning afresh
