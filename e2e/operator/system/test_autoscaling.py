@@ -707,14 +707,16 @@ def test_builtin_autoscaler_scales_on_the_clients_expert_wait(
 
 
 def test_builtin_autoscaler_learns_its_token_rate_target_at_the_slo(
-    system: System, metrics: MetricsStack, results_dir: Path
+    system: System, metrics: MetricsStack, results_dir: Path, system_operator: OperatorProcess
 ) -> None:
     """Drill A6 (builtin mode, the default metric: tokenRate with no target, an SLO instead): the
     attention clients carry their p99 time per output token on their Leases; the operator, reading
     it against the servers' token rate, learns what a server carries at the SLO and scales on it.
     The SLO is set below what heavy load gets on R servers (measured first), so the pool must grow:
     each step up is named in an Event with the reading and the learned target, only the operator
-    writes replicas, and without load the pool is back at R.
+    writes replicas, and without load the pool is back at R. What it learned is in the
+    MoEService's status (the real API server takes the field), and an operator SIGKILLed and
+    started again takes it back at its first pass.
 
     Not asserted: that the time per token falls to the SLO as servers are added. On this 2-core
     machine much of it is the client's and the control plane's CPU time, which no server changes
@@ -753,6 +755,17 @@ def test_builtin_autoscaler_learns_its_token_rate_target_at_the_slo(
             # its first reading counts once the pool has held its size 30 s (SETTLE_S): past the
             # 20 s steady window, so wait for the growth itself
             steady, _ = drill.ramp(grows=True)
+        wait_until(lambda: learned_capacity(system).get("bands"), 60, "status.learnedCapacity written")
+        kept = learned_capacity(system)
+        assert kept["sloTimePerOutputTokenMicros"] == slo_ms * 1000 and kept["tokensPerSecond"] > 0, kept
+        system_operator.kill()
+        system_operator.start()
+        system_operator.wait_started()
+        wait_until(
+            lambda: "took back the learned capacity" in system_operator.log_tail(400),
+            60,
+            "the restarted operator taking back what was learned",
+        )
     finally:
         set_mode(system, {"mode": "external", "metric": "busy"})
     scaled = [e["message"] for e in events(system, "ScaledUp", "MoEService") if "learned" in e["message"]]
@@ -764,6 +777,14 @@ def test_builtin_autoscaler_learns_its_token_rate_target_at_the_slo(
         assert "tokens/s per server" in message and "p99 time per output token" in message, message
         assert f"at the SLO ({slo_ms} ms), learned: " in message, message
     assert drill.scale_writers() == ["eaas-operator"]
+
+
+def learned_capacity(system: System) -> dict[str, Any]:
+    """The MoEService's ``status.learnedCapacity`` ({} before anything was learned)."""
+    moe: Any = system.cluster.custom.get_namespaced_custom_object(
+        GROUP, VERSION, system.namespace, "moeservices", NAME
+    )
+    return dict((moe.get("status") or {}).get("learnedCapacity") or {})
 
 
 def test_every_dashboard_panel_has_data_under_load(
