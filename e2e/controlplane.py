@@ -503,6 +503,8 @@ class ControlPlane:
         state = {
             "kubeconfig": str(self.kubeconfig),
             "server": self.server,
+            # process nodes: the pod network (bridge, namespaces, rules) that `down` removes
+            "network": self.network.name if self.network is not None else None,
             "processes": [
                 {"name": p.name, "pid": p.pid, "binary": str(p.argv[0]), "log": str(p.log_path)}
                 for p in self.processes

@@ -1,11 +1,14 @@
 """Run the local control plane by hand, detached from any Python process (``make cluster-up``).
 
-    python -m e2e.handrun up [--dir DIR] [--gpu-nodes N]   # prints `export KUBECONFIG=...`
+    python -m e2e.handrun up [--dir DIR] [--gpu-nodes N] [--nodes process|fake]   # prints `export ...`
     python -m e2e.handrun status [--dir DIR]
     python -m e2e.handrun down [--dir DIR]
 
-(``python -m e2e.controlplane ...`` is the same.) The default DIR is ``<cache>/cluster``; it holds
-the kubeconfig, logs and ``state.json`` with the pids and binaries of the components.
+(``python -m e2e.controlplane ...`` is the same.) The default DIR is ``$EAAS_CLUSTER_DIR`` or
+``<cache>/cluster``; it holds the kubeconfig, logs and ``state.json`` with the pids and binaries
+of the components. ``--nodes process`` (the default) gives GPU nodes whose pods run as local
+processes (:mod:`e2e.podrunner`, with a pod network, kube-proxy and CoreDNS: root, ``nft`` and
+``ip``); ``--nodes fake``, kwok's, where pods run nothing.
 """
 
 from __future__ import annotations
@@ -13,18 +16,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 from e2e import binaries as bins
-from e2e.controlplane import STATE_FILE, ControlPlane, FakeNodeSpec
+from e2e.controlplane import SERVICE_CIDR, STATE_FILE, ControlPlane, FakeNodeSpec, ProcessNodeSpec
+from e2e.podnet import PodNetwork
 from e2e.processes import kill_group, process_alive
 from e2e.waiting import WaitTimeout
 
 
 def default_cluster_dir() -> Path:
-    return bins.cache_dir() / "cluster"
+    return Path(os.environ.get("EAAS_CLUSTER_DIR") or bins.cache_dir() / "cluster")
 
 
 def _state(directory: Path) -> dict | None:
@@ -52,12 +58,17 @@ def cluster_down(directory: Path) -> int:
         if _our_process(entry):
             kill_group(int(entry["pid"]))
             print(f"stopped {entry['name']} (pid {entry['pid']})")
+    if state.get("network"):  # process nodes: the pods' namespaces, the bridge, kube-proxy's rules
+        PodNetwork(state["network"], SERVICE_CIDR).down()
+        for family in ("ip", "ip6"):
+            subprocess.run(["nft", "delete", "table", family, "kube-proxy"], capture_output=True, timeout=30)
+        print(f"removed the pod network {state['network']}")
     shutil.rmtree(directory, ignore_errors=True)
     print(f"removed {directory}")
     return 0
 
 
-def cluster_up(directory: Path, node_count: int) -> int:
+def cluster_up(directory: Path, node_count: int, process_nodes: bool = True) -> int:
     state = _state(directory)
     if state is not None:
         if all(_our_process(entry) for entry in state["processes"]):
@@ -66,7 +77,12 @@ def cluster_up(directory: Path, node_count: int) -> int:
             return 0
         cluster_down(directory)  # a stale or half-dead one
     directory.mkdir(parents=True, exist_ok=True)
-    plane = ControlPlane(work_dir=directory, nodes=FakeNodeSpec(count=node_count), attached=False)
+    if process_nodes:
+        plane = ControlPlane(
+            work_dir=directory, process_nodes=ProcessNodeSpec(count=node_count, gpus=4), attached=False
+        )
+    else:
+        plane = ControlPlane(work_dir=directory, nodes=FakeNodeSpec(count=node_count), attached=False)
     try:
         plane.start()
     except (RuntimeError, WaitTimeout, bins.MissingBinariesError) as error:
@@ -74,7 +90,8 @@ def cluster_up(directory: Path, node_count: int) -> int:
         return 1
     plane.write_state()
     print(f"# control plane up in {plane.startup_seconds:.1f} s ({plane.server}); logs in {plane.log_dir}")
-    print(f"# fake GPU nodes: {' '.join(plane.node_names)}; stop with `make cluster-down`")
+    kind = "GPU nodes whose pods run as processes" if process_nodes else "fake GPU nodes (kwok)"
+    print(f"# {kind}: {' '.join(plane.node_names)}; stop with `make cluster-down`")
     print(f"export KUBECONFIG={plane.kubeconfig}")
     print(f"export PATH={plane.binaries.kubectl.parent}:$PATH")
     return 0
@@ -94,11 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.handrun", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", type=Path, default=None, help="state directory (default: <cache>/cluster)")
-    parser.add_argument("--gpu-nodes", type=int, default=2, help="number of fake GPU nodes (default 2)")
+    parser.add_argument("--gpu-nodes", type=int, default=2, help="number of GPU nodes (default 2)")
+    parser.add_argument(
+        "--nodes",
+        choices=["process", "fake"],
+        default=os.environ.get("EAAS_CLUSTER_NODES", "process"),
+        help="process: pods run as local processes (default); fake: kwok nodes, where pods run nothing",
+    )
     args = parser.parse_args(argv)
     directory = (args.dir or default_cluster_dir()).expanduser().resolve()
     if args.command == "up":
-        return cluster_up(directory, args.gpu_nodes)
+        return cluster_up(directory, args.gpu_nodes, args.nodes == "process")
     if args.command == "down":
         return cluster_down(directory)
     return cluster_status(directory)

@@ -17,7 +17,7 @@ host-tools: ## nft and ip for the process nodes, from Debian's packages when mis
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables iproute2 >/dev/null \
 		|| echo "warning: could not install nftables/iproute2: the whole-system drills will fail"; }
 
-cluster-up: install k8s-bins ## start a local control plane (kwok nodes) in the background
+cluster-up: install k8s-bins host-tools ## start a local cluster (2 GPU nodes whose pods run as processes) in the background
 	@$(PY) -m e2e.handrun up
 
 cluster-down: ## stop it and remove its directory

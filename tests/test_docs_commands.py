@@ -24,7 +24,7 @@ COMMANDS = {
     "make", "kubectl", "helm", "eaas", "python", "python3", "pip", "curl", "export", "cd", "git",
     "apt-get", "openssl", "skopeo", "for", "do", "done", "if", "then", "fi", "while", "echo", "cat",
     "sudo", "mkdir", "ls", "rm", "cp", "kill", "bash", "source", "docker", "pytest", "ulimit",
-    "watch", "nvidia-smi", "ibv_devinfo", "ucx_info", "grep", "sleep", "uv", "time", "unset", "go",
+    "watch", "nvidia-smi", "ibv_devinfo", "ucx_info", "grep", "sleep", "uv", "time", "unset", "go", "eval",
 }  # fmt: skip
 REPO_PATH = re.compile(
     r"^(?:\./)?((?:manifests|charts|benchmarks|e2e|docs|crds|image|tests|kernels)/[\w./-]+)"
