@@ -8,7 +8,8 @@
 ``<cache>/cluster``; it holds the kubeconfig, logs and ``state.json`` with the pids and binaries
 of the components. ``--nodes process`` (the default) gives GPU nodes whose pods run as local
 processes (:mod:`e2e.podrunner`, with a pod network, kube-proxy and CoreDNS: root, ``nft`` and
-``ip``); ``--nodes fake``, kwok's, where pods run nothing.
+``ip``; one such cluster per machine: kube-proxy's nftables table is the machine's, and ``down``
+removes it); ``--nodes fake``, kwok's, where pods run nothing.
 """
 
 from __future__ import annotations

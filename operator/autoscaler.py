@@ -270,12 +270,17 @@ class Autoscaler:
             return None
         estimate, _ = self.capacity.estimate()
         bands = [
-            {"tokensPerSecond": round(rate, 1), "timePerOutputTokenMicros": round(micros), "readings": count}
+            # 6 significant digits: a median rounded across a 5% band's edge would change bands
+            {
+                "tokensPerSecond": float(f"{rate:.6g}"),
+                "timePerOutputTokenMicros": round(micros),
+                "readings": count,
+            }
             for rate, micros, count in self.capacity.bands()
         ]
         learned: dict[str, object] = {"sloTimePerOutputTokenMicros": slo_micros, "bands": bands}
         if estimate is not None:
-            learned["tokensPerSecond"] = round(estimate, 1)
+            learned["tokensPerSecond"] = float(f"{estimate:.6g}")
         return learned
 
     def restore(self, learned: LearnedCapacity) -> None:

@@ -40,7 +40,9 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     try:
         spec = MoEServiceSpec.from_k8s(body.get("spec"))
     except ValidationError as error:
-        ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(describe_validation_error(error)))
+        ctx.write_status(
+            MOESERVICE.kind, body, kept_status(body), invalid_spec(describe_validation_error(error))
+        )
         return
     deleting = bool(body["metadata"].get("deletionTimestamp"))  # nothing new while it goes
     if not deleting:
@@ -49,7 +51,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         experts = ensure_child(ctx, body, build.expert_pool(body, spec), ignore=("replicas",))
         attention = ensure_child(ctx, body, build.attention_pool(body, spec), ignore=())
     except NotOurs as error:
-        ctx.write_status(MOESERVICE.kind, body, {}, invalid_spec(str(error)))
+        ctx.write_status(MOESERVICE.kind, body, kept_status(body), invalid_spec(str(error)))
         return
     set_expert_replicas(ctx, body, spec, experts)
     if not deleting:
@@ -66,6 +68,12 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     status["learnedCapacity"] = learned_capacity(ctx, body, spec, experts)
     observations = aggregate({EXPERTPOOL.kind: experts, ATTENTIONPOOL.kind: attention})
     ctx.write_status(MOESERVICE.kind, body, status, observations)
+
+
+def kept_status(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a status written while the spec is refused keeps: the learned capacity (the spec
+    fixed, the autoscaler goes on from it)."""
+    return {"learnedCapacity": (body.get("status") or {}).get("learnedCapacity")}
 
 
 def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:

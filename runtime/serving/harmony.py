@@ -8,7 +8,8 @@ header and ended by a marker (special tokens of the model's tokenizer, kept in t
 (the chat template's generation prompt opens the first message with ``<|start|>assistant``, so the
 output starts at its channel). ``analysis`` is the reasoning; ``final`` the content, and so is
 ``commentary`` without a recipient (a preamble the model writes before calling); a message to
-``functions.NAME`` is a call whose body is its JSON arguments. ``<|call|>`` and ``<|return|>``
+``functions.NAME`` is a call whose body is its JSON arguments (one to a built-in tool, such as
+``browser.search``, is reasoning: no function of the request). ``<|call|>`` and ``<|return|>``
 end the turn (they are the checkpoint's end-of-sequence ids, so generation stops there and
 neither reaches the text). An output that does not start with a harmony marker is all content.
 
@@ -108,10 +109,13 @@ class HarmonyReader:
         channel = _CHANNEL.search(self.header)
         recipient = _RECIPIENT.search(self.header)
         self.header = ""
-        if recipient is not None:
+        if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
             content.append(f"{CALL_OPEN}{recipient.group(1)}{MESSAGE}")
             return "call"
-        return "reasoning" if channel is not None and channel.group(1) == "analysis" else "content"
+        # a message to a built-in tool (browser.search, python) is the model's own work: reasoning
+        if recipient is not None or (channel is not None and channel.group(1) == "analysis"):
+            return "reasoning"
+        return "content"
 
 
 class HarmonyReasoning:
@@ -131,7 +135,11 @@ class HarmonyReasoning:
         return HarmonyReader()
 
     def answer_grammar(self, constraint: Constraint, markers: Markers) -> Constraint:
-        """`constraint` for the ``final`` message, after an optional analysis."""
+        """`constraint` for the ``final`` message, after an optional analysis. A required or named
+        call's grammar (``tools``) is returned as it is: it holds the analysis itself, and a call
+        is a ``commentary`` message, not the ``final`` one."""
+        if constraint.field == "tools":
+            return constraint
         final = f'{markers(CHANNEL)} "final" {markers(MESSAGE)}'
         lark = f"start: analysis? {final} @answer\n{analysis_rules(markers)}"
         return answer_after(constraint, lark)

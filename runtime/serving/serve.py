@@ -132,6 +132,15 @@ class AttentionService:
         self.tokenizer = load_tokenizer(checkpoint, self.config.vocab_size)
         self.tool_format = tool_format(self.options.tool_call_parser, self.config.family, self.tokenizer)
         self.reasoning = reasoning_style(self.options.reasoning_parser, self.config.family)
+        if (
+            self.tool_format is not None
+            and self.tool_format.name == "harmony"
+            and (self.reasoning is None or self.reasoning.name != "harmony")
+        ):
+            raise ValueError(
+                "tool-call-parser harmony needs reasoning-parser harmony (it reads the calls that "
+                "parser takes out of gpt-oss's channels)"
+            )
         # the markers the formats read decode to their text, and grammars write them as tokens
         formats = (self.tool_format, self.reasoning)
         self.tokenizer.keep(m for form in formats if form is not None for m in form.markers)

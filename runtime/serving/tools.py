@@ -253,11 +253,15 @@ class GlmFormat:
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
 
+COMBINATORS = ("anyOf", "oneOf", "allOf", "not", "$ref", "patternProperties", "additionalProperties")
+
+
 def _arguments(schema: dict[str, Any]) -> dict[str, Any]:
-    """A function's parameters schema as its calls' grammar takes it: no keys beyond its
-    ``properties`` unless ``additionalProperties`` says so (a function without parameters takes
-    none), as OpenAI's strict function calling and the glm45 grammar have it."""
-    if "additionalProperties" in schema:
+    """A function's parameters schema as its calls' grammar takes it: a schema of ``properties``
+    takes no other keys unless ``additionalProperties`` says so (a function without parameters
+    takes none), as OpenAI's strict function calling and the glm45 grammar have it. A schema
+    built otherwise (``anyOf``, ``$ref``, ...) is taken as it is."""
+    if "properties" not in schema or any(key in schema for key in COMBINATORS):
         return schema
     return {**schema, "additionalProperties": False}
 

@@ -493,10 +493,19 @@ def test_the_learned_capacity_outlives_an_operator_restart(moes_body: dict[str, 
     for rate, micros in [(300, 40_000), (305, 41_000), (450, 60_000), (600, 90_000), (700, 130_000)]:
         capacity.observe(rate, micros)
     capacity.observe(452.5, 61_001)  # medians that are not integers
+    capacity.observe(103.0447, 20_000)  # a rate 0.04% above a 5% band's edge
     kept = learned_capacity(first, moes_body, spec, pool)
     assert kept is not None and LearnedCapacity.from_k8s(kept).tokens_per_second == pytest.approx(
         capacity.estimate()[0], rel=1e-3
     )
+    again = Capacity(capacity.slo_micros)
+    again.restore(
+        [
+            (b.tokens_per_second, b.time_per_output_token_micros, b.readings)
+            for b in LearnedCapacity.from_k8s(kept).bands
+        ]
+    )
+    assert sorted(again.readings) == sorted(capacity.readings)  # every reading back in its band
     capacity.observe(650, 110_000)
     moes_body["status"] = {"learnedCapacity": kept}
     assert learned_capacity(first, moes_body, spec, pool) == kept  # written at most every minute

@@ -103,6 +103,14 @@ def test_the_checkpoint_tokenizer_is_used(checkpoint: Path) -> None:
     assert tokenizer.eos_token_ids == (2,)
 
 
+def test_the_harmony_call_parser_needs_the_harmony_reasoning_parser(checkpoint: Path, tmp_path: Path) -> None:
+    """The harmony tool-call parser reads the calls the harmony reasoning parser takes out of the
+    channels: alone it would find none, so the server refuses to start."""
+    options = serve_options(tool_call_parser="harmony", reasoning_parser="none")
+    with pytest.raises(ValueError, match="reasoning-parser harmony"):
+        AttentionService(checkpoint, tmp_path / "placement.json", static_discovery([]), options)
+
+
 def test_a_tokenizer_of_another_kind_is_refused_not_replaced(tmp_path: Path) -> None:
     """A checkpoint whose tokenizer this server cannot read (Kimi-K2's tiktoken.model, a
     SentencePiece tokenizer.model) is refused by name; only a checkpoint without any tokenizer

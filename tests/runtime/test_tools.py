@@ -387,6 +387,41 @@ def test_harmony_grammar_is_one_call_after_an_optional_analysis() -> None:
     assert not accepts(grammar, analysis.replace("Think", "<|end|>") + call)  # a marker in the thinking
     content = STYLES["harmony"].split(analysis + call)[1]
     assert [json.loads(c.arguments) for c in HARMONY.parse(content)[1]] == [{"city": "Oslo"}]
+    # the reasoning parser leaves it as it is (a call is no final message: it holds the analysis)
+    constraint = HARMONY.constraint(request, TEXT_MARKERS)
+    assert STYLES["harmony"].answer_grammar(constraint, TEXT_MARKERS) is constraint
+    # a message to a built-in tool is the model's own work, not a call of the request's
+    browsing = (
+        '<|channel|>analysis to=browser.search code<|message|>{"q": "oslo"}<|end|>'
+        "<|start|>assistant<|channel|>final<|message|>Sunny."
+    )
+    assert STYLES["harmony"].split(browsing) == ('{"q": "oslo"}', "Sunny.")
+
+
+def test_schemas_of_other_shapes_constrain_calls_as_they_are() -> None:
+    """A tool schema of ``properties`` takes no other keys in a constrained call; one built of
+    ``anyOf`` (or ``$ref``, ...) is taken as it is, its alternatives' keys allowed."""
+    either = {
+        "type": "object",
+        "anyOf": [
+            {"properties": {"city": {"type": "string"}}, "required": ["city"]},
+            {"properties": {"zip": {"type": "integer"}}, "required": ["zip"]},
+        ],
+    }
+    tools = [{"type": "function", "function": {"name": "where", "parameters": either}}, WEATHER]
+    request = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None
+    grammar = HERMES.constraint(request, TEXT_MARKERS).grammar
+
+    def call(name: str, arguments: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+    assert accepts(grammar, call("where", '{"zip": 1234}')) and accepts(
+        grammar, call("where", '{"city": "Oslo"}')
+    )
+    assert not accepts(grammar, call("where", "{}"))
+    assert accepts(grammar, call("get_weather", '{"city": "Oslo"}'))
+    assert not accepts(grammar, call("get_weather", '{"city": "Oslo", "extra": 1}'))
 
 
 def test_glm45_calls_are_found_and_typed_by_the_tools_schema() -> None:
