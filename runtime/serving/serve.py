@@ -137,10 +137,11 @@ class AttentionService:
             and self.tool_format.name == "harmony"
             and (self.reasoning is None or self.reasoning.name != "harmony")
         ):
-            raise ValueError(
-                "tool-call-parser harmony needs reasoning-parser harmony (it reads the calls that "
-                "parser takes out of gpt-oss's channels)"
-            )
+            # it reads the calls the harmony reasoning parser takes out of gpt-oss's channels
+            if self.options.tool_call_parser not in (None, "", "auto"):
+                raise ValueError("tool-call-parser harmony needs reasoning-parser harmony")
+            log.warning("no tool calls: the harmony format needs --reasoning-parser harmony")
+            self.tool_format = None  # chosen by the family only: tools get a 400 that says why
         # the markers the formats read decode to their text, and grammars write them as tokens
         formats = (self.tool_format, self.reasoning)
         self.tokenizer.keep(m for form in formats if form is not None for m in form.markers)
