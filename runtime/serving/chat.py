@@ -34,6 +34,11 @@ DEFAULT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# chat_template_kwargs may not set what the server passes itself
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+MAX_TEMPLATE_KWARGS = 32
+EFFORTS = ("minimal", "low", "medium", "high")
+THINKING_SWITCHES = ("enable_thinking", "thinking")  # Qwen3's and GLM-4.5's; DeepSeek-V3.1's
 MAX_MESSAGES = 256
 
 
@@ -58,11 +63,17 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ValueError(f"chat template: does not compile ({exc})") from exc
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt; `variables`: the request's own (``chat_template_kwargs``, ``reasoning_effort``)."""
         extra = {"tools": tools} if tools else {}
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=True, **self.special, **extra
+                **(variables or {}), messages=messages, add_generation_prompt=True, **self.special, **extra
             )
         except TemplateError as exc:  # includes raise_exception() from the template itself
             raise bad("messages", f"the chat template refused them: {exc}") from exc
@@ -163,6 +174,31 @@ def _is_call(call: Any) -> bool:
     )
 
 
+def template_variables(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs`` (``{"enable_thinking": false}`` for Qwen3, ``{"thinking":
+    true}`` for DeepSeek-V3.1) and OpenAI's ``reasoning_effort`` (gpt-oss's template reads it):
+    variables for the chat template; ``ApiError`` names the bad one."""
+    variables = body.get("chat_template_kwargs")
+    if variables is None:
+        variables = {}
+    if not isinstance(variables, dict) or len(variables) > MAX_TEMPLATE_KWARGS:
+        raise bad("chat_template_kwargs", f"must be an object of at most {MAX_TEMPLATE_KWARGS} variables")
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise bad("chat_template_kwargs", f"{name!r} is not a template variable name")
+        if name in RESERVED:
+            raise bad(f"chat_template_kwargs.{name}", "is set by the server, not by a request")
+    for name in THINKING_SWITCHES:
+        if name in variables and not isinstance(variables[name], bool):
+            raise bad(f"chat_template_kwargs.{name}", f"must be true or false, got {variables[name]!r}")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad("reasoning_effort", f"must be one of {', '.join(EFFORTS)}, got {effort!r}")
+        variables = {**variables, "reasoning_effort": effort}
+    return dict(variables)
+
+
 def parse_chat(
     body: Any,
     limits: Limits,
@@ -175,9 +211,10 @@ def parse_chat(
 
     Chat's own spellings map to the completion fields: ``max_completion_tokens`` (or
     ``max_tokens``), ``logprobs: true`` with ``top_logprobs``. ``echo``, ``prompt`` and
-    ``suffix`` do not apply to chat and are refused. ``tools`` need the model's ``tool_format``
-    (``tools.py``); a required or named ``tool_choice`` becomes the request's constraint (its
-    markers written as the tokenizer has them: ``markers``).
+    ``suffix`` do not apply to chat and are refused. ``chat_template_kwargs`` and
+    ``reasoning_effort`` become template variables (``template_variables``). ``tools`` need the
+    model's ``tool_format`` (``tools.py``); a required or named ``tool_choice`` becomes the
+    request's constraint (its markers written as the tokenizer has them: ``markers``).
     """
     if not isinstance(body, dict):
         raise bad("body", "must be a JSON object")
@@ -207,6 +244,8 @@ def parse_chat(
             "tools",
             "tool_choice",
             "parallel_tool_calls",
+            "chat_template_kwargs",
+            "reasoning_effort",
         )
     }
     max_tokens = body.get("max_completion_tokens")
@@ -221,13 +260,16 @@ def parse_chat(
         raise bad("top_logprobs", "needs logprobs: true")
     if logprobs:
         completion["logprobs"] = 0 if top is None else top
-    prompt_ids = encode(template.render(messages, tools.tools if tools else None))
+    variables = template_variables(body)
+    prompt_ids = encode(template.render(messages, tools.tools if tools else None, variables))
     if not prompt_ids:
         raise bad("messages", "render to an empty prompt")
     if max_tokens is None:  # OpenAI's default: as long as the context allows (or the server's default)
         most = min(limits.max_tokens, limits.default_max_tokens or limits.max_tokens)
         completion["max_tokens"] = max(1, min(most, limits.max_context - len(prompt_ids)))
     call = parse_completion({**completion, "prompt": prompt_ids}, limits, encode)
+    if any(variables.get(name) is False for name in THINKING_SWITCHES):
+        call = replace(call, thinking=False)  # the template switched the thinking off: all answer
     if tools is not None and tools.choice != "none":
         assert tool_format is not None
         constraint = call.constraint

@@ -170,7 +170,8 @@ class Completions:
         streams: dict[int, StreamedCalls] = {}
         if call.tools:
             streams = {r.index: StreamedCalls(call.tool_format, call.tools.parameters) for r in requests}
-        thinking = {r.index: self.reasoning.stream() for r in requests} if self.reasoning else {}
+        style = self.reasoning if call.thinking else None
+        thinking = {r.index: style.stream() for r in requests} if style else {}
         for item in self.chunks(call, requests, start):
             choices = []
             for piece in item["choices"]:
@@ -218,7 +219,7 @@ class Completions:
         for choice in answer["choices"]:
             logprobs = choice["logprobs"]
             text, reasoning = choice["text"], ""
-            if self.reasoning is not None:
+            if self.reasoning is not None and call.thinking:
                 reasoning, text = self.reasoning.split(text)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = choice["finish_reason"]

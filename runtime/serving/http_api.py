@@ -108,6 +108,7 @@ class CompletionRequest:
     constraint: Constraint | None = None  # structured outputs (response_format, structured_outputs)
     tools: Any = None  # chat: the request's ``tools.ToolRequest`` when its calls are to be parsed
     tool_format: Any = None  # ... and the model's ``tools.ToolFormat``
+    thinking: bool = True  # chat: a reasoning model thinks (chat_template_kwargs can switch it off)
 
     @property
     def max_tokens(self) -> int:

@@ -457,7 +457,8 @@ class AttentionService:
                     body, self.limits, self.chat_template, encode, self.tool_format, self.markers
                 )[0]
                 thinking = self.reasoning if self.completions is not None else None
-                if call.constraint and thinking and not self.options.structured_outputs_in_reasoning:
+                in_reasoning = self.options.structured_outputs_in_reasoning or not call.thinking
+                if call.constraint and thinking and not in_reasoning:
                     call = replace(call, constraint=thinking.answer_grammar(call.constraint, self.markers))
             else:
                 call = parse_completion(body, self.limits, encode)

@@ -240,9 +240,9 @@ def test_fields_at_their_neutral_values_or_null_are_accepted(service: AttentionS
     status, answer = http(
         "POST",
         f"{service.url}/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {"x": 1}},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logit_bias": {"5": 1}},
     )
-    assert status == 400 and answer["error"]["param"] == "chat_template_kwargs", answer
+    assert status == 400 and answer["error"]["param"] == "logit_bias", answer  # not neutral: refused
 
 
 def test_an_unknown_model_is_a_404_in_openai_shape(service: AttentionService) -> None:

@@ -660,6 +660,82 @@ def test_chat_fields_sent_as_null_or_false_count_as_not_set() -> None:
         parse_chat({"messages": messages, "ignore_eos": "false"}, Limits(256, 512, 64), template, encode)
 
 
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% if reasoning_effort %} (effort {{ reasoning_effort }}){% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs.bos_token"),
+        ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
+        ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ],
+)
+def test_bad_template_variables_are_400s_naming_them(fields: dict[str, Any], param: str) -> None:
+    from eaas.runtime.serving.chat import parse_chat
+    from eaas.runtime.serving.http_api import Limits
+
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(ApiError) as caught:
+        parse_chat(
+            body, Limits(256, 512, 64), ChatTemplate(THINKING_TEMPLATE), lambda text: list(text.encode())
+        )
+    assert caught.value.param == param
+
+
+def test_template_variables_reach_the_template_and_switch_thinking_off() -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) and OpenAI's reasoning_effort
+    (gpt-oss's template reads it) are variables of the template; thinking switched off there means
+    the answer is not split into reasoning."""
+    from eaas.runtime.serving.chat import parse_chat
+    from eaas.runtime.serving.http_api import Limits
+
+    template = ChatTemplate(THINKING_TEMPLATE)
+    body = {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}
+
+    def prompt(**fields: Any) -> tuple[str, bool]:
+        call = parse_chat(
+            {**body, **fields}, Limits(256, 512, 64), template, lambda text: list(text.encode())
+        )[0]
+        return bytes(call.prompts[0]).decode(), call.thinking
+
+    assert prompt() == ("user: hi\nassistant: (effort low)", True)
+    off = prompt(chat_template_kwargs={"enable_thinking": False})
+    assert off == ("user: hi\nassistant:<think></think> (effort low)", False)
+    assert prompt(chat_template_kwargs={"enable_thinking": True})[1] is True
+
+
+def test_thinking_switched_off_comes_back_as_content(tool_client: Any) -> None:
+    """Served with ``--reasoning-parser qwen3``: an answer with thinking switched off by the
+    request is all content, even where it reads like thinking."""
+    forced = {"structured_outputs": {"regex": "<think>\n[a-z]{2,6}\n</think>\n\n(yes|no)"}}
+    messages = [{"role": "user", "content": "no thinking"}]
+    thinking = (
+        tool_client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, seed=4, max_tokens=32, extra_body=forced
+        )
+        .choices[0]
+        .message
+    )
+    assert thinking.reasoning_content and thinking.content in ("yes", "no")
+    off = {**forced, "chat_template_kwargs": {"enable_thinking": False}}
+    answer = (
+        tool_client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, seed=4, max_tokens=32, extra_body=off
+        )
+        .choices[0]
+        .message
+    )
+    assert answer.content.startswith("<think>") and not getattr(answer, "reasoning_content", None)
+
+
 HARMONY_TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] or '' }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
