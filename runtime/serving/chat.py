@@ -69,7 +69,13 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt; `variables`: the request's own (``chat_template_kwargs``, ``reasoning_effort``)."""
+        """The prompt; `variables`: the request's own (``chat_template_kwargs``, ``reasoning_effort``),
+        which may not shadow the template's functions (``raise_exception``, ``range``, ...)."""
+        for name in variables or {}:
+            if name in self.template.environment.globals:
+                raise bad(
+                    f"chat_template_kwargs.{name}", "is a function of the chat template, not a variable"
+                )
         extra = {"tools": tools} if tools else {}
         try:
             return self.template.render(

@@ -673,6 +673,8 @@ THINKING_TEMPLATE = (
         ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
         ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs.bos_token"),
+        ({"chat_template_kwargs": {"range": "x"}}, "chat_template_kwargs.range"),
+        ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs.raise_exception"),
         ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
         ({"reasoning_effort": "max"}, "reasoning_effort"),
