@@ -110,6 +110,9 @@ class Observed:
     # the operator just now: alive, only cut off from the API server (after an outage its pods may
     # regain their path to it later than the operator), so not lost.
     answering: frozenset[int] = frozenset()
+    # The placement versions the live attention clients of the pool's MoEService route by (their
+    # Leases): a leaving server is released only once every one routes by a placement without it.
+    client_versions: tuple[int, ...] = ()
 
     def is_live(self, ordinal: int) -> bool:
         """Pod Ready and not terminating, and its heartbeat (if it keeps one) not expired."""
@@ -214,11 +217,15 @@ def plan(observed: Observed) -> Step:
 
 def _releasable(o: Observed) -> list[int]:
     """Leaving servers that neither the committed nor the pending placement names and that have
-    not been told yet: their Lease gets :data:`~eaas.runtime.contract.RELEASED_ANNOTATION`, and
-    each exits once no client holds a slot on it (its own mounted placement is frozen while its
-    pod terminates)."""
+    not been told yet, once every live attention client routes by the committed placement (a
+    client whose mounted placement lags, a new one above all, could still attach to a server an
+    older placement names): their Lease gets :data:`~eaas.runtime.contract.RELEASED_ANNOTATION`,
+    and each exits once no client holds a slot on it (its own mounted placement is frozen while
+    its pod terminates)."""
     if o.committed is None or o.placement_error:
         return []
+    if any(version < o.committed.version for version in o.client_versions):
+        return []  # a client still routes by an older placement, which may name the server
     placed = set(o.committed.ordinals) | set(o.pending.ordinals if o.pending is not None else ())
     return sorted(
         n

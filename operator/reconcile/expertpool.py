@@ -71,6 +71,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         placement_error=placement_error,
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
         heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
+        client_versions=client_versions(ctx, body, now),
     )
     observed = second_opinion(ctx, name, pod_objects, spec.port, observed)
     step = expert_step.plan(observed)
@@ -140,6 +141,22 @@ def second_opinion(
             observed.lost(n),
         )
     return replace(observed, answering=alive) if alive else observed
+
+
+def client_versions(ctx: Context, body: Mapping[str, Any], now: float) -> tuple[int, ...]:
+    """The placement versions the live attention clients of the pool's MoEService route by, from
+    their Leases (none for a pool no MoEService made)."""
+    metadata = body["metadata"]
+    service = (metadata.get("labels") or {}).get(naming.SERVICE_LABEL)
+    if not service:
+        return ()
+    selector = {naming.SERVICE_LABEL: service, naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT}
+    versions = []
+    for lease in ctx.kube.list("Lease", metadata["namespace"], selector):
+        version = _int((lease["metadata"].get("annotations") or {}).get(naming.LOADED_VERSION_ANNOTATION))
+        if version is not None and not lease_expired(lease, now):
+            versions.append(version)
+    return tuple(versions)
 
 
 def release(ctx: Context, body: Mapping[str, Any], ordinal: int, committed: Placement | None) -> None:

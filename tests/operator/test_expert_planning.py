@@ -490,6 +490,11 @@ def test_a_deleted_server_serves_on_while_its_experts_move_then_the_pool_grows_b
     after = plan(replace(world, committed=pending, reports=world.reports | leased(0, 2, 3, loaded=2)))
     assert after.delete_pods == []  # it exits on its own once no client routes to it
     assert after.release == [1]  # told so on its Lease (its mounted placement is frozen)
+    # ... but not while an attention client still routes by the placement that named it (its
+    # mounted placement lags): it could still attach to the server
+    lagging = replace(world, committed=pending, reports=world.reports | leased(0, 2, 3, loaded=2))
+    assert plan(replace(lagging, client_versions=(2, 1))).release == []
+    assert plan(replace(lagging, client_versions=(2, 2))).release == [1]
     assert after.progressing == "ScalingUp" and after.create_pods == [4]
     told = {1: replace(leaving_report(1), released=True)}
     assert plan(replace(world, committed=pending, reports=world.reports | told)).release == []
