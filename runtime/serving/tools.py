@@ -53,6 +53,10 @@ class ToolRequest:
     choice: str  # "auto", "none", "required", or the name of the function to call
     parallel: bool  # more than one call may be made
 
+    def callable(self) -> list[str]:
+        """The functions a constrained call may name: the named one, or any of the tools."""
+        return [self.choice] if self.choice in self.parameters else list(self.parameters)
+
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body; ``ApiError`` names the
@@ -158,7 +162,7 @@ class HermesFormat:
     def constraint(self, request: ToolRequest, markers: Markers) -> Constraint:
         """The grammar of one call (or, when parallel calls are allowed, one or more) to the named
         function, or to any of the tools for ``required``."""
-        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        names = request.callable()
         schema = {
             "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
             "anyOf": [
@@ -226,7 +230,7 @@ class GlmFormat:
         optionally); a string is text up to the next ``<`` (or one of its ``enum``), any other
         value JSON valid against the property's schema. Other keys, with text values, only where the
         schema's ``additionalProperties`` allows them (a function without parameters takes none)."""
-        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        names = request.callable()
         key, end_key, value, end_value = (markers(m) for m in self.markers[2:])
         rules = []
         for i, name in enumerate(names):
@@ -358,7 +362,7 @@ class SectionFormat:
     def constraint(self, request: ToolRequest, markers: Markers) -> Constraint:
         """One section of one call (or, when parallel calls are allowed, one or more) to the named
         function or to any of the tools, whose arguments validate against its schema."""
-        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        names = request.callable()
         index = ' ":" /[0-9]+/' if self.index else ""
         rules = []
         for i, name in enumerate(names):
@@ -438,7 +442,7 @@ class HarmonyFormat:
         """One call to the named function or to any of the tools, after an optional analysis, as
         gpt-oss writes calls; the arguments validate against the tool's schema. One call whatever
         ``parallel_tool_calls`` says: the model's turn ends at ``<|call|>``."""
-        names = [request.choice] if request.choice in request.parameters else list(request.parameters)
+        names = request.callable()
         rules = []
         for i, name in enumerate(names):
             schema = {
