@@ -47,6 +47,11 @@ LEAVING_ANNOTATION = f"{GROUP}/leaving-by"
 # a slot: a terminating pod's mounted ConfigMap is not refreshed any more, so its own files may
 # never say so.
 RELEASED_ANNOTATION = f"{GROUP}/released-by-placement"
+# An attention client's word on the servers it routes around now: the ordinals (comma-separated,
+# ascending) of the expert servers of its placement that it failed over and that have not rejoined.
+# Written at once when that set changes (not at the next renewal); the operator takes it as one of
+# the pieces of evidence that a server is lost (:mod:`eaas.operator.expert_step`).
+FAILED_OVER_ANNOTATION = f"{GROUP}/failed-over-servers"
 
 # Placement ConfigMap keys and mount ------------------------------------------------------------
 PLACEMENT_KEY = "placement.json"  # the committed placement: what clients route by

@@ -216,13 +216,15 @@ def lease_body(
     tokens_per_second: int | None = None,
     leaving_by: datetime | None = None,
     tpot_micros: int | None = None,
+    failed_over: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """The Lease to write: ``previous`` (as read, with its resourceVersion) renewed, or a new one.
     An attention client also gives its ``expert_wait_micros`` (:class:`ExpertWait`) and its p99
     time per output token ``tpot_micros`` (:class:`RecentP99`; None, and the annotation goes, when
     no request finished in the window), an expert server its routed ``tokens_per_second``
     (:class:`TokenRate`); a process that received SIGTERM the time it will be gone by
-    (``leaving_by``)."""
+    (``leaving_by``). An attention client gives the expert servers it routes around now
+    (``failed_over``, ordinals; empty: the annotation goes)."""
     lease: dict[str, Any] = json.loads(json.dumps(previous)) if previous else {}
     lease["apiVersion"] = "coordination.k8s.io/v1"
     lease["kind"] = "Lease"
@@ -245,6 +247,10 @@ def lease_body(
         metadata["annotations"][contract.TPOT_ANNOTATION] = str(tpot_micros)
     else:  # no reading now: an old one must not be taken for the present
         metadata["annotations"].pop(contract.TPOT_ANNOTATION, None)
+    if failed_over:
+        metadata["annotations"][contract.FAILED_OVER_ANNOTATION] = ",".join(map(str, sorted(failed_over)))
+    else:
+        metadata["annotations"].pop(contract.FAILED_OVER_ANNOTATION, None)
     if leaving_by is not None:
         metadata["annotations"][contract.LEAVING_ANNOTATION] = micro_time(leaving_by)
     else:  # a new process of the same pod name is not leaving, nor released
@@ -395,10 +401,13 @@ class Heartbeat(DaemonLoop):
         expert_wait: Callable[[], tuple[float, int]] | None = None,
         routed_tokens: Callable[[], float] | None = None,
         tpot: Callable[[], int | None] | None = None,
+        failed_over: Callable[[], tuple[int, ...]] | None = None,
     ) -> None:
         """`expert_wait`: an attention client's running (expert seconds, decoder steps); `tpot`
-        its p99 time per output token now (us, :class:`RecentP99`); `routed_tokens`: an expert
-        server's running count of (token, expert) entries computed."""
+        its p99 time per output token now (us, :class:`RecentP99`); `failed_over` the servers it
+        routes around now; `routed_tokens`: an expert server's running count of (token, expert)
+        entries computed. What changes between renewals and should reach the operator at once
+        (a client's failovers, a server's loaded placement) calls :meth:`nudge`."""
         self.settings = settings
         self.leaving_by: datetime | None = None  # set by :meth:`leave`
         self._wake = threading.Event()
@@ -407,6 +416,7 @@ class Heartbeat(DaemonLoop):
         self._expert_wait = ExpertWait(expert_wait) if expert_wait is not None else None
         self._token_rate = TokenRate(routed_tokens) if routed_tokens is not None else None
         self._tpot = tpot
+        self._failed_over = failed_over
         self._api: Any = None
         self._lease: dict[str, Any] | None = None  # as last read or written (carries resourceVersion)
         self.renewals = 0
@@ -424,6 +434,11 @@ class Heartbeat(DaemonLoop):
         self.leaving_by = by
         self._wake.set()
 
+    def nudge(self) -> None:
+        """Renew now rather than at the next interval: something the operator acts on changed
+        (any thread; nudges that come while a renewal is under way give one more renewal)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._wake.set()
         super().stop()
@@ -431,7 +446,14 @@ class Heartbeat(DaemonLoop):
     def _run(self) -> None:
         delay = 0.0
         while not self._stop.is_set():
-            self._wake.wait(delay)
+            due = time.monotonic() + delay
+            # A nudge renews at once, except while the API server refuses: then the backoff holds.
+            while (
+                self._wake.wait(max(0.0, due - time.monotonic()))
+                and self.failures
+                and not self._stop.is_set()
+            ):
+                self._wake.clear()
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -462,6 +484,7 @@ class Heartbeat(DaemonLoop):
         wait = self._expert_wait.micros() if self._expert_wait is not None else None
         tokens = self._token_rate.per_second() if self._token_rate is not None else None
         tpot = self._tpot() if self._tpot is not None else None
+        failed = self._failed_over() if self._failed_over is not None else None
         leaving = self.leaving_by
         for attempt in range(2):
             if self._lease is None:
@@ -473,7 +496,16 @@ class Heartbeat(DaemonLoop):
                     if error.status != 404:
                         raise
                     body = lease_body(
-                        self.settings, datetime.now(UTC), version, milli, None, wait, tokens, leaving, tpot
+                        self.settings,
+                        datetime.now(UTC),
+                        version,
+                        milli,
+                        None,
+                        wait,
+                        tokens,
+                        leaving,
+                        tpot,
+                        failed,
                     )
                     self._lease = response_json(
                         api.create_namespaced_lease(namespace, body, **raw_options(timeout))
@@ -482,7 +514,16 @@ class Heartbeat(DaemonLoop):
                     log.info("heartbeat: created Lease %s/%s", namespace, name)
                     return
             body = lease_body(
-                self.settings, datetime.now(UTC), version, milli, self._lease, wait, tokens, leaving, tpot
+                self.settings,
+                datetime.now(UTC),
+                version,
+                milli,
+                self._lease,
+                wait,
+                tokens,
+                leaving,
+                tpot,
+                failed,
             )
             try:
                 self._lease = response_json(

@@ -321,10 +321,13 @@ def attention_client(
             # measured per decoder step: continuous batching only (else no annotation: the size holds)
             (lambda: service.expert_wait) if service.worker is not None else None,
             tpot=service.metrics.recent_tpot.micros,
+            failed_over=service.failed_servers,
         )
         if heartbeat
         else None
     )
+    if beats is not None:  # a failover reaches the operator now, not at the next renewal
+        service.on_liveness = beats.nudge
     with service:
         if beats is not None:
             beats.start()

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +161,9 @@ class RemoteExperts:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._rejoiner: threading.Thread | None = None
+        # Called (on the generating thread) when a server fails over or rejoins: the attention
+        # client's heartbeat tells the operator at once (:attr:`failed_servers`).
+        self.on_liveness: Callable[[], None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def connect(self, require_all: bool = True) -> RemoteExperts:
@@ -188,10 +191,12 @@ class RemoteExperts:
     def close_channels(self) -> list[tuple[ServerConnection, dict[str, Any]]]:
         """Closes every channel here (no round trip to a server); returns the slots to release on
         the servers (:meth:`release`), which the caller may do on another thread: the channels'
-        transports are only ever driven by this one."""
+        transports are only ever driven by this one. The rejoin thread is not waited for: it may
+        be inside a handshake with a hung or vanished server for its whole connect timeout, and
+        the caller is the decoding thread swapping placements. A channel it opens from now on it
+        closes and releases itself (it looks at the stop flag under the lock it hands channels
+        over with)."""
         self._stop.set()
-        if self._rejoiner is not None:
-            self._rejoiner.join(timeout=5)
         with self._lock:
             pending, self._rejoined = self._rejoined, {}
             stale, self._stale_handles = self._stale_handles, {}
@@ -221,6 +226,23 @@ class RemoteExperts:
     @property
     def live_servers(self) -> list[int]:
         return [self.table.ordinals[i] for i in self.live.nonzero().squeeze(1).tolist()]
+
+    @property
+    def failed_servers(self) -> tuple[int, ...]:
+        """The servers of the placement routed around now (failed over, or unreachable when
+        connecting, and not rejoined since); none once closed. Any thread may read it."""
+        if self._stop.is_set():
+            return ()
+        live = self.live.clone()
+        return tuple(self.table.ordinals[i] for i in (~live).nonzero().squeeze(1).tolist())
+
+    def _liveness_changed(self) -> None:
+        hook = self.on_liveness
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # telling must never break the serving
+                log.exception("the liveness hook failed")
 
     # --- the MoEExecutor -------------------------------------------------------------------------
     def __call__(
@@ -422,6 +444,7 @@ class RemoteExperts:
             self.counters.failovers += 1
             log.warning("expert server %d failed (%s); failing over to replicas", conn.ordinal, reason)
             self.events.append(FailoverEvent(time.time(), "failed", conn.ordinal, reason, layer))
+            self._liveness_changed()
 
     def _await_rejoin(self, until: float) -> bool:
         """Waits until a dead server has rejoined (applied: True) or ``until`` (False)."""
@@ -454,6 +477,7 @@ class RemoteExperts:
             self.events.append(
                 FailoverEvent(time.time(), "rejoined", conn.ordinal, f"instance {conn.instance}")
             )
+            self._liveness_changed()
 
     def _rejoin_loop(self) -> None:
         while not self._stop.wait(0.05):

@@ -42,7 +42,7 @@ from eaas.runtime.transport import transport_names
 )
 @click.option(
     "--placement-poll-seconds",
-    default=1.0,
+    default=0.25,
     show_default=True,
     help="how often --placement-dir is checked for changes",
 )
@@ -182,7 +182,6 @@ def expert_server(
         raise click.ClickException(str(exc)) from exc
 
     companions: list[PlacementWatcher | Heartbeat | ClientLeaseWatch | Departure] = []
-    watcher = PlacementWatcher(server, files, placement_poll_seconds) if files is not None else None
     beats = (
         Heartbeat(
             heartbeat,
@@ -191,6 +190,11 @@ def expert_server(
             routed_tokens=server.load.total,
         )
         if heartbeat is not None
+        else None
+    )
+    watcher = (
+        PlacementWatcher(server, files, placement_poll_seconds, beats.nudge if beats is not None else None)
+        if files is not None
         else None
     )
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,12 +119,21 @@ def initial_target(files: PlacementFiles, ordinal: int) -> Target:
 class PlacementWatcher(DaemonLoop):
     """Polls a :class:`PlacementFiles` in a daemon thread and re-hosts ``server`` on changes."""
 
-    def __init__(self, server: ExpertServer, files: PlacementFiles, poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        server: ExpertServer,
+        files: PlacementFiles,
+        poll_s: float = 1.0,
+        on_version: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_version` is called after the server's placement version changed (its heartbeat
+        tells the operator at once, which commits a pending placement once all its servers did)."""
         if poll_s <= 0:
             raise ValueError(f"poll_s: must be > 0, got {poll_s}")
         self.server = server
         self.files = files
         self.poll_s = poll_s
+        self.on_version = on_version
         self._stamps: tuple[FileStamp, FileStamp] | None = None
         self._digest = ""
         self._lingering: Target | None = None  # the target whose drops wait for older clients
@@ -134,11 +144,14 @@ class PlacementWatcher(DaemonLoop):
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            version = self._version()
             try:
                 self.check()
                 self.release_lingering()
             except Exception:  # a bug here must not stop the watching, nor the serving
                 log.exception("checking the placement files failed")
+            if self._version() != version and self.on_version is not None:
+                self.on_version()
 
     def _older_clients(self, version: int) -> bool:
         oldest = self.server.oldest_client_placement()

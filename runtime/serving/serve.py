@@ -166,6 +166,9 @@ class AttentionService:
         # the experts of the last step and their expert seconds then (``_on_step``)
         self._stepped: tuple[RemoteExperts | None, float] = (None, 0.0)
         self.expert_wait: tuple[float, int] = (0.0, 0)  # every step's expert seconds, and steps (the Lease)
+        # Called when the servers routed around change (a failover, a rejoin, a new placement):
+        # the heartbeat renews at once with :meth:`failed_servers`.
+        self.on_liveness: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.metrics = AttentionMetrics(o.model_name)
@@ -291,6 +294,7 @@ class AttentionService:
             self.placement_error = f"placement file {self.placement_file.name}: {exc}"
             log.error("%s; keeping the current placement", self.placement_error)
             return
+        experts.on_liveness = self._liveness_changed
         experts.connect(require_all=False)  # unreachable servers start dead and rejoin when they answer
         log.info(
             "placement version %s read; %d of %d expert servers connected",
@@ -302,6 +306,15 @@ class AttentionService:
             stale, self._next = self._next, (placement, experts)
         if stale is not None:
             stale[1].close()
+
+    def failed_servers(self) -> tuple[int, ...]:
+        """The expert servers of the placement served now that it routes around (any thread)."""
+        experts = self.experts
+        return experts.failed_servers if experts is not None else ()
+
+    def _liveness_changed(self) -> None:
+        if self.on_liveness is not None:
+            self.on_liveness()
 
     def _failover_counts(self) -> tuple[int, int]:
         """Failovers and rejoins since start: of every placement's ``RemoteExperts`` so far."""
@@ -344,6 +357,7 @@ class AttentionService:
                     self._counts_before = (failovers + old.counters.failovers, rejoins + old.counters.rejoins)
                 self.experts, self.placement = experts, placement
             self.placement_error = ""
+            self._liveness_changed()
             if old is not None:  # channels closed here; the slots released off the worker (round trips)
                 slots = old.close_channels()
                 threading.Thread(

@@ -18,7 +18,7 @@ from datapath_helpers import in_process_servers
 
 from eaas.runtime import contract
 from eaas.runtime.client.connection import ServerConnection
-from eaas.runtime.lease import LeaseSettings, lease_body
+from eaas.runtime.lease import MIN_RETRY_S, Heartbeat, LeaseSettings, lease_body
 from eaas.runtime.model import CheckpointReader
 from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.server import ExpertServer
@@ -321,3 +321,49 @@ def test_attention_leases_carry_the_p99_time_per_output_token_of_the_window() ->
     assert measured["metadata"]["annotations"][contract.TPOT_ANNOTATION] == "20000"
     renewed = lease_body(settings, datetime.now(UTC), 3, 0, previous=measured)
     assert contract.TPOT_ANNOTATION not in renewed["metadata"]["annotations"]
+
+
+# --- telling at once ------------------------------------------------------------------------------
+class CountingHeartbeat(Heartbeat):
+    """A Heartbeat whose renewals are counted instead of written (`failing`: each one raises)."""
+
+    def __init__(self, interval_s: float, failing: bool = False) -> None:
+        super().__init__(LeaseSettings("a-0", "ns", "a", interval_s, interval_s * 3), lambda: 1, lambda: 0.0)
+        self.times: list[float] = []
+        self.failing = failing
+
+    def beat(self) -> None:
+        self.times.append(time.monotonic())
+        if self.failing:
+            raise OSError("the API server is away")
+
+
+def within(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_nudge_renews_at_once_not_at_the_next_interval() -> None:
+    """A client's failover (or a server's loaded placement) reaches its Lease now; the interval
+    still paces the renewals otherwise."""
+    with CountingHeartbeat(interval_s=30.0) as beats:
+        assert within(lambda: len(beats.times) == 1, 5)  # the first renewal: at start
+        nudged = time.monotonic()
+        beats.nudge()
+        assert within(lambda: len(beats.times) == 2, 5)
+        assert beats.times[1] - nudged < 1.0
+        time.sleep(0.3)
+        assert len(beats.times) == 2  # nothing more until the interval or the next nudge
+
+
+def test_a_nudge_does_not_hurry_the_backoff_after_api_errors() -> None:
+    with CountingHeartbeat(interval_s=30.0, failing=True) as beats:
+        assert within(lambda: len(beats.times) == 1, 5)  # failed: the next try after 0.5 s
+        beats.nudge()
+        beats.nudge()
+        assert within(lambda: len(beats.times) == 2, 5)
+        assert beats.times[1] - beats.times[0] >= MIN_RETRY_S - 0.02

@@ -80,6 +80,9 @@ def test_sigkill_mid_generation_gives_the_same_output_and_the_server_rejoins(
 ) -> None:
     want_tokens, want_logits = reference_outputs[FAMILY]
     client = client_for(healthy, transport)
+    told: list[tuple[int, ...]] = []  # what the client's heartbeat would say, each time it is nudged
+    experts = client.experts
+    experts.on_liveness = lambda: told.append(experts.failed_servers)
     try:
         kill_at_step(client, 2, lambda: healthy.kill(1))
         tokens, logits = client.generate(PROMPTS, MAX_NEW_TOKENS)
@@ -87,6 +90,7 @@ def test_sigkill_mid_generation_gives_the_same_output_and_the_server_rejoins(
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
         assert client.experts.counters.failovers == 1 and client.experts.counters.resent_entries > 0
         assert 1 not in client.experts.live_servers
+        assert told == [(1,)] and experts.failed_servers == (1,)  # said at the failover itself
 
         # The restarted server (same ports) is re-attached by handshake and used again.
         restarted = healthy.restart(1)
@@ -100,6 +104,7 @@ def test_sigkill_mid_generation_gives_the_same_output_and_the_server_rejoins(
         stats = http_json("GET", f"{restarted.url}/v1/stats")
         assert stats["instance"] == restarted.instance and stats["total_tokens"] > 0
         assert [e.kind for e in client.experts.events if e.server == 1][-1] == "rejoined"
+        assert told[-1] == () and experts.failed_servers == ()
     finally:
         client.close()
 
@@ -293,3 +298,30 @@ def test_a_server_with_another_placement_is_never_used(tiny_checkpoints: dict[st
         client = AttentionClient(checkpoint, routed, urls(servers), ClientOptions(transport="shm"))
         with pytest.raises(HandshakeError, match=r"does not host \d+ \(layer, expert\) pair"):
             client.connect()
+
+
+def test_swapping_placements_never_waits_on_a_handshake_with_a_hung_server(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    """The decoding thread closes the old placement's channels when it swaps in a new one; the
+    old placement's rejoin thread may then be inside a handshake with a hung (or vanished) server
+    for its whole connect timeout. The swap must not wait for it (a drill saw a 4 s stall)."""
+    import socket
+
+    from eaas.runtime.client.remote_experts import RemoteExperts
+
+    config = CheckpointReader(tiny_checkpoints[FAMILY]).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=2)
+    with socket.socket() as hung:  # accepts connections (the kernel's backlog), never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        options = ClientOptions(transport="tcp", connect_timeout_s=3.0, rejoin_min_s=0.0)
+        experts = RemoteExperts(config, placement, dict.fromkeys(placement.ordinals, url), options)
+        experts.connect(require_all=False)  # both dead: the rejoin thread retries at once
+        assert experts.failed_servers == placement.ordinals
+        time.sleep(0.3)  # the rejoin thread is inside a handshake now
+        started = time.monotonic()
+        slots = experts.close_channels()
+        assert time.monotonic() - started < 0.5
+        assert slots is not None and experts.failed_servers == ()
