@@ -21,11 +21,12 @@ import json
 import logging
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -76,13 +77,24 @@ def pod_control_urls(
     return urls
 
 
-def answers(url: str, timeout_s: float = 1.0) -> bool:
-    """The server at `url` answers ``/healthz`` with 200 within `timeout_s`."""
+Probe = Literal["answers", "refused", "silent"]
+PROBE_TIMEOUT_SECONDS = 0.5  # a server that answered its clients in milliseconds answers this in time
+
+
+def probe(url: str, timeout_s: float = PROBE_TIMEOUT_SECONDS) -> Probe:
+    """Asks the server at `url` for ``/healthz``: ``answers`` (200 within `timeout_s`),
+    ``refused`` (its host turned the connection away: nothing listens on the port, so the
+    process is gone), or ``silent`` (no answer in time, an error, or another status: hung, busy,
+    or cut off)."""
     try:
         with urllib.request.urlopen(f"{url}/healthz", timeout=timeout_s) as response:
-            return bool(response.status == 200)
+            return "answers" if response.status == 200 else "silent"
+    except urllib.error.URLError as error:
+        return "refused" if isinstance(error.reason, ConnectionRefusedError) else "silent"
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return False
+        return "silent"
 
 
 @dataclass

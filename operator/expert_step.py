@@ -37,7 +37,9 @@ clients route by) and, during a change, the pending one (what servers load):
   change to load and commit); only if even that cannot keep R does it serve until it goes and is
   recreated in place.
 * **re-place a lost server**: a placed server whose heartbeat stopped (its Lease expired, or its
-  pod has not been Ready for longer than the heartbeat timeout, after it once served) is drained
+  pod has not been Ready for longer than the heartbeat timeout, after it once served), or that
+  its attention clients fail over while its control port refuses connections or stays silent
+  with its Lease 1.5 intervals late (:meth:`Observed.lost` says why that suffices), is drained
   like a scale-down: pending = the placement without it, its experts re-homed on the survivors
   (R restored), any change in flight abandoned. Once that is committed its pod is deleted as a
   drained leftover, and the pool grows back to ``replicas`` one server at a time. Where the
@@ -52,14 +54,21 @@ clients route by) and, during a change, the pending one (what servers load):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
 from eaas.operator import planning
+from eaas.operator.collector import Probe
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, Observation
 from eaas.runtime.placement.placement import Placement, PlacementError
+
+# A server its clients fail over is lost once its Lease has gone unrenewed this many heartbeat
+# intervals (and its control port does not answer): half an interval late is more than the API
+# server's latency and the operator's watch lag explain, far less than the Lease's timeout.
+SUSPECT_RENEWALS = 1.5
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class ServerReport:
     owner_uid: str | None = None  # the pod the Lease belongs to (None: not recorded)
     leaving: bool = False  # the server received SIGTERM and serves on until it is drained
     released: bool = False  # the operator told it (on this Lease) that no committed placement names it
+    silent_s: float = 0.0  # since the operator saw the Lease renewed (from the end of a blind spell)
 
 
 @dataclass(frozen=True)
@@ -106,10 +116,14 @@ class Observed:
     rebalance: Placement | None = None  # a load-based proposal from the committed placement
     rebalance_message: str = ""
     heartbeat_timeout_s: float = 10.0
-    # Servers whose heartbeat lapsed (or whose pod reads not Ready) but whose control port answered
-    # the operator just now: alive, only cut off from the API server (after an outage its pods may
-    # regain their path to it later than the operator), so not lost.
-    answering: frozenset[int] = frozenset()
+    heartbeat_interval_s: float = 2.0
+    # What the servers' control ports said when the operator asked just now (a server suspected
+    # lost, or one its clients failed over): one that answers is alive (only cut off from the API
+    # server, or slow), so not lost, whatever its heartbeat; one that refuses has no process.
+    probes: Mapping[int, Probe] = field(default_factory=dict)
+    # Servers that the live attention clients of the pool's MoEService say they fail over now
+    # (their Leases' FAILED_OVER_ANNOTATION).
+    reported: frozenset[int] = frozenset()
     # The placement versions the live attention clients of the pool's MoEService route by (their
     # Leases): a leaving server is released only once every one routes by a placement without it.
     client_versions: tuple[int, ...] = ()
@@ -122,21 +136,53 @@ class Observed:
 
     def lost(self, ordinal: int) -> str:
         """Why server `ordinal` counts as lost ("" when it does not): its pod exists, the server
-        once heartbeated from that pod, and the heartbeat stopped or the pod stayed unready past
-        the timeout. A server still loading (no Lease of its own yet) is never lost."""
+        once heartbeated from that pod, its control port did not answer when asked, and
+
+        * its heartbeat stopped (the Lease expired) or its pod stayed unready past the timeout; or
+        * its clients fail it over (:attr:`reported`) and its control port refuses connections:
+          nothing listens there, the process is gone (crashed, killed, restarting); or
+        * its clients fail it over and its Lease has gone unrenewed for more than
+          :data:`SUSPECT_RENEWALS` intervals: three observers on three paths (the data path, the
+          API server, the control port) find it silent at once, which a server that is slow but
+          runs never is — its heartbeat thread renews on time and its control port answers,
+          whatever its batches take.
+
+        A server still loading (no Lease of its own yet) is never lost."""
         pod = self.pods.get(ordinal)
         report = self.reports.get(ordinal)
         if pod is None or pod.terminating or report is None:
             return ""
         if report.owner_uid is not None and pod.uid and report.owner_uid != pod.uid:
             return ""  # the Lease of an earlier pod of that name
-        if ordinal in self.answering:
+        probe = self.probes.get(ordinal)
+        if probe == "answers":
             return ""
         if report.expired:
             return f"its Lease was not renewed for {self.heartbeat_timeout_s:.0f} s"
         if not pod.ready and pod.unready_seconds > self.heartbeat_timeout_s:
             return f"its pod has not been Ready for {pod.unready_seconds:.0f} s"
+        if ordinal not in self.reported:
+            return ""
+        if probe == "refused":
+            return "its attention clients failed it over and its control port refuses connections"
+        if probe == "silent" and report.silent_s > SUSPECT_RENEWALS * self.heartbeat_interval_s:
+            return (
+                f"its attention clients failed it over, its Lease has not been renewed for "
+                f"{report.silent_s:.1f} s and its control port does not answer"
+            )
         return ""
+
+    def suspect_in(self, ordinal: int) -> float | None:
+        """Seconds until server `ordinal`, which its clients fail over, has gone unrenewed long
+        enough to count as lost if it stays silent (None when that does not apply, or the time
+        has come already: then a renewal, a report or the resync brings the next look)."""
+        report = self.reports.get(ordinal)
+        if ordinal not in self.reported or report is None or self.lost(ordinal):
+            return None
+        if self.probes.get(ordinal) == "answers" or report.expired:
+            return None
+        remaining = SUSPECT_RENEWALS * self.heartbeat_interval_s - report.silent_s
+        return remaining if remaining > 0 else None
 
     def leaving(self, ordinal: int) -> str:
         """Why server `ordinal` is leaving on purpose ("" when it is not): its pod is being
@@ -509,13 +555,19 @@ def _replace_lost(o: Observed, step: Step, lost: dict[int, str]) -> Step:
     assert o.committed is not None
     placed = o.committed.ordinals
     names = ", ".join(f"{o.pool}-{n} ({why})" for n, why in lost.items())
-    if 2 * len(lost) > len(placed) and not _one_node_lost(o, lost):
+    # A refused connection is the servers' hosts answering: the operator is not blind to them.
+    unheard = {n: why for n, why in lost.items() if o.probes.get(n) != "refused"}
+    if 2 * len(unheard) > len(placed) and not _one_node_lost(o, lost):
         message = (
-            f"{len(lost)} of {len(placed)} servers silent at once: {names}; suspecting the control "
-            "plane rather than the servers, so nothing is re-placed (clients fail over on their own)"
+            f"{len(unheard)} of {len(placed)} servers silent at once: {names}; suspecting the control "
+            "plane rather than the servers, so none is re-placed on its heartbeat alone (clients fail "
+            "over on their own)"
         )
         step.events.append(Event("HeartbeatsLost", message, "Warning"))
-        return step.working("HeartbeatsLost", message)
+        lost = {n: why for n, why in lost.items() if n not in unheard}
+        if not lost:
+            return step.working("HeartbeatsLost", message)
+        names = ", ".join(f"{o.pool}-{n} ({why})" for n, why in lost.items())
     target = o.committed
     try:
         for ordinal in lost:

@@ -9,6 +9,11 @@ Every kind gets two triggers of the same level-based reconcile:
   The ExpertPool's timer also considers a load-based rebalance (``spec.placement``), at most
   every ``rebalanceIntervalSeconds`` (:mod:`eaas.operator.collector`).
 
+ExpertPools also react to their pods' Leases (:mod:`eaas.operator.lease_watch`): a client's
+word on a failed server, a server's newly loaded placement, a server leaving. A reconcile may
+ask to be run again after a delay (:attr:`Context.recheck`): a server its clients fail over is
+looked at again when its silence would suffice to re-place it.
+
 Import this module to register the handlers (``eaas operator`` does).
 """
 
@@ -16,11 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 
+from eaas.operator import naming
 from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, GROUP, MOESERVICE, VERSION, Kind
 from eaas.operator.kube import Kube, KubeError
 from eaas.operator.metrics import default as default_metrics
@@ -96,6 +104,71 @@ _register(ATTENTIONPOOL, attentionpool.reconcile)
 _register(EXPERTPOOL, expertpool.reconcile, expertpool.resync)
 
 
+def reconcile_expert_pool(namespace: str, name: str) -> None:
+    """Reconciles the ExpertPool as it is now (read afresh), outside kopf's handlers: a Lease's
+    change or a recheck asked for it. Errors are logged; the resync timer retries."""
+    ctx = context()
+    try:
+        body = ctx.kube.get(EXPERTPOOL.kind, namespace, name)
+        if body is not None:
+            run_reconcile(EXPERTPOOL, expertpool.reconcile, body, 0)
+    except (kopf.TemporaryError, KubeError) as error:
+        logger.info("ExpertPool %s/%s: %s (the resync timer retries)", namespace, name, error)
+    except Exception:
+        logger.exception("ExpertPool %s/%s: reconcile failed (the resync timer retries)", namespace, name)
+
+
+class Rechecks:
+    """Reconciles scheduled for later, at most one per object (the earliest asked for)."""
+
+    def __init__(self) -> None:
+        self._due: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def schedule(self, kind: str, namespace: str, name: str, delay: float) -> None:
+        if kind != EXPERTPOOL.kind:
+            raise ValueError(f"rechecks are only of ExpertPools, not {kind}")
+        key, due = (kind, namespace, name), time.monotonic() + max(0.0, delay)
+        with self._lock:
+            if key in self._due and self._due[key] <= due:
+                return
+            self._due[key] = due
+        timer = threading.Timer(max(0.0, delay), self._run, args=(key, due))
+        timer.daemon = True
+        timer.start()
+
+    def _run(self, key: tuple[str, str, str], due: float) -> None:
+        with self._lock:
+            if self._due.get(key) != due:
+                return  # an earlier recheck replaced this one
+            del self._due[key]
+        reconcile_expert_pool(key[1], key[2])
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={naming.COMPONENT_LABEL: kopf.PRESENT})
+def lease_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A Lease of one of our pods changed: reconcile the ExpertPools it concerns, if any."""
+    ctx = context()
+    if type == "DELETED":
+        ctx.leases.forget(body)
+        return
+    concern = ctx.leases.seen(body, type, time.time())
+    if concern is None:
+        return
+    if concern.pool is not None:
+        names = [concern.pool]
+    else:
+        assert concern.service is not None
+        try:
+            pools = ctx.kube.list(EXPERTPOOL.kind, concern.namespace, {naming.SERVICE_LABEL: concern.service})
+        except KubeError as error:
+            logger.info("ExpertPools of MoEService %s/%s: %s", concern.namespace, concern.service, error)
+            return
+        names = [p["metadata"]["name"] for p in pools]
+    for name in names:
+        reconcile_expert_pool(concern.namespace, name)
+
+
 def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
     """Timeouts and storage prefixes (applied at startup; see :mod:`eaas.operator.main`).
 
@@ -126,4 +199,5 @@ def make_context(
         metrics=default_metrics(),
         runtime_cluster_role=runtime_cluster_role,
         operator_namespace=operator_namespace,
+        recheck=Rechecks().schedule,
     )

@@ -13,7 +13,8 @@ AttentionPool ``a``    Deployment ``a``, Service ``a``
 Expert servers and attention clients renew a ``coordination.k8s.io/v1`` Lease named after their
 Pod; an expert server writes the newest placement version whose experts it has loaded into the
 Lease annotation :data:`LOADED_VERSION_ANNOTATION` and its busy fraction into
-:data:`UTILIZATION_ANNOTATION`, its routed tokens per second into :data:`TOKEN_RATE_ANNOTATION`.
+:data:`UTILIZATION_ANNOTATION`, its routed tokens per second into :data:`TOKEN_RATE_ANNOTATION`;
+an attention client names the servers it fails over in :data:`FAILED_OVER_ANNOTATION`.
 """
 
 from __future__ import annotations

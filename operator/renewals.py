@@ -37,6 +37,19 @@ class RenewalClock:
             self._seen[(namespace, pool)] = after  # Leases gone are forgotten
         return {name: now - seen for name, (_, seen) in after.items()}
 
+    def saw(self, namespace: str, pool: str, lease: Mapping[str, Any], now: float) -> None:
+        """A Lease as a watch delivered it at `now`: a newer renewal is seen from now on (the
+        listing of the next reconcile then measures its age from when it happened, not from when
+        that reconcile ran)."""
+        name = lease["metadata"]["name"]
+        spec = lease.get("spec") or {}
+        renewed = timestamp(spec.get("renewTime") or spec.get("acquireTime")) or 0.0
+        with self._lock:
+            seen = self._seen.setdefault((namespace, pool), {})
+            before = seen.get(name)
+            if before is None or before[0] < renewed:
+                seen[name] = (renewed, now)
+
 
 def timestamp(value: str | None) -> float | None:
     """RFC 3339 (a Kubernetes Time or MicroTime) as Unix seconds; None when absent or garbled."""

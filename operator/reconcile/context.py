@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,9 +15,10 @@ from pydantic import ValidationError
 
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.builders.common import merge_patch
-from eaas.operator.collector import Rebalancer, ServerUrls, answers, pod_control_urls
+from eaas.operator.collector import Probe, Rebalancer, ServerUrls, pod_control_urls, probe
 from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube
+from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.renewals import RenewalClock
 
@@ -42,16 +44,21 @@ class Context:
     rival_writers: set[tuple[str, str]] = field(default_factory=set)
     rebalancer: Rebalancer | None = None  # created from `metrics` when not given
     server_urls: ServerUrls = pod_control_urls  # where the expert servers' control ports are
-    answers: Callable[[str], bool] = (
-        answers  # a control URL answers /healthz (a second opinion on a lapsed heartbeat)
-    )
+    # asks a control URL's /healthz: a second opinion on a lapsed heartbeat or a client's failover
+    probe: Callable[[str], Probe] = probe
     runtime_cluster_role: str | None = None  # bound to each MoEService's runtime ServiceAccount
     operator_namespace: str | None = None  # where the operator's pod runs (NetworkPolicies admit it)
     renewals: RenewalClock = field(default_factory=RenewalClock)  # when servers' Leases were seen renewed
+    leases: LeaseWatch = field(init=False)  # what each Lease said last (the Lease watch)
+    # Reconcile (kind, namespace, name) again in `delay` seconds (set by the handlers; a no-op
+    # where nothing schedules, as in tests that call the reconcilers directly).
+    recheck: Callable[[str, str, str, float], None] = lambda kind, namespace, name, delay: None
+    _probed: dict[str, tuple[float, Probe]] = field(default_factory=dict)  # url -> (when, answer)
     _locks: dict[tuple[str, str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        self.leases = LeaseWatch(self.renewals)
         if self.rebalancer is None:
             self.rebalancer = Rebalancer(self.metrics)
 
@@ -59,6 +66,22 @@ class Context:
         """One lock per object: a timer and an event handler never reconcile it at the same time."""
         with self._locks_guard:
             return self._locks.setdefault((kind, namespace, name), threading.Lock())
+
+    def ask(self, url: str, max_age_s: float) -> Probe:
+        """What the control port at `url` answers (:attr:`probe`), or answered at most
+        `max_age_s` ago: a server looked at again when its silence has lasted long enough is
+        judged at once on the answer it gave (or did not give) a moment before."""
+        now = time.monotonic()
+        with self._locks_guard:
+            for stale in [u for u, (when, _) in self._probed.items() if now - when > max(max_age_s, 60.0)]:
+                del self._probed[stale]
+            recent = self._probed.get(url)
+        if recent is not None and now - recent[0] <= max_age_s:
+            return recent[1]
+        answer = self.probe(url)
+        with self._locks_guard:
+            self._probed[url] = (time.monotonic(), answer)
+        return answer
 
     def forget(self, kind: str, namespace: str, name: str) -> None:
         with self._locks_guard:

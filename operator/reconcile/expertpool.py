@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,10 @@ from eaas.operator.status import invalid_spec
 from eaas.runtime.placement.placement import Placement, PlacementError
 
 log = logging.getLogger("eaas.operator.expertpool")
+
+RECHECK_MARGIN_S = 0.05  # a reconcile scheduled for when a reported server's silence suffices
+MAX_REPORTED = 1024  # ordinals read from one client's word
+PROBE_REUSE_S = 1.0  # a control port's answer this recent (and within a heartbeat interval) stands
 
 
 def resync(ctx: Context, body: Mapping[str, Any]) -> None:
@@ -71,10 +76,15 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         placement_error=placement_error,
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
         heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
-        client_versions=client_versions(ctx, body, now),
+        heartbeat_interval_s=spec.heartbeat.interval_seconds,
     )
+    versions, failed = clients(ctx, body, now)
+    observed = replace(observed, client_versions=versions, reported=failed)
     observed = second_opinion(ctx, name, pod_objects, spec.port, observed)
     step = expert_step.plan(observed)
+    waits = [w for n in observed.reported if (w := observed.suspect_in(n)) is not None]
+    if waits:  # a server its clients fail over may count as lost soon: look again then
+        ctx.recheck(EXPERTPOOL.kind, namespace, name, min(waits) + RECHECK_MARGIN_S)
     if rebalance and committed is not None and expert_step.idle(step):
         proposal = propose_rebalance(ctx, (namespace, name), spec, committed, pod_objects)
         if proposal is not None:
@@ -101,6 +111,14 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         if not acted and (reported.get("reason"), reported.get("message")) == (event.reason, event.message):
             continue  # a standing problem (e.g. PlacementFailed) is reported once, not every resync
         ctx.post_event(body, event.type, event.reason, event.message)
+        log.log(
+            logging.WARNING if event.type == "Warning" else logging.INFO,
+            "ExpertPool %s/%s: %s: %s",
+            namespace,
+            name,
+            event.reason,
+            event.message,
+        )
 
     live = [n for n in pods if not pods[n].terminating]
     live_servers = {n for n in (committed.ordinals if committed else ()) if observed.is_serving(n)}
@@ -123,40 +141,64 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
 def second_opinion(
     ctx: Context, pool: str, pods: Sequence[Mapping[str, Any]], port: int, observed: expert_step.Observed
 ) -> expert_step.Observed:
-    """Before a server counts as lost for its lapsed heartbeat (or its pod reading not Ready), ask
-    its control port: one that answers is alive and only cut off from the API server (after an
-    outage, the pods' path to it can come back later than the operator's), so it is not re-placed.
-    A hung or dead server does not answer."""
-    placed = observed.committed.ordinals if observed.committed is not None else ()
-    suspects = [n for n in placed if observed.lost(n)]
+    """Ask the control port of each server that its heartbeat alone would call lost (a lapsed
+    Lease, a pod reading not Ready) and of each server its clients fail over. One that answers
+    is alive (cut off from the API server: after an outage, the pods' path to it can come back
+    later than the operator's; or slow), so it is not re-placed; one whose host refuses the
+    connection has no process listening; a hung one does not answer (``silent``). An answer the
+    operator got within the last heartbeat interval (at most :data:`PROBE_REUSE_S`) is taken
+    again rather than asked anew."""
+    if observed.committed is None:
+        return observed
+    # The servers of the placement being loaded, else served: one a pending change leaves out
+    # already is not acted on, so asking it would only slow the reconcile down.
+    placed = (observed.pending or observed.committed).ordinals
+    suspects = [n for n in placed if observed.lost(n) or n in observed.reported]
     if not suspects:
         return observed
     urls = collector.pod_control_urls(pool, pods, port, ready_only=False)
-    alive = frozenset(n for n in suspects if n in urls and ctx.answers(urls[n]))
-    for n in sorted(alive):
-        log.warning(
-            "expert server %s-%d: %s, but it answers on its control port: alive, not re-placed",
-            pool,
-            n,
-            observed.lost(n),
-        )
-    return replace(observed, answering=alive) if alive else observed
+    asked = [n for n in suspects if n in urls]
+    reuse = min(PROBE_REUSE_S, observed.heartbeat_interval_s)
+    with ThreadPoolExecutor(max_workers=min(8, len(asked) or 1)) as pool_:
+        probes = dict(zip(asked, pool_.map(lambda n: ctx.ask(urls[n], reuse), asked), strict=True))
+    for n in sorted(asked):
+        if probes[n] == "answers" and (why := observed.lost(n)):
+            log.warning(
+                "expert server %s-%d: %s, but it answers on its control port: alive, not re-placed",
+                pool,
+                n,
+                why,
+            )
+    return replace(observed, probes=probes)
 
 
-def client_versions(ctx: Context, body: Mapping[str, Any], now: float) -> tuple[int, ...]:
-    """The placement versions the live attention clients of the pool's MoEService route by, from
-    their Leases (none for a pool no MoEService made)."""
+def clients(ctx: Context, body: Mapping[str, Any], now: float) -> tuple[tuple[int, ...], frozenset[int]]:
+    """What the live attention clients of the pool's MoEService say on their Leases: the placement
+    versions they route by, and the servers they fail over now (none for a pool no MoEService
+    made)."""
     metadata = body["metadata"]
     service = (metadata.get("labels") or {}).get(naming.SERVICE_LABEL)
     if not service:
-        return ()
+        return (), frozenset()
     selector = {naming.SERVICE_LABEL: service, naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT}
     versions = []
+    reported: set[int] = set()
     for lease in ctx.kube.list("Lease", metadata["namespace"], selector):
-        version = _int((lease["metadata"].get("annotations") or {}).get(naming.LOADED_VERSION_ANNOTATION))
-        if version is not None and not lease_expired(lease, now):
+        if lease_expired(lease, now):
+            continue
+        annotations = lease["metadata"].get("annotations") or {}
+        version = _int(annotations.get(naming.LOADED_VERSION_ANNOTATION))
+        if version is not None:
             versions.append(version)
-    return tuple(versions)
+        reported |= failed_over(annotations.get(naming.FAILED_OVER_ANNOTATION))
+    return tuple(versions), frozenset(reported)
+
+
+def failed_over(value: str | None) -> frozenset[int]:
+    """The ordinals of a client's FAILED_OVER_ANNOTATION (what does not parse is left out: a
+    garbled word of one client must not make the operator act, nor stop it)."""
+    ordinals = (_int(part.strip()) for part in (value or "").split(",")[:MAX_REPORTED])
+    return frozenset(n for n in ordinals if n is not None and n >= 0)
 
 
 def release(ctx: Context, body: Mapping[str, Any], ordinal: int, committed: Placement | None) -> None:
@@ -265,6 +307,8 @@ def server_reports(
             expired = now > max(seen, blind_until) + duration
         else:
             expired = lease_expired(lease, now, blind_until)
+            spec = lease.get("spec") or {}
+            seen = timestamp(spec.get("renewTime") or spec.get("acquireTime")) or 0.0
         annotations = lease["metadata"].get("annotations") or {}
         owners = [
             r.get("uid") for r in lease["metadata"].get("ownerReferences") or [] if r.get("kind") == "Pod"
@@ -277,6 +321,7 @@ def server_reports(
             owner_uid=owners[0] if owners else None,
             leaving=naming.LEAVING_ANNOTATION in annotations,
             released=naming.RELEASED_ANNOTATION in annotations,
+            silent_s=max(0.0, now - max(seen, blind_until)),
         )
     return reports
 

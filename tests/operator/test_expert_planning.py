@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eaas.operator import planning
+from eaas.operator.collector import Probe
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY
 from eaas.operator.expert_step import (
     Observed,
@@ -618,8 +619,85 @@ def test_a_server_that_answers_on_its_control_port_is_not_lost_for_a_lapsed_hear
         pods=with_uids(pods(0, 1, 2)), committed=placement(3), reports=leased(0, 1, 2, expired=(1,))
     )
     assert plan(world).progressing == "ReplacingLost"
-    vouched = plan(replace(world, answering=frozenset({1})))
+    vouched = plan(replace(world, probes={1: "answers"}))
     assert vouched.publish is None and vouched.progressing != "ReplacingLost"
+
+
+def silent_for(seconds: dict[int, float], *ordinals: int) -> dict[int, ServerReport]:
+    """Live Leases of `ordinals`, each unrenewed for `seconds` (0 where not given)."""
+    return {n: replace(report, silent_s=seconds.get(n, 0.0)) for n, report in leased(*ordinals).items()}
+
+
+def three_serving(silent: dict[int, float], **more: object) -> Observed:
+    """Servers 0-2 serving placement v1, 1 s heartbeats (5 s timeout), Leases unrenewed for `silent`."""
+    return observed(
+        pods=with_uids(pods(0, 1, 2)),
+        committed=placement(3),
+        reports=silent_for(silent, 0, 1, 2),
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=5.0,
+        **more,
+    )
+
+
+def test_a_server_its_clients_fail_over_is_lost_at_once_when_its_port_refuses() -> None:
+    """SIGKILL: the clients' sockets close, they fail it over and say so on their Leases; the
+    operator's probe of its control port is refused (nothing listens): lost now, though its Lease
+    was renewed a moment ago and would not expire for seconds."""
+    world = three_serving({1: 0.2})
+    assert plan(world).publish is None  # nobody reported it: the Lease alone decides
+    assert plan(replace(world, probes={1: "refused"})).publish is None  # a refusal nobody reported
+    step = plan(replace(world, reported=frozenset({1}), probes={1: "refused"}))
+    assert step.progressing == "ReplacingLost"
+    assert step.publish is not None and step.publish[1] is not None and step.publish[1].ordinals == (0, 2)
+    check_invariants(step.publish[1], SHAPE)
+    assert "p-1 (its attention clients failed it over and its control port refuses" in step.events[0].message
+
+
+def test_a_hung_server_its_clients_fail_over_is_lost_once_its_lease_is_late_by_half_an_interval() -> None:
+    """SIGSTOP: the port accepts but nothing answers (silent). Lost once its Lease has gone
+    unrenewed for more than 1.5 intervals, not after the whole timeout; until then the operator
+    asks to look again when that time comes."""
+    late = three_serving({1: 1.2}, reported=frozenset({1}), probes={1: "silent"})
+    assert plan(late).publish is None and late.lost(1) == ""
+    assert late.suspect_in(1) == pytest.approx(0.3)
+    later = replace(late, reports=silent_for({1: 1.6}, 0, 1, 2))
+    step = plan(later)
+    assert step.progressing == "ReplacingLost" and later.suspect_in(1) is None
+    assert (
+        "its Lease has not been renewed for 1.6 s and its control port does not answer"
+        in step.events[0].message
+    )
+    # Unasked (no probe yet: no URL), or silent without a client's word: not lost before the timeout.
+    assert plan(replace(later, probes={})).publish is None
+    assert plan(replace(later, reported=frozenset())).publish is None
+
+
+def test_a_slow_server_its_clients_fail_over_is_not_lost_while_it_renews_or_answers() -> None:
+    """A server whose batches take long (or whose data path is cut) but whose process runs: its
+    heartbeat renews on time and its control port answers, so a client's word alone moves nothing."""
+    renewing = three_serving({1: 0.9}, reported=frozenset({1}), probes={1: "silent"})
+    assert plan(renewing).publish is None  # its Lease keeps being renewed: never 1.5 intervals late
+    answering = replace(renewing, reports=silent_for({1: 30.0}, 0, 1, 2), probes={1: "answers"})
+    assert plan(answering).publish is None and answering.suspect_in(1) is None
+
+
+def test_refused_servers_are_acted_on_even_when_more_than_half_are_silent() -> None:
+    """The outage guard holds back what rests on heartbeats; a refused connection is the server's
+    host answering, so those are re-placed, and only those."""
+    world = observed(
+        desired_replicas=5,
+        pods=with_uids(pods(0, 1, 2, 3, 4)),
+        committed=placement(5),
+        reports=leased(0, 1, 2, 3, 4, expired=(0, 1, 2, 3)),
+    )
+    assert plan(world).progressing == "HeartbeatsLost"
+    probes: dict[int, Probe] = {0: "refused", 1: "silent", 2: "silent", 3: "silent"}
+    refused = plan(replace(world, reported=frozenset({0}), probes=probes))
+    assert refused.progressing == "ReplacingLost"
+    assert refused.publish is not None and refused.publish[1] is not None
+    assert refused.publish[1].ordinals == (1, 2, 3, 4)
+    assert [e.reason for e in refused.events] == ["HeartbeatsLost", "ServerLost"]
 
 
 def test_a_pending_placement_is_spread_over_its_servers_nodes_before_it_is_committed() -> None:

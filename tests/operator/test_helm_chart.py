@@ -38,7 +38,8 @@ EXPECTED_RULES = {
     ("", "secrets"): {"create"},  # the data-token Secret: created once, never read
     ("apps", "deployments"): {"create", "patch"},
     ("policy", "poddisruptionbudgets"): {"create", "patch"},  # one server or attention pod evicted at a time
-    ("coordination.k8s.io", "leases"): {"list", "patch"},  # patch: a leaving server is told it may go
+    # patch: a leaving server is told it may go; watch: a client's failover, a server's loaded placement
+    ("coordination.k8s.io", "leases"): {"list", "watch", "patch"},
     ("autoscaling", "horizontalpodautoscalers"): {"list"},  # an HPA on a pool the operator scales
     ("networking.k8s.io", "networkpolicies"): {"create", "patch", "delete"},
     ("", "events"): {"create"},

@@ -5,6 +5,7 @@ published as pending.json with an Event and a metric. The API server is an in-me
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from test_rebalance import FakeServers, counts
 from eaas.operator import naming
 from eaas.operator.api import ExpertPoolSpec
 from eaas.operator.builders import expertpool as build
-from eaas.operator.collector import Rebalancer
+from eaas.operator.collector import Probe, Rebalancer
 from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.reconcile import expertpool
 from eaas.operator.reconcile.context import Context
@@ -170,12 +171,26 @@ def test_the_operator_asks_a_silent_servers_control_port_before_it_counts_it_los
     world = expert_step.Observed("p", 3, shape, "", states, committed, None, reports)
     asked: list[str] = []
 
-    def answering(url: str) -> bool:
+    def answering(url: str) -> Probe:
         asked.append(url)
-        return True
+        return "answers"
 
-    context = Context(kube=MemoryKube(), metrics=OperatorMetrics(CollectorRegistry()), answers=answering)  # type: ignore[arg-type]
+    context = Context(kube=MemoryKube(), metrics=OperatorMetrics(CollectorRegistry()), probe=answering)  # type: ignore[arg-type]
     vouched = second_opinion(context, "p", [pod(0), pod(1), pod(2)], 9100, world)
-    assert asked == ["http://10.0.0.2:9100"] and vouched.answering == frozenset({1})  # only the suspect
-    context.answers = lambda url: False
-    assert second_opinion(context, "p", [pod(0), pod(1), pod(2)], 9100, world).answering == frozenset()
+    assert asked == ["http://10.0.0.2:9100"] and vouched.probes == {1: "answers"}  # only the suspect
+    context.probe = lambda url: "silent"
+    # An answer of the last second stands (a recheck judges at once); then the port is asked again.
+    assert second_opinion(context, "p", [pod(0), pod(1), pod(2)], 9100, world).probes == {1: "answers"}
+    later = replace(world, heartbeat_interval_s=0.0)  # nothing is recent enough
+    assert second_opinion(context, "p", [pod(0), pod(1), pod(2)], 9100, later).probes == {1: "silent"}
+    # A server its clients fail over is asked too, though its heartbeat is fine.
+    asked.clear()
+    context.probe = answering
+    world = later
+    reported = second_opinion(
+        context, "p", [pod(0), pod(1), pod(2)], 9100, replace(world, reported=frozenset({2}))
+    )
+    assert sorted(asked) == ["http://10.0.0.2:9100", "http://10.0.0.3:9100"] and set(reported.probes) == {
+        1,
+        2,
+    }

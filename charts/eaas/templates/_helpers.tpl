@@ -89,11 +89,12 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create", "patch"]
-# Heartbeats of the servers: expiry, loaded placement version, utilisation; and a leaving server's
-# Lease is told (patch) when no committed placement names it any more.
+# Heartbeats of the servers: expiry, loaded placement version, utilisation; a leaving server's
+# Lease is told (patch) when no committed placement names it any more; the pods' Leases are
+# watched so that a client's failover, a server's loaded placement or its leaving is acted on now.
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["list", "patch"]
+  verbs: ["list", "watch", "patch"]
 # The data-token Secret of each MoEService: created once, never read, listed or changed.
 - apiGroups: [""]
   resources: ["secrets"]

@@ -210,6 +210,7 @@ CRASH_WINDOW_S = 1.5
 # these two cores (an interpreter and torch, while the control plane handles the pod's status; on
 # a cluster it starts on another GPU's host): docs/benchmarks.md records both.
 CRASH_STALL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 5  # the drills' Leases (renewed every second)
 RECOVERY_STALL_S = 2.0
 
 
@@ -356,10 +357,14 @@ def completions_equal_reference(system: System, requests: int = 8) -> list[Outco
     return load.outcomes
 
 
-def drill(system: System, victim: Any, act: Any, name: str, timeout: float = 180) -> tuple[float, float]:
-    """Run `act` on `victim` (an expert pod) under load; returns (the crash's stall, baseline): the
-    longest wait for a chunk that overlapped the strike's first CRASH_WINDOW_S, and in the seconds
-    before it. The whole drill's longest wait is held to RECOVERY_STALL_S over the baseline here."""
+def drill(
+    system: System, victim: Any, act: Any, name: str, timeout: float = 180
+) -> tuple[float, float, float | None]:
+    """Run `act` on `victim` (an expert pod) under load; returns (the crash's stall, baseline,
+    replaced): the longest wait for a chunk that overlapped the strike's first CRASH_WINDOW_S, and
+    in the seconds before it; and the seconds from the strike until a placement without the victim
+    was committed (None: none was). The whole drill's longest wait is held to RECOVERY_STALL_S
+    over the baseline here."""
     restarts = victim.status.container_statuses[0].restart_count
 
     def recovered() -> bool:
@@ -427,7 +432,7 @@ def drill(system: System, victim: Any, act: Any, name: str, timeout: float = 180
     )
     system.check(outcomes)
     assert during < baseline + RECOVERY_STALL_S
-    return crash, baseline
+    return crash, baseline, (without - struck if without is not None else None)
 
 
 def sigkill_drill(system: System, name: str = "drill 2 (SIGKILL)") -> None:
@@ -435,8 +440,9 @@ def sigkill_drill(system: System, name: str = "drill 2 (SIGKILL)") -> None:
     replicas take its share at once, the kubelet restarts it."""
     victim = system.expert_pods()[1]
     pid = system.pid_of(victim)
-    crash, baseline = drill(system, victim, lambda: os.kill(pid, signal.SIGKILL), name)
+    crash, baseline, replaced = drill(system, victim, lambda: os.kill(pid, signal.SIGKILL), name)
     assert crash < baseline + CRASH_STALL_S  # target: a crash stalls decoding at most 1 s
+    assert_replaced_on_the_clients_word(replaced, name)
 
 
 def sigstop_drill(system: System, name: str = "drill 3 (SIGSTOP)") -> None:
@@ -446,11 +452,24 @@ def sigstop_drill(system: System, name: str = "drill 3 (SIGSTOP)") -> None:
     victim = system.expert_pods()[2]
     pid = system.pid_of(victim)
     try:
-        crash, baseline = drill(system, victim, lambda: os.kill(pid, signal.SIGSTOP), name, 240)
+        crash, baseline, replaced = drill(system, victim, lambda: os.kill(pid, signal.SIGSTOP), name, 240)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     assert crash < baseline + 2.0  # target: a hang stalls decoding at most 2 s
+    assert_replaced_on_the_clients_word(replaced, name)
+
+
+def assert_replaced_on_the_clients_word(replaced: float | None, name: str) -> None:
+    """The placement without the victim was committed before its Lease could have expired: the
+    operator acted on its clients' word (issue 30's targets, 1.5 s after a SIGKILL and 2.5 s after
+    a SIGSTOP, are printed by :func:`drill` and recorded in docs/benchmarks.md; a shared CI machine
+    is held to the bound that tells the two paths apart)."""
+    assert replaced is not None, f"{name}: no placement without the victim was committed"
+    assert replaced < HEARTBEAT_TIMEOUT_S, (
+        f"{name}: the placement without the victim was committed {replaced:.1f} s after the strike, "
+        f"not before its Lease ({HEARTBEAT_TIMEOUT_S} s) could expire"
+    )
 
 
 def ready(pod: Any) -> bool:
@@ -521,7 +540,7 @@ def deploy(
     manifest = copy.deepcopy(tiny_gpu_manifest())
     manifest["spec"]["expertPool"]["gpusPerPod"] = 0  # the processes compute on CPU here
     manifest["spec"]["model"]["checkpoint"] = {"hostPath": {"path": str(checkpoint)}}
-    manifest["spec"]["heartbeat"] = {"intervalSeconds": 1, "timeoutSeconds": 5}
+    manifest["spec"]["heartbeat"] = {"intervalSeconds": 1, "timeoutSeconds": HEARTBEAT_TIMEOUT_S}
     # Load-based rebalancing only where a drill asks for it: elsewhere a rebalance would be a
     # change the drill did not make.
     manifest["spec"]["placement"] = {"rebalanceIntervalSeconds": 0}
