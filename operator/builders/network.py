@@ -1,8 +1,9 @@
 """MoEService → its two NetworkPolicies: who may reach the expert servers and the attention clients.
 
 * ``<m>-expert-servers``: the control and data ports only from this MoEService's attention pods;
-  the control port also from the operator's pod (it reads ``/v1/stats`` to rebalance) and from
-  the monitoring namespaces (``/metrics``). Nothing else, other MoEServices included.
+  the control port also from the operator's pod (it reads ``/v1/stats`` to rebalance), from the
+  monitoring namespaces (``/metrics``) and from the pool's other expert servers (a new server
+  fetches the experts they hold, ``/v1/experts``). Nothing else, other MoEServices included.
 * ``<m>-attention``: the API port from anywhere, or only from this namespace and the namespaces
   listed (plus monitoring).
 * With transport ``nixl``, each also admits UCX's TCP port range (``spec.ucx``) from the other
@@ -72,6 +73,7 @@ def network_policies(
         expert_ingress.append({"from": [operator], "ports": _ports(control)})
     if monitoring:
         expert_ingress.append({"from": monitoring, "ports": _ports(control)})
+    expert_ingress.append({"from": [{"podSelector": {"matchLabels": expert_pods}}], "ports": _ports(control)})
 
     api = _ports(spec.attention_pool.port)
     allowed = spec.network_policy.api_from_namespaces

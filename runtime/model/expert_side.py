@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -111,19 +111,13 @@ class ExpertStack:
         """
         config = reader.config
         pairs = sorted(set(pairs))
-        for layer, expert in pairs:
-            if not config.is_moe_layer(layer) or not 0 <= expert < config.num_experts:
-                raise ValueError(
-                    f"(layer={layer}, expert={expert}) is not a routed expert of this model "
-                    f"(MoE layers {config.num_dense_layers}..{config.num_layers - 1}, "
-                    f"experts 0..{config.num_experts - 1})"
-                )
+        cls.check_pairs(config, pairs)
         parts = {
             (part.name, part.index): (part, group)
             for group, pair in enumerate(pairs)
             for part in expert_parts(config, *pair)
         }
-        dt = dtype or (reader.stored_dtype(next(iter(parts))[0]) if parts else torch.float32)
+        dt = cls.loaded_dtype(reader, pairs, dtype)
         fp8_block = _fp8_block(reader) if keep_fp8 else None
         if fp8_block:
             for (name, index), (part, group) in list(parts.items()):
@@ -151,6 +145,33 @@ class ExpertStack:
                 "loaded %d experts: %.1f MiB in %.2f s (%.2f GB/s)", len(pairs), mib, stack.load_seconds, rate
             )
         return stack
+
+    @staticmethod
+    def check_pairs(config: MoEConfig, pairs: Iterable[ExpertKey]) -> None:
+        """Raises ``ValueError`` naming the first pair that is not a routed expert of the model."""
+        for layer, expert in pairs:
+            if not config.is_moe_layer(layer) or not 0 <= expert < config.num_experts:
+                raise ValueError(
+                    f"(layer={layer}, expert={expert}) is not a routed expert of this model "
+                    f"(MoE layers {config.num_dense_layers}..{config.num_layers - 1}, "
+                    f"experts 0..{config.num_experts - 1})"
+                )
+
+    @staticmethod
+    def loaded_dtype(
+        reader: CheckpointReader, pairs: Sequence[ExpertKey], dtype: torch.dtype | None
+    ) -> torch.dtype:
+        """The dtype :meth:`load` gives `pairs` (`dtype`, else as the checkpoint stores them)."""
+        if dtype is not None:
+            return dtype
+        if not pairs:
+            return torch.float32
+        return reader.stored_dtype(expert_parts(reader.config, *min(pairs))[0].name)
+
+    @staticmethod
+    def fp8_block(reader: CheckpointReader, keep_fp8: bool) -> tuple[int, int] | None:
+        """The FP8 block :meth:`load` keeps the weights in (None: dequantised)."""
+        return _fp8_block(reader) if keep_fp8 else None
 
     def _place(self, group: int, part: ExpertPart, tensor: torch.Tensor) -> None:
         i = self.config.expert_intermediate_size

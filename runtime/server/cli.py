@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -99,6 +100,22 @@ from eaas.runtime.transport import transport_names
 @click.option(
     "--exit-with-parent", type=int, default=None, hidden=True, help="stop when this parent pid is gone"
 )
+@click.option(
+    "--peers-service",
+    envvar=contract.ENV_EXPERT_SERVICE,
+    show_envvar=True,
+    default=None,
+    help="fetch the experts other servers of the placement hold from them, at "
+    "<pool>-<ordinal>.<this headless Service>:<control port> (set in pods; without it, or where no "
+    "live server holds a pair, experts are read from the checkpoint)",
+)
+@click.option(
+    "--peer",
+    "peer_specs",
+    multiple=True,
+    metavar="ORDINAL=URL",
+    help="a peer's control URL (repeatable; outside Kubernetes, instead of --peers-service)",
+)
 @drain_timeout_option(
     "with --placement-dir, serve on until no placement names this server and no client holds a slot"
 )
@@ -124,6 +141,8 @@ def expert_server(
     threads: int | None,
     ready_file: Path | None,
     exit_with_parent: int | None,
+    peers_service: str | None,
+    peer_specs: tuple[str, ...],
     drain_timeout_seconds: float,
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
@@ -139,6 +158,7 @@ def expert_server(
     from eaas.runtime.server.departure import Departure
     from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
     from eaas.runtime.server.loop import LoopOptions
+    from eaas.runtime.server.peers import holders_in
     from eaas.runtime.server.placement_watch import PlacementFiles, PlacementWatcher, initial_target
 
     if (placement_path is None) == (placement_dir is None):
@@ -151,14 +171,20 @@ def expert_server(
     if threads is not None:
         torch.set_num_threads(threads)
     files = PlacementFiles(placement_dir) if placement_dir is not None else None
+    tokens = data_tokens_from(data_tokens, data_token_file)
+    peers = peer_source(ordinal, peers_service, peer_specs, control_port, tokens)
     try:
         if files is not None:
             target = initial_target(files, ordinal)
             hosted, version = tuple(sorted(target.pairs)), target.version
+            if peers is not None:
+                peers.follow(holders_in(*files.read()))
         else:
             assert placement_path is not None
             placement = Placement.from_json(placement_path.read_text())
             hosted, version = tuple(placement.experts_of(ordinal)), placement.version
+            if peers is not None:
+                peers.follow(holders_in(placement, None))
         server = ExpertServer(
             ServerConfig(
                 checkpoint,
@@ -175,7 +201,8 @@ def expert_server(
                 dtype=dtype,
                 device=device,
                 loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
-                data_tokens=data_tokens_from(data_tokens, data_token_file),
+                data_tokens=tokens,
+                peers=peers,
             )
         )
     except (PlacementError, ValueError, OSError) as exc:
@@ -263,3 +290,36 @@ def expert_server(
     finally:
         for companion in companions:
             companion.stop()
+
+
+def peer_source(
+    ordinal: int, service: str | None, specs: tuple[str, ...], control_port: int, tokens: Any
+) -> Any:
+    """The ``PeerSource`` of ``--peers-service``/``--peer`` (None: experts come from the checkpoint)."""
+    from eaas.runtime.server.peers import PeerSource
+    from eaas.runtime.serving.serve import expert_urls
+
+    urls: dict[int, str] = {}
+    for spec in specs:
+        number, sep, url = spec.partition("=")
+        if not sep or not number.strip().isdigit() or not url.startswith("http://"):
+            raise click.BadParameter(f"expected ORDINAL=http://HOST:PORT, got {spec!r}", param_hint="--peer")
+        urls[int(number)] = url.rstrip("/")
+    if service:
+        if control_port <= 0:
+            raise click.BadParameter(
+                "needs a fixed --control-port (the peers' port)", param_hint="--peers-service"
+            )
+        try:
+            expert_urls([], service, control_port)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--peers-service") from exc
+    if not urls and not service:
+        return None
+
+    def url_of(n: int) -> str | None:
+        if n in urls:
+            return urls[n]
+        return expert_urls([n], service, control_port)[n] if service else None
+
+    return PeerSource(url_of, ordinal, tokens)

@@ -10,14 +10,16 @@
 | GET | ``/v1/slots`` | attached slots and their states |
 | POST | ``/v1/slots`` | ``{"client_id", "transport", "placement_version"?, "lease"?, "offer"?}`` → 201 |
 | DELETE | ``/v1/slots/<transport>/<slot>[?client_id=<id>]`` | release a slot → 204 (404 if not attached) |
+| GET | ``/v1/experts?pairs=L:E,...`` | the weights of the pairs it hosts, for a peer (see ``peers.py``) |
 
 A DELETE that names ``client_id`` frees the slot only while that client holds it (404 otherwise): a
 release that arrives after the client's connection broke and the slot went to another client
 frees nothing. A POST answers 503 when every slot is taken, 400 when a field (or the transport's
 offer) is wrong.
 
-With data tokens configured, the three ``/v1/slots`` routes need ``Authorization: Bearer <token>``:
-without it they answer 401 and allocate, release and reveal nothing. The handle a granted slot
+With data tokens configured, the three ``/v1/slots`` routes and ``/v1/experts`` need
+``Authorization: Bearer <token>``: without it they answer 401 and allocate, release and reveal
+nothing. The handle a granted slot
 returns carries what its transport needs to use that slot only (the tcp hello's per-slot token),
 so a slot id alone is worth nothing. ``offer`` is what a transport needs from the client before it
 grants a slot (``nixl``: the client's agent metadata and answer area); one that cannot be used is
@@ -38,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.httpd import BackgroundServer, HttpError, JsonHandler
+from eaas.runtime.server.peers import Offer, parse_pairs
 
 # A Kubernetes object name (DNS subdomain): what a client may give as its Lease.
 LEASE_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -65,6 +68,7 @@ class ControlTarget(Protocol):
         offer: dict[str, Any] | None = None,
     ) -> dict[str, Any]: ...
     def detach(self, transport: str, slot: int, client_id: str | None = None) -> bool: ...
+    def experts(self, pairs: list[tuple[int, int]]) -> Offer: ...
 
 
 def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
@@ -79,7 +83,7 @@ def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
             return body
 
         def dispatch(self, method: str, path: str) -> None:
-            if path.startswith("/v1/slots") and tokens.required:
+            if (path.startswith("/v1/slots") or path == "/v1/experts") and tokens.required:
                 try:
                     allowed = tokens.allows(self.headers.get("Authorization"))
                 except (OSError, ValueError) as exc:  # the token file went away or is empty
@@ -140,6 +144,17 @@ def _handler(target: ControlTarget, tokens: Tokens) -> type[JsonHandler]:
                     held = f" held by {holder}" if holder else ""
                     raise ControlError(HTTPStatus.NOT_FOUND, f"no attached {parts[3]} slot {parts[4]}{held}")
                 self.send_bytes(HTTPStatus.NO_CONTENT, b"", "text/plain")
+            elif method == "GET" and path == "/v1/experts":
+                try:
+                    pairs = parse_pairs(urllib.parse.urlsplit(self.path).query)
+                except ValueError as exc:
+                    raise ControlError(HTTPStatus.BAD_REQUEST, str(exc)) from exc
+                offer = target.experts(pairs)
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(offer.length))
+                self.end_headers()
+                offer.write(self.wfile)
             else:
                 raise ControlError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
 

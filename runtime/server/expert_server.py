@@ -34,7 +34,8 @@ from eaas.runtime.server.batch import warm_up
 from eaas.runtime.server.control import ControlError, ControlServer
 from eaas.runtime.server.loop import LoopOptions, ServerLoop
 from eaas.runtime.server.metrics import ServerMetrics
-from eaas.runtime.server.restack import hosted_layers, restack
+from eaas.runtime.server.peers import Offer, PeerSource
+from eaas.runtime.server.restack import hosted_layers, load_experts, restack
 from eaas.runtime.server.stats import LoadCounter
 from eaas.runtime.transport import (
     OfferRefused,
@@ -83,6 +84,7 @@ class ServerConfig:
     device: str = "cpu"  # where the experts live and compute: "cpu", "cuda" or "cuda:N"
     loop: LoopOptions = field(default_factory=LoopOptions)
     data_tokens: Tokens = field(default_factory=Tokens)  # bearer tokens the slot routes require (none: open)
+    peers: PeerSource | None = None  # live servers to fetch experts from before the checkpoint
 
 
 class ExpertServer:
@@ -105,7 +107,9 @@ class ExpertServer:
         reader = CheckpointReader(config.checkpoint)
         self.model = reader.config
         dtype = DTYPES[config.dtype] if config.dtype and not keep_fp8 else None
-        stack = ExpertStack.load(reader, config.hosted, dtype=dtype, progress=True, keep_fp8=keep_fp8)
+        stack, self.from_peers = load_experts(
+            reader, config.hosted, dtype, keep_fp8, config.peers, progress=True
+        )
         stack = stack.to(self.device)
         self._warm_up(stack, config.kernel_backend, config.max_tokens)
         capacity = slot_capacity_bytes(config.max_tokens, self.model.top_k, self.model.hidden_size)
@@ -193,7 +197,7 @@ class ExpertServer:
         with self._rehost_lock:
             old = self.stack
             reader = CheckpointReader(self.config.checkpoint)
-            stack, num_loaded = restack(old, reader, pairs)
+            stack, num_loaded = restack(old, reader, pairs, self.config.peers)
             self._warm_up(stack, self.config.kernel_backend, self.config.max_tokens)  # before the loop has it
             limits = replace(self.limits, hosted_layers=hosted_layers(stack))
             adopted = threading.Event()
@@ -219,6 +223,10 @@ class ExpertServer:
                 len(old.pairs) - kept,
             )
             return True
+
+    def experts(self, pairs: list[tuple[int, int]]) -> Offer:
+        """The weights of those of `pairs` this server hosts, for a peer that must host them too."""
+        return Offer.of(self.stack, pairs, self.instance)
 
     def set_placement_version(self, version: int) -> None:
         """A newer placement that gives this server the experts it already serves."""

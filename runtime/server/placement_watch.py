@@ -33,6 +33,7 @@ from eaas.runtime.contract import PENDING_KEY, PLACEMENT_KEY
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.placement.placement import LayerExpert
 from eaas.runtime.server.daemon import DaemonLoop
+from eaas.runtime.server.peers import holders_in
 
 if TYPE_CHECKING:
     from eaas.runtime.server.expert_server import ExpertServer
@@ -186,6 +187,8 @@ class PlacementWatcher(DaemonLoop):
             self._fail(str(error))
             return
         self.server.placement_error = None  # the files are good again
+        if self.server.config.peers is not None:
+            self.server.config.peers.follow(holders_in(committed, pending))
         ordinal = self.server.config.ordinal
         if committed is not None or pending is not None:
             self.named = any(p is not None and ordinal in p.ordinals for p in (committed, pending))

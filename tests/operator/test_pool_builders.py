@@ -257,7 +257,7 @@ def test_network_policies_admit_only_this_services_clients_the_operator_and_moni
     assert experts["metadata"]["name"] == "tiny-expert-servers" and experts["metadata"]["ownerReferences"]
     assert experts["spec"]["podSelector"]["matchLabels"] == expertpool.selector("tiny-experts")
     assert experts["spec"]["policyTypes"] == ["Ingress"]
-    clients, operator, monitoring = experts["spec"]["ingress"]
+    clients, operator, monitoring, peers = experts["spec"]["ingress"]
     assert clients["from"] == [{"podSelector": {"matchLabels": attentionpool.selector("tiny-attention")}}]
     assert {p["port"] for p in clients["ports"]} == {9100, 9101}
     assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
@@ -265,6 +265,8 @@ def test_network_policies_admit_only_this_services_clients_the_operator_and_moni
     }
     assert operator["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     assert [p["port"] for p in operator["ports"]] == [9100] == [p["port"] for p in monitoring["ports"]]
+    assert peers["from"] == [{"podSelector": {"matchLabels": expertpool.selector("tiny-experts")}}]
+    assert [p["port"] for p in peers["ports"]] == [9100]  # weights from peers: the control port only
     (anyone,) = attention["spec"]["ingress"]
     assert "from" not in anyone and [p["port"] for p in anyone["ports"]] == [8000]
 
@@ -278,7 +280,7 @@ def test_network_policies_admit_only_this_services_clients_the_operator_and_moni
         }
     )
     experts, attention = network_policies(moes_body, limited, None)
-    assert len(experts["spec"]["ingress"]) == 2
+    assert len(experts["spec"]["ingress"]) == 3  # clients, monitoring, peers
     (rule,) = attention["spec"]["ingress"]
     names = [
         s.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
@@ -352,10 +354,10 @@ def test_nixl_network_policies_open_the_ucx_ports_between_the_two_pools(
     ucx_range = {"protocol": "TCP", "port": 21000, "endPort": 21009}
     attention_pods = {"podSelector": {"matchLabels": attentionpool.selector("tiny-attention")}}
     expert_pods = {"podSelector": {"matchLabels": expertpool.selector("tiny-experts")}}
-    clients, operator = experts["spec"]["ingress"]
+    clients, operator, peers = experts["spec"]["ingress"]
     assert clients["from"] == [attention_pods] and ucx_range in clients["ports"]
     assert {p["port"] for p in clients["ports"]} == {9100, 9101, 21000}
-    assert ucx_range not in operator["ports"]
+    assert ucx_range not in operator["ports"] and ucx_range not in peers["ports"]
     # UCX may connect from the server's side too: attention pods take the range from expert pods.
     api, from_servers = attention["spec"]["ingress"]
     assert [p["port"] for p in api["ports"]] == [8000]
