@@ -18,6 +18,7 @@ import collections
 import itertools
 import json
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -242,7 +243,13 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
     took = {}
     with ReplicaWatch(system) as watch, Load(system.url, system.model) as load:
         wait_until(lambda: load.completed_since(0) >= 2, 120, "requests before")
+        serving = {p.metadata.name for p in system.expert_pods()}
         took["3 -> 4"] = scale(4)
+        (added,) = {p.metadata.name for p in system.expert_pods()} - serving
+        # The new server took every expert it hosts from the servers that held them (weights from
+        # peers), none from the checkpoint.
+        log = system.server_log(added)
+        assert re.search(r"fetched \d+ experts from \d+ peer\(s\).*; 0 from the checkpoint", log), log[-3000:]
         took["4 -> 2"] = scale(2)
         took["2 -> 3"] = scale(3)
         uids = {p.metadata.name: p.metadata.uid for p in system.expert_pods()}

@@ -332,6 +332,16 @@ class System:
         data = self.cluster.core.read_namespaced_config_map(f"{POOL}-placement", self.namespace).data
         return Placement.from_json(data["placement.json"]), "pending.json" in data
 
+    def server_log(self, pod_name: str) -> str:
+        """The expert-server container's log of the newest pod named `pod_name` (the process runner
+        keeps one per pod UID)."""
+        paths = sorted(
+            self.plane.pod_dir.glob(f"{self.namespace}_{pod_name}_*/expert-server.log"),
+            key=lambda path: path.stat().st_mtime,
+        )
+        assert paths, f"no log of {pod_name}"
+        return paths[-1].read_text(errors="replace")
+
     def pid_of(self, pod: Any) -> int:
         container_id = pod.status.container_statuses[0].container_id or ""
         assert container_id.startswith("proc://"), container_id
