@@ -169,7 +169,7 @@ def set_expert_replicas(
         if spec.autoscaling.metric == "tokenRate" and spec.autoscaling.target_tokens_per_second is None:
             tpot = attention_leases(ctx, body, clients_tpot)
         desired = autoscaler.recommend(
-            time.monotonic(), current, value, spec.autoscaling, status.get("readyReplicas"), tpot
+            time.monotonic(), current, value, spec.autoscaling, carrying(status), tpot
         )
         if spec.autoscaling.metric == "tokenRate":
             reading += token_target_reading(autoscaler, spec, tpot)
@@ -187,6 +187,20 @@ def set_expert_replicas(
         reason,
         f"{metadata['name']}: {current} -> {desired} expert servers (writer: {writer}{reading})",
     )
+
+
+def carrying(pool_status: Mapping[str, Any]) -> int | None:
+    """How many servers carry the pool's load now, from its status: the Ready pods, but at most
+    the live servers of the committed placement (clients route by it). A server whose pod is
+    Ready while the placement that adds it is still pending carries nothing yet: counting it
+    would multiply the per-server reading by one server too many and overshoot (a drill saw
+    2 -> 3 -> 4 at once, then back to 2, under a steady load that needed 3)."""
+    ready = pool_status.get("readyReplicas")
+    servers = pool_status.get("servers")
+    if not isinstance(servers, list):
+        return ready if isinstance(ready, int) else None
+    live = len(servers) - len(pool_status.get("downServers") or [])
+    return live if not isinstance(ready, int) else min(ready, live)
 
 
 def learns_capacity(spec: MoEServiceSpec) -> bool:

@@ -15,7 +15,7 @@ from eaas.operator.handlers import backoff
 from eaas.operator.kube import KubeError
 from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.reconcile.context import Context
-from eaas.operator.reconcile.moeservice import set_expert_replicas
+from eaas.operator.reconcile.moeservice import carrying, set_expert_replicas
 from eaas.operator.status import aggregate, deployment_conditions
 
 
@@ -283,6 +283,22 @@ def test_builtin_token_rate_reads_the_expert_pool_status(
     if writes:
         ((_, reason, message),) = events
         assert reason == "ScaledUp" and reads in message and "target 400" in message
+
+
+def test_a_server_ready_before_the_placement_adding_it_is_committed_carries_no_load(
+    moes_body: dict[str, Any],
+) -> None:
+    """The pool is growing 3 -> 4: the new server's pod is Ready, but clients still route by the
+    committed placement of 3. The per-server reading is the 3's; the total load is 3 x it, not 4 x
+    it (which would ask for a fifth server the load does not need)."""
+    kube = ScaleKube([])
+    scaling = {"metric": "tokenRate", "targetTokensPerSecond": 400}
+    growing = {"readyReplicas": 4, "tokensPerSecond": 500, "servers": [0, 1, 2], "downServers": []}
+    _builtin_pass(kube, moes_body, scaling, growing)
+    assert kube.scaled == []  # 3 x 500 = 1500 tokens/s: the 4 being added suffice (4 x 500 asks for 5)
+    assert carrying(growing) == 3
+    assert carrying({"readyReplicas": 3, "servers": [0, 1, 2, 3], "downServers": [2]}) == 3
+    assert carrying({"readyReplicas": 2}) == 2 and carrying({}) is None
 
 
 def test_server_leases_with_garbled_load_readings_report_none() -> None:
