@@ -305,30 +305,36 @@ def _receive(
     try:
         header = json.loads(source.read(length))
         entries = [
-            (tuple(e["pair"]), str(e["name"]), str(e["dtype"]), list(e["shape"])) for e in header["tensors"]
+            (
+                (int(e["pair"][0]), int(e["pair"][1])),
+                str(e["name"]),
+                str(e["dtype"]),
+                [int(x) for x in e["shape"]],
+            )
+            for e in header["tensors"]
         ]
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, IndexError) as error:
         raise PeerError(f"malformed header: {error}") from error
     expected = [name for name, _ in tensors_of(stack, 0)] if len(stack.pairs) else []
-    by_pair: dict[ExpertKey, list[tuple[str, torch.Tensor]]] = {}
+    targets: list[torch.Tensor] = []  # where each entry's bytes go, in the answer's order
+    names: dict[ExpertKey, list[str]] = {}
     for pair, name, dtype, shape in entries:
         if pair not in asked:
             raise PeerError(f"sent (layer, expert) {pair}, which was not asked for")
-        targets = dict(tensors_of(stack, group_of[pair]))  # type: ignore[index]
-        target = targets.get(name)
+        target = dict(tensors_of(stack, group_of[pair])).get(name)
         if target is None:
             raise PeerError(f"{pair}: unknown tensor {name!r}")
         if (dtype, shape) != (dtype_name(target.dtype), list(target.shape)):
             raise PeerError(
                 f"{pair} {name}: {dtype} {shape}, expected {dtype_name(target.dtype)} {list(target.shape)}"
             )
-        by_pair.setdefault(pair, []).append((name, target))  # type: ignore[arg-type]
-    for pair, named in by_pair.items():
-        if [name for name, _ in named] != expected:
-            raise PeerError(f"{pair}: tensors {[name for name, _ in named]}, expected {expected}")
+        targets.append(target)
+        names.setdefault(pair, []).append(name)
+    for pair, named in names.items():
+        if named != expected:
+            raise PeerError(f"{pair}: tensors {named}, expected {expected}")
     digests = []
-    for pair, name, _, _ in entries:
-        target = dict(by_pair[pair])[name]  # type: ignore[index]
+    for target in targets:
         digest = hashlib.sha256()
         _read_exactly(source, _bytes_of(target), digest)
         digests.append(digest.digest())
@@ -338,4 +344,4 @@ def _receive(
     for index, (pair, name, _, _) in enumerate(entries):
         if declared[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES] != digests[index]:
             raise PeerError(f"{pair} {name}: SHA-256 of the bytes received differs from the peer's")
-    return set(by_pair)  # type: ignore[arg-type]
+    return set(names)

@@ -94,14 +94,15 @@ def test_rechecks_keep_the_earliest_and_run_once(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(handlers, "reconcile_expert_pool", reconcile)
     rechecks = handlers.Rechecks()
-    start = time.monotonic()
-    rechecks.schedule("ExpertPool", "ns", "p", 0.5)
-    rechecks.schedule("ExpertPool", "ns", "p", 0.05)  # earlier: replaces it
-    rechecks.schedule("ExpertPool", "ns", "p", 0.3)  # later than the one due: ignored
+    key = ("ExpertPool", "ns", "p")
+    rechecks.schedule(*key, 5.0)
+    first = rechecks._due[key]
+    rechecks.schedule(*key, 0.05)  # earlier: replaces it
+    earliest = rechecks._due[key]
+    rechecks.schedule(*key, 3.0)  # later than the one due: ignored
+    assert earliest < first - 4 and rechecks._due[key] == earliest  # what is due (no clock race)
     assert done.wait(5)
-    time.sleep(0.7)
-    assert [(n, p) for n, p, _ in ran] == [("ns", "p")]
-    assert ran[0][2] - start < 0.3
+    assert [(n, p) for n, p, _ in ran] == [("ns", "p")] and key not in rechecks._due
     with pytest.raises(ValueError, match="only of ExpertPools"):
         rechecks.schedule("AttentionPool", "ns", "a", 0.1)
 

@@ -150,11 +150,12 @@ def flip_last_data_byte(body: bytes) -> bytes:
     return body[:at] + bytes([body[at] ^ 0x01]) + body[at + 1 :]
 
 
-def redeclare_dtype(body: bytes) -> bytes:
+def rewrite_entries(body: bytes, field: str, value: Any) -> bytes:
+    """The answer with every header entry's `field` set to `value`."""
     length = struct.unpack(">Q", body[8:16])[0]
     header = json.loads(body[16 : 16 + length])
     for entry in header["tensors"]:
-        entry["dtype"] = "float16"
+        entry[field] = value
     new = json.dumps(header).encode()
     return MAGIC + struct.pack(">Q", len(new)) + new + body[16 + length :]
 
@@ -164,10 +165,11 @@ def redeclare_dtype(body: bytes) -> bytes:
     [
         (flip_last_data_byte, "SHA-256 of the bytes received differs"),
         (lambda body: body[: len(body) // 2], "stopped"),
-        (redeclare_dtype, "float16"),
+        (lambda body: rewrite_entries(body, "dtype", "float16"), "float16"),
+        (lambda body: rewrite_entries(body, "pair", [[1], [2]]), "malformed header"),
         (lambda body: b"NOTEXPERTS" + body[10:], "bad magic"),
     ],
-    ids=["corrupted", "cut-off", "another-dtype", "not-an-answer"],
+    ids=["corrupted", "cut-off", "another-dtype", "garbled-pair", "not-an-answer"],
 )
 def test_a_peer_that_delivers_wrong_bytes_is_passed_over_for_the_next_holder(
     checkpoint: Path, placement: Placement, servers: dict[int, ExpertServer], mangle: Any, why: str
