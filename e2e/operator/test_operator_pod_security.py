@@ -20,6 +20,7 @@ from e2e.operator.test_operator_lifecycle import (
     tiny_gpu_manifest,
     wait_ready,
 )
+from e2e.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -76,6 +77,17 @@ def test_every_pod_is_admitted_under_restricted(
             "volumes": [{"name": "h", "hostPath": {"path": "/var/lib"}}],
         },
     }
+
+    # The admission plugin reads namespaces from its informer's cache, which takes the new labels
+    # a moment after the patch: wait for a dry run to be refused, then create it for real.
+    def refused_dry_run() -> str | None:
+        try:
+            cluster.core.create_namespaced_pod(namespace, bare, dry_run="All")
+        except client.ApiException as error:
+            return error.body if error.status == 403 else None
+        return None
+
+    assert "violates PodSecurity" in wait_until(refused_dry_run, 30, "PodSecurity enforced in the namespace")
     with pytest.raises(client.ApiException) as refused:
         cluster.core.create_namespaced_pod(namespace, bare)
     assert refused.value.status == 403 and "violates PodSecurity" in refused.value.body

@@ -423,7 +423,7 @@ class Drill:
         self.system.check(outcomes)
         fewest = min(f for _, _, f in self.watch.fewest)
         assert fewest >= REPLICATION, [s for s in self.watch.fewest if s[2] < REPLICATION][:5]
-        for (v1, before), (v2, now) in itertools.pairwise(self.watch.commits):
+        for (v1, before), (v2, now) in self.watch.steps():
             assert len(set(before) ^ set(now)) <= 1, f"v{v1} {before} -> v{v2} {now}: more than one at once"
 
     def writers(self) -> list[str]:

@@ -15,7 +15,6 @@ server that received SIGTERM counts while it still serves).
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import os
 import re
@@ -281,7 +280,7 @@ def test_scale_and_retire_under_load_never_go_below_r(system: System) -> None:
     assert len(after) == 3 and victim not in after
     fewest = min(f for _, _, f in watch.fewest)
     assert fewest >= REPLICATION, [s for s in watch.fewest if s[2] < REPLICATION][:5]
-    for (v1, before), (v2, now) in itertools.pairwise(watch.commits):
+    for (v1, before), (v2, now) in watch.steps():
         assert len(set(before) ^ set(now)) <= 1, (
             f"v{v1} {before} -> v{v2} {now}: more than one server at once"
         )

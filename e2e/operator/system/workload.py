@@ -21,9 +21,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-from kubernetes import client
+from kubernetes import client, watch
 
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane
@@ -604,11 +604,80 @@ def _node_state(node: Any) -> str:
     return f"Ready={condition.status if condition else '?'}" + (f" taints {taints}" if taints else "")
 
 
+class CommitWatch(DaemonLoop):
+    """Every committed placement, in order, as a watch on the placement ConfigMap delivers it: a
+    sampler misses a placement that lived shorter than its period (a replacement committed and
+    the retired server drained away within a second), a watch does not. The stream is resumed
+    from the last resourceVersion it saw; if that has been compacted away (410), the gap is
+    recorded as the version ``-1`` when the placement changed meanwhile, so that no comparison
+    spans it unknowingly."""
+
+    def __init__(self, system: System) -> None:
+        super().__init__("commit-watch")
+        self.system = system
+        self.commits: list[tuple[int, tuple[int, ...]]] = []  # (version, ordinals), as they change
+        self.times: list[float] = []  # when each of `commits` arrived
+        self._lock = threading.Lock()
+        name = f"{POOL}-placement"
+        self._selector = f"metadata.name={name}"
+        configmap = system.cluster.core.read_namespaced_config_map(name, system.namespace)
+        self._since = configmap.metadata.resource_version
+        self._saw(configmap.data)
+
+    def _saw(self, data: dict[str, str] | None) -> None:
+        if not data or "placement.json" not in data:
+            return
+        placement = Placement.from_json(data["placement.json"])
+        with self._lock:
+            if not self.commits or self.commits[-1][0] != placement.version:
+                self.commits.append((placement.version, placement.ordinals))
+                self.times.append(time.monotonic())
+
+    def _gap(self) -> None:
+        with self._lock:
+            self.commits.append((-1, ()))
+            self.times.append(time.monotonic())
+
+    def _run(self) -> None:
+        core = self.system.cluster.core
+        while not self._stop.is_set():
+            try:
+                stream = watch.Watch().stream(
+                    core.list_namespaced_config_map,
+                    self.system.namespace,
+                    field_selector=self._selector,
+                    resource_version=self._since,
+                    timeout_seconds=2,
+                )
+                for event in stream:
+                    self._since = event["object"].metadata.resource_version
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self._saw(event["object"].data)
+                    if self._stop.is_set():
+                        break
+            except client.ApiException as error:
+                if error.status != 410:
+                    self._stop.wait(0.2)
+                    continue
+                # Compacted past `_since` (nothing changed for minutes): start again from what is
+                # there now. Versions only grow, so an unchanged one means nothing was missed.
+                configmap = core.read_namespaced_config_map(f"{POOL}-placement", self.system.namespace)
+                self._since = configmap.metadata.resource_version
+                data = configmap.data or {}
+                text = data.get("placement.json")
+                if self.commits and text and Placement.from_json(text).version != self.commits[-1][0]:
+                    self._gap()
+                self._saw(data)
+            except Exception:  # the API server away (drill 8): resume from `_since`
+                self._stop.wait(0.2)
+
+
 class ReplicaWatch(DaemonLoop):
     """Samples, every 0.2 s, the committed placement and which placed servers are Ready: the
-    fewest Ready replicas of any expert, and the sequence of committed placements. A server
-    counts as Ready when its pod was Ready in the read before or after the ConfigMap's (a commit
-    between the two reads is then never mistaken for a lost replica).
+    fewest Ready replicas of any expert. A server counts as Ready when its pod was Ready in the
+    read before or after the ConfigMap's (a commit between the two reads is then never mistaken
+    for a lost replica). The sequence of committed placements (``commits``) comes from a
+    :class:`CommitWatch`, which misses none.
 
     With ``serving=True`` a server also counts while its pod is being deleted if its process still
     answers (a server that received SIGTERM serves on until it is drained: drills 9-11); each
@@ -620,9 +689,30 @@ class ReplicaWatch(DaemonLoop):
         self.system = system
         self.serving = serving
         self.fewest: list[tuple[float, int, int]] = []  # (time, version, fewest Ready replicas)
-        self.commits: list[tuple[int, tuple[int, ...]]] = []  # (version, ordinals), as they change
-        self.commit_times: list[float] = []  # when each of `commits` was first seen
+        self._commits = CommitWatch(system)
         self.client_down: list[tuple[float, str, list[int]]] = []  # (time, attention pod, down servers)
+
+    @property
+    def commits(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(version, ordinals) of every committed placement, in order."""
+        return self._commits.commits
+
+    def steps(self) -> list[tuple[tuple[int, tuple[int, ...]], tuple[int, tuple[int, ...]]]]:
+        """Each committed placement with the one before it, never across a gap in the watch."""
+        return [(a, b) for a, b in itertools.pairwise(self.commits) if a[0] >= 0 and b[0] >= 0]
+
+    @property
+    def commit_times(self) -> list[float]:
+        """When each of `commits` arrived (monotonic)."""
+        return self._commits.times
+
+    def start(self) -> Self:
+        self._commits.start()
+        return super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self._commits.stop()
 
     def _ready_ordinals(self) -> set[int]:
         ordinals = set()
@@ -658,9 +748,6 @@ class ReplicaWatch(DaemonLoop):
                     for hosts in table
                 )
                 self.fewest.append((time.monotonic(), placement.version, fewest))
-                if not self.commits or self.commits[-1][0] != placement.version:
-                    self.commits.append((placement.version, placement.ordinals))
-                    self.commit_times.append(time.monotonic())
                 if self.serving:
                     self._clients()
 
