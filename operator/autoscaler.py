@@ -14,7 +14,10 @@ absorbs the load's growth while added servers start), a settled pool never holds
 ``ceil(T / ((1 - DOWN_TOLERANCE) HEADROOM capacity)) <= ceil(1.15 x demand)`` servers (demand in
 capacities at the SLO; the scale-down window holds the highest demand of the window), and on a
 flat load the answer is a fixed point: no oscillation (the band between scaling up and down is 3%
-of the load wide, whatever the pool's size).
+of the load wide, whatever the pool's size). A rate that depends on the pool's size (a closed-loop
+load on hardware that slows as servers are added) breaks that fixed point, so no scale-down is
+taken while the clients' p99 time per output token is over the SLO (unless what was learned says
+it is not the expert servers' load): a smaller pool cannot shorten it.
 
 **busy and expertWait** follow the HorizontalPodAutoscaler's algorithm on their metric (the
 servers' mean busy fraction; the attention clients' mean expert time per decoder step):
@@ -50,6 +53,7 @@ SETTLE_S = TPOT_WINDOW_S  # readings count once the pool's size held as long as 
 STEADY_BAND = 0.1  # ... and its token rate stayed within 10% over that window
 BUCKET_RATIO = 1.05  # readings are kept per 5%-wide band of the token rate
 READINGS_PER_BUCKET = 15  # the newest, per band; a band reads as their median
+NOT_THE_SERVERS = "not the expert servers' load"  # in the reason when the time per token is not theirs
 
 
 def target(spec: AutoscalingSpec) -> int:
@@ -169,8 +173,8 @@ class Capacity:
         if flat or slope <= 0 or intercept >= slo:
             return float(rates[-1]), (
                 f"the SLO is missed even at {rates[0]:.0f} tokens/s per server, and fewer tokens per "
-                "server did not shorten the time per token: not the expert servers' load, so the target "
-                "holds at the busiest rate seen"
+                f"server did not shorten the time per token: {NOT_THE_SERVERS}, so the target holds at "
+                "the busiest rate seen"
             )
         return float((slo - intercept) / slope), "the fitted time per token extrapolated down to the SLO"
 
@@ -249,6 +253,8 @@ class Autoscaler:
             recommendation = raw_recommendation(current, value, spec)
         if serving < current:  # no scale-down while servers start
             recommendation = max(recommendation, current)
+        if recommendation < current and self._missing_slo(spec, tpot_micros):
+            recommendation = current
         self.history.append((now, recommendation))
         horizon = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         while self.history and self.history[0][0] < now - horizon:
@@ -262,6 +268,19 @@ class Autoscaler:
             window = [r for t, r in self.history if t >= now - spec.scale_down_stabilization_seconds]
             return min(current, max(window))
         return current
+
+    def _missing_slo(self, spec: AutoscalingSpec, tpot_micros: int | None) -> bool:
+        """tokenRate with a learned target: the attention clients' p99 time per output token is
+        over the SLO and, as far as the readings tell, the expert servers' load is what sets it.
+        A smaller pool cannot shorten the time per token, so no scale-down is taken then, whatever
+        the rate says: where the pool's token rate falls as servers are added (a closed-loop load
+        on a machine whose total throughput drops with more server processes), the rate alone
+        would take the pool back down on a flat load and up again, for ever."""
+        if spec.metric != "tokenRate" or spec.target_tokens_per_second is not None or tpot_micros is None:
+            return False
+        if tpot_micros <= spec.slo_time_per_output_token_millis * 1000:
+            return False
+        return self.capacity is None or NOT_THE_SERVERS not in self.reason
 
     def learned(self, slo_micros: int) -> dict[str, object] | None:
         """The learned capacity at the SLO, as ``status.learnedCapacity`` keeps it (None: nothing

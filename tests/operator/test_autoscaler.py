@@ -4,13 +4,14 @@ server's load: what it learns, and the invariants it keeps at every step."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 
 from eaas.operator.api.moeservice import AutoscalingSpec
-from eaas.operator.autoscaler import EXPLORE, HEADROOM, Autoscaler, Capacity, isotonic
+from eaas.operator.autoscaler import EXPLORE, HEADROOM, SETTLE_S, Autoscaler, Capacity, isotonic
 
 CAPACITY = 1000.0  # routed tokens/s one server carries at the SLO (the truth the policy must learn)
 SLO_MS = 100
@@ -209,3 +210,41 @@ def test_no_estimate_holds_the_size() -> None:
     scaler = Autoscaler()
     assert scaler.recommend(0.0, 6, 900, SPEC, 6, None) == 6  # nothing learned yet
     assert scaler.per_server is None and scaler.reason == "no readings yet"
+
+
+def test_no_scale_down_while_the_slo_is_missed_on_a_closed_loop_load() -> None:
+    """A closed-loop load (a fixed number of streams) on a machine whose total throughput falls
+    as server processes are added (drill A6 on two cores): 2,800 routed tokens/s on 3 servers, 2,500
+    on 4, the clients' p99 time per output token 120 ms (over the 100 ms SLO) on both. By the rate
+    alone 3 servers carry more than the target (up to 4) and 4 are one too many (down to 3), and
+    neither size held for the p99's window, so nothing new was learned: the pool went 3 <-> 4 for
+    ever. Removing a server cannot shorten the time per token, so while the SLO is missed the pool
+    holds; holding, it learns that 4 servers did not shorten the time per token either (not the
+    servers' load), settles once and stays. Without load (no p99 on the Leases) it goes down."""
+    spec = SPEC.model_copy(
+        update={
+            "min_replicas": 2,
+            "max_replicas": 4,
+            "scale_up_stabilization_seconds": 0,
+            "scale_down_stabilization_seconds": 20,
+        }
+    )
+    scaler = Autoscaler()
+    scaler.capacity = Capacity(SLO_MS * 1000)
+    for rate, millis in ((600, 60), (800, 80), (1000, 100), (1200, 120)):  # the SLO at 1000 tokens/s
+        for _ in range(3):
+            scaler.capacity.observe(float(rate), millis * 1000)
+    total = {3: 2800.0, 4: 2500.0}
+    current, sizes, now = 3, [], 0.0
+    for _ in range(60):  # 10 min of a flat load
+        current = scaler.recommend(now, current, round(total[current] / current), spec, current, 120_000)
+        sizes.append(current)
+        now += STEP_S
+    changes = [(i, a, b) for i, (a, b) in enumerate(itertools.pairwise([3, *sizes])) if a != b]
+    assert len(changes) <= 2 and changes[0] == (0, 3, 4), changes  # up, then at most one settling step
+    assert len(changes) == 1 or changes[1][0] * STEP_S >= SETTLE_S, changes  # not before it had learned
+    assert set(sizes[-40:]) == {sizes[-1]}, sizes
+    for _ in range(12):  # the load ended: the clients' window emptied, the servers idle
+        current = scaler.recommend(now, current, 0, spec, current, None)
+        now += STEP_S
+    assert current == spec.min_replicas

@@ -392,7 +392,14 @@ class Drill:
             with self.heavy:
                 self.mark("heavy load")
                 if grows:
-                    wait_until(lambda: self.replicas() > MIN_SERVERS, 180, f"{self.name}: the pool growing")
+                    try:
+                        wait_until(
+                            lambda: self.replicas() > MIN_SERVERS, 180, f"{self.name}: the pool growing"
+                        )
+                    except AssertionError as error:
+                        learned = learned_capacity(self.system)
+                        table = self.timeline.table(2)
+                        raise AssertionError(f"{error}\n{table}\nlearned: {learned}") from None
                 steady, busy = self.hold_steady()
                 self.mark(f"steady at {steady}")
                 at_steady()
