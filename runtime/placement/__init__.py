@@ -13,6 +13,7 @@
 from eaas.runtime.placement.builders import round_robin
 from eaas.runtime.placement.cost import (
     CostModel,
+    failover_loads,
     forecast_loads,
     imbalance,
     movement_seconds,
@@ -45,6 +46,7 @@ __all__ = [
     "cost_aware",
     "diff",
     "drain_server",
+    "failover_loads",
     "forecast_loads",
     "ilp",
     "imbalance",

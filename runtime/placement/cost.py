@@ -110,6 +110,34 @@ def server_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     return np.moveaxis(result, 0, -2)
 
 
+def failover_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
+    """float64 ``[S, L]``: for every server ``s`` (ordinal order) failing alone, each layer's
+    busiest surviving server's tokens while the clients fail over (no re-plan: an expert's tokens
+    split evenly over its live replicas, so each other host of an expert ``s`` hosted takes
+    ``share / (replicas - 1)`` more); ``inf`` where ``s`` held an expert's only replica.
+
+    Per layer, with ``H [S, E]`` the hosting and ``w = share / (replicas - 1)``, the extra tokens
+    server ``u`` takes when ``s`` fails is ``(H diag(w) H^T)[s, u]``: large where two servers share
+    many experts (EPLB's packing pairs servers that way, so one failure doubles its partner's
+    load), small where each server's experts have their other replicas spread over many."""
+    loads = check_load(load, len(placement.layers), placement.num_experts)
+    hosting = placement.hosting_matrix()  # [S, L, E]
+    counts = hosting.sum(axis=0)  # [L, E]
+    share = loads / np.maximum(counts, 1)
+    extra = np.where(counts > 1, share / np.maximum(counts - 1, 1), 0.0)  # [L, E]
+    tokens = server_loads(placement, loads)  # [L, S]
+    num_servers = placement.num_servers
+    result = np.empty((num_servers, len(placement.layers)))
+    diagonal = np.arange(num_servers)
+    for l in range(len(placement.layers)):
+        held = hosting[:, l, :].astype(np.float64)  # [S, E]
+        after = tokens[l][None, :] + (held * extra[l]) @ held.T  # [failed s, survivor u]
+        after[diagonal, diagonal] = -np.inf
+        result[:, l] = after.max(axis=1) if num_servers > 1 else np.inf
+        result[(hosting[:, l, :] & (counts[l] == 1)[None, :]).any(axis=1), l] = np.inf  # a last replica
+    return result
+
+
 def _per_server(placement: Placement, shares: np.ndarray) -> np.ndarray:
     """``[L, S]``: every hosted pair's share ``shares [L, E]`` summed per (layer, server) (sparse,
     no ``[L, E, S]`` array)."""

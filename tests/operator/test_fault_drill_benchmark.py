@@ -70,3 +70,17 @@ def test_simulated_drill_on_a_small_shape(drill: ModuleType) -> None:
         assert row["window_loss_per_gpu"] == pytest.approx((1 - row["window_throughput"]) / row["lost_gpus"])
     none = drill.drill(start, load, [3], expert_fraction=0.0, degraded_s=10.0, interval_s=60.0)
     assert none[0]["window_throughput"] == pytest.approx(1.0)  # no expert time: nothing to lose
+
+
+def test_the_failure_aware_start_spreads_a_lost_servers_load(drill: ModuleType) -> None:
+    """Part B's two arms on a small shape: the same load, the failure-aware packing's start loses
+    less throughput to any one failure than the plain packing's, at a balance within 2%."""
+    load = drill.simulation_load(seed=0, layers=4, experts=32)
+    starts = [drill.simulation_start(load, servers=16, failure_aware=aware) for aware in (False, True)]
+    healthy = [drill.moe_tokens(start, load) for start in starts]
+    assert healthy[1] <= 1.02 * healthy[0]
+    worst = [
+        max(drill.moe_tokens(start, load, (o,)) for o in start.ordinals) / tokens
+        for start, tokens in zip(starts, healthy, strict=True)
+    ]
+    assert worst[1] < worst[0]

@@ -10,6 +10,7 @@ from eaas.runtime.placement import (
     Placement,
     PlacementError,
     Server,
+    failover_loads,
     forecast_loads,
     imbalance,
     movement_seconds,
@@ -37,6 +38,26 @@ def test_server_loads_split_an_expert_evenly_over_its_replicas() -> None:
     assert imbalance(placement, load) == pytest.approx((60 / 55 + 60 / 50) / 2)
     # Sum over layers of (fixed + per-token x busiest server).
     assert step_seconds(placement, load, COST) == pytest.approx(2 * 1e-4 + 1e-6 * (60 + 60))
+
+
+def test_failover_loads_move_a_lost_servers_share_to_the_other_replicas() -> None:
+    # Layer 0: expert 0 on servers 0, 1, 2 (30 each of 90), expert 1 on servers 0 and 1 (5 each).
+    # Layer 1: expert 0 on server 0 alone, expert 1 on servers 1 and 2 (10 each).
+    servers = [Server(o, 4) for o in range(3)]
+    placement = Placement(
+        [0, 1], 2, servers, {0: [(0, 0), (0, 1), (1, 0)], 1: [(0, 0), (0, 1), (1, 1)], 2: [(0, 0), (1, 1)]}
+    )
+    load = np.array([[90.0, 10.0], [7.0, 20.0]])
+    after = failover_loads(placement, load)
+    assert after.shape == (3, 2)
+    # Server 0 fails: expert 0 -> 45 on 1 and 2, expert 1 -> 10 on 1; layer 1 loses its only replica.
+    assert after[0, 0] == pytest.approx(55.0) and after[0, 1] == float("inf")
+    # Server 1 fails: server 0 serves 45 + 10, server 2 45; in layer 1 server 2 takes all 20.
+    assert after[1].tolist() == pytest.approx([55.0, 20.0])
+    # Server 2 fails: servers 0 and 1 serve 45 + 5; layer 1: server 1 takes 20 (server 0 keeps 7).
+    assert after[2].tolist() == pytest.approx([50.0, 20.0])
+    with pytest.raises(PlacementError, match="load has shape"):
+        failover_loads(placement, np.zeros((3, 2)))
 
 
 def test_movement_is_the_busiest_loader_and_ignores_new_servers() -> None:

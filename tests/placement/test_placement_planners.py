@@ -16,6 +16,7 @@ from eaas.runtime.placement import (
     SyntheticTrace,
     TraceConfig,
     cost_aware,
+    failover_loads,
     ilp,
     imbalance,
     layer_quotas,
@@ -90,6 +91,33 @@ def test_eplb_with_replication_spreads_over_domains() -> None:
     for seed in range(6):
         plan = replicate_and_pack(current, trace_load(4, 8, seed=seed))
         assert_invariants(plan)
+
+
+def test_failure_aware_packing_spreads_each_servers_partners() -> None:
+    """Plain heaviest-first packing pairs servers: an expert's two replicas (equal shares) land on
+    two servers tied in load, which stay tied, so they end up sharing most of their experts and
+    one's failure doubles the other's load. The failure-aware packing keeps the balance (within 5%
+    on this small shape, 4.5 slots per server and layer) and spreads each server's experts' other
+    replicas over many servers: the load after the worst single failure (every failure, exactly
+    as `failover_loads` computes it, checked against dropping the server) is much lower."""
+    current = round_robin(4, 32, [Server(o, 36) for o in range(16)], replication=2)
+    for seed in range(6):
+        load = trace_load(4, 32, seed=seed, steps=50)
+        plain = replicate_and_pack(current, load, slots_per_layer=72)
+        aware = replicate_and_pack(current, load, slots_per_layer=72, failure_aware=True)
+        assert_invariants(aware)
+        assert (aware.replica_counts() == plain.replica_counts()).all()  # the same replication
+        healthy = [server_loads(p, load).max(axis=1).sum() for p in (plain, aware)]
+        assert healthy[1] <= 1.05 * healthy[0], seed
+        after = [failover_loads(p, load).sum(axis=1) for p in (plain, aware)]
+        assert after[1].max() / healthy[1] < 0.9 * after[0].max() / healthy[0], seed
+        assert after[1].mean() / healthy[1] < after[0].mean() / healthy[0], seed
+        for placement, expected in zip((plain, aware), after, strict=True):
+            for index in range(placement.num_servers):
+                matrix = placement.hosting_matrix().copy()
+                matrix[index] = False
+                dropped = Placement.from_matrix(placement.layers, 32, placement.servers, matrix)
+                assert server_loads(dropped, load).max(axis=1).sum() == pytest.approx(expected[index])
 
 
 def test_eplb_bad_inputs() -> None:

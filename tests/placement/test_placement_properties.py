@@ -110,6 +110,9 @@ def test_eplb_output_is_valid(instance: tuple[Placement, np.ndarray]) -> None:
     plan = replicate_and_pack(current, load)
     assert_invariants(plan)
     assert replicate_and_pack(current, load) == plan
+    aware = replicate_and_pack(current, load, failure_aware=True)
+    assert_invariants(aware)
+    assert replicate_and_pack(current, load, failure_aware=True) == aware
 
 
 @SETTINGS
