@@ -96,9 +96,15 @@ def round_robin(
 
 class _Dealer:
     """Picks servers for one pair's replicas: the server with the most free slots wins (so dealing
-    never gets stuck while a solution exists), ties go to the first in cyclic order from the
-    pair's index (which makes equal servers a plain round-robin). The first ``spread`` replicas go
-    to distinct failure domains, the domain with the most free slots first."""
+    never gets stuck while a solution exists); among those, the one that shares the fewest pairs
+    with the servers already chosen for this pair, then the first in cyclic order from the pair's
+    index. The first ``spread`` replicas go to distinct failure domains, the domain with the most
+    free slots first (then the one sharing the fewest pairs with the domains already chosen).
+
+    Without the sharing rule, equal servers fill in lockstep two at a time and every pair of one
+    lands on the same other server: a failure then moves all of a server's load onto one
+    partner. With it, a server's pairs have their other replicas on as many servers as there
+    are, and a failure's load is spread over them."""
 
     def __init__(self, free: list[int], domain_of: list[int], num_domains: int) -> None:
         self.free = free
@@ -107,6 +113,8 @@ class _Dealer:
         for position, slots in enumerate(free):
             self.domain_free[domain_of[position]] += slots
         self.count = len(free)
+        self.shared = [[0] * self.count for _ in range(self.count)]  # pairs two servers both host
+        self.domain_shared = [[0] * num_domains for _ in range(num_domains)]  # the same per domain
 
     def deal(self, g: int, replication: int, spread: int) -> list[int]:
         chosen: list[int] = []
@@ -120,6 +128,12 @@ class _Dealer:
                     f"round_robin: no server has a free slot for replica {replica + 1} of pair {g}; "
                     "the capacities are too uneven"
                 )
+            for other in chosen:
+                self.shared[other][position] += 1
+                self.shared[position][other] += 1
+                a, b = self.domain_of[other], self.domain_of[position]
+                self.domain_shared[a][b] += 1
+                self.domain_shared[b][a] += 1
             chosen.append(position)
             covered.add(self.domain_of[position])
             self.free[position] -= 1
@@ -128,22 +142,26 @@ class _Dealer:
 
     def _domain(self, start: int, covered: set[int]) -> int | None:
         num_domains = len(self.domain_free)
-        best, best_free = None, 0
+        best, best_key = None, (0, 0)
         for step in range(num_domains):
             domain = (start + step) % num_domains
-            if domain not in covered and self.domain_free[domain] > best_free:
-                best, best_free = domain, self.domain_free[domain]
+            if domain in covered or self.domain_free[domain] <= 0:
+                continue
+            key = (self.domain_free[domain], -sum(self.domain_shared[other][domain] for other in covered))
+            if best is None or key > best_key:
+                best, best_key = domain, key
         return best
 
     def _server(self, start: int, chosen: list[int], domain: int | None, covered: set[int]) -> int | None:
-        best, best_key = None, (0, 0)
+        best, best_key = None, (0, False, 0)
         for step in range(self.count):
             position = (start + step) % self.count
             if self.free[position] <= 0 or position in chosen:
                 continue
             if domain is not None and self.domain_of[position] != domain:
                 continue
-            key = (self.free[position], self.domain_of[position] not in covered)
+            shared = -sum(self.shared[other][position] for other in chosen)
+            key = (self.free[position], self.domain_of[position] not in covered, shared)
             if best is None or key > best_key:
                 best, best_key = position, key
         return best

@@ -16,7 +16,8 @@ Moving little is a local search, and a placement that has aged through many reba
 a poor local optimum; when the gain the search leaves is large next to a fresh packing's movement
 (long horizons), a from-scratch packing (`replicate_and_pack`) with its servers exchanged to keep
 as much in place as possible (`keep_in_place`) is scored with the same objective and taken if it
-is better. With ``cost.load_error`` > 0 the objective counts forecast tokens, which prefer
+is better (the failure-aware packing: the same balance, with each server's experts' other
+replicas on many servers). With ``cost.load_error`` > 0 the objective counts forecast tokens, which prefer
 servers that serve several light shares over one heavy share (`eaas.runtime.placement.cost`).
 """
 
@@ -97,7 +98,7 @@ def cost_aware(
     left = search.compute() - search.fixed - search.coef * float(floor.sum())  # gain still possible
     reload = FRESH_PACK_RELOAD * cost.seconds_per_expert_load * max(s.capacity for s in current.servers)
     if max_moves is None and left > reload:
-        fresh = keep_in_place(current, replicate_and_pack(current, loads))
+        fresh = keep_in_place(current, replicate_and_pack(current, loads, failure_aware=True))
         value = predicted_seconds(current, fresh, loads, replace(cost, planner_seconds=0.0), horizon_steps)
         if value < best - 1e-12 and value + cost.planner_seconds < keep:
             return fresh.with_version(current.version + 1)

@@ -310,7 +310,7 @@ def test_cost_aware_takes_a_fresh_packing_when_the_search_is_stuck() -> None:
     )
     load = trace.loads(1000, 1100).mean(axis=0).astype(np.float64)
     plan = cost_aware(aged, load, horizon_steps=1000)
-    fresh = keep_in_place(aged, replicate_and_pack(aged, load))
+    fresh = keep_in_place(aged, replicate_and_pack(aged, load, failure_aware=True))
     assert plan.same_assignment(fresh) and plan.version == aged.version + 1
     searched = BatchedSearch(aged, load, CostModel(), 1000).optimize()
     assert predicted_seconds(aged, plan, load, CostModel(), 1000) < searched
