@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import urllib.error
@@ -39,10 +40,14 @@ def http_json(
         with _OPENER.open(request, timeout=timeout_s) as response:
             text = response.read()
     except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace").strip()
+        try:
+            detail = exc.read().decode(errors="replace").strip()
+        except (OSError, http.client.HTTPException) as cut:  # the peer went away mid-answer
+            detail = f"(its body was cut short: {cut!r})"
         raise HandshakeError(f"{method} {url}: HTTP {exc.code}: {detail}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise HandshakeError(f"{method} {url}: {exc}") from exc
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        # HTTPException: a reply cut short (IncompleteRead) or garbled, by a peer dying mid-answer
+        raise HandshakeError(f"{method} {url}: {exc!r}") from exc
     return json.loads(text) if text.strip() else None
 
 

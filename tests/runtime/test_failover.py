@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -325,3 +327,27 @@ def test_swapping_placements_never_waits_on_a_handshake_with_a_hung_server(
         slots = experts.close_channels()
         assert time.monotonic() - started < 0.5
         assert slots is not None and experts.failed_servers == ()
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_a_control_answer_cut_short_is_a_handshake_error(status: int) -> None:
+    """A peer that dies mid-answer (headers sent, the body cut short) is a `HandshakeError` like
+    any other failure of the control port, not an `IncompleteRead` escaping it: in a client's
+    rejoin thread, releasing a dead server's slot raised one and ended the thread (a CI run's
+    warning), and the client would never have taken that server back."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_half() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            reason = "OK" if status == 200 else "Not Found"
+            connection.sendall(f"HTTP/1.1 {status} {reason}\r\nContent-Length: 61\r\n\r\n{{".encode())
+
+    thread = threading.Thread(target=answer_half, daemon=True)
+    thread.start()
+    with pytest.raises(HandshakeError, match=f"127.0.0.1:{port}"):
+        http_json("DELETE", f"http://127.0.0.1:{port}/v1/slots/tcp/1", timeout_s=2)
+    thread.join(5)
+    listener.close()
