@@ -254,7 +254,7 @@ class Autoscaler:
         if serving < current:  # no scale-down while servers start
             recommendation = max(recommendation, current)
         if recommendation < current and self._missing_slo(spec, tpot_micros):
-            recommendation = current
+            recommendation = max(recommendation, min(current, spec.max_replicas))  # maxReplicas still binds
         self.history.append((now, recommendation))
         horizon = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         while self.history and self.history[0][0] < now - horizon:

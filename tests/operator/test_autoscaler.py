@@ -248,3 +248,20 @@ def test_no_scale_down_while_the_slo_is_missed_on_a_closed_loop_load() -> None:
         current = scaler.recommend(now, current, 0, spec, current, None)
         now += STEP_S
     assert current == spec.min_replicas
+
+
+def test_a_lowered_max_replicas_binds_while_the_slo_is_missed() -> None:
+    """The hold while the SLO is missed never keeps more servers than maxReplicas allows."""
+    spec = SPEC.model_copy(
+        update={"min_replicas": 2, "max_replicas": 3, "scale_down_stabilization_seconds": 20}
+    )
+    scaler = Autoscaler()
+    scaler.capacity = Capacity(SLO_MS * 1000)
+    for rate, millis in ((600, 60), (800, 80), (1000, 100), (1200, 120)):
+        for _ in range(3):
+            scaler.capacity.observe(float(rate), millis * 1000)
+    current, now = 4, 0.0
+    for _ in range(4):  # 4 servers at 625 tokens/s each, the p99 over the SLO
+        current = scaler.recommend(now, current, 625, spec, current, 120_000)
+        now += STEP_S
+    assert current == 3
