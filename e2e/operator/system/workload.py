@@ -640,35 +640,42 @@ class CommitWatch(DaemonLoop):
 
     def _run(self) -> None:
         core = self.system.cluster.core
+        since: str | None = self._since
         while not self._stop.is_set():
             try:
+                if since is None:
+                    # Compacted past the last resourceVersion (nothing changed for minutes): start
+                    # again from what is there now. Versions only grow, so an unchanged one means
+                    # nothing was missed.
+                    configmap = core.read_namespaced_config_map(f"{POOL}-placement", self.system.namespace)
+                    data = configmap.data or {}
+                    text = data.get("placement.json")
+                    if self.commits and text and Placement.from_json(text).version != self.commits[-1][0]:
+                        self._gap()
+                    self._saw(data)
+                    since = configmap.metadata.resource_version
                 stream = watch.Watch().stream(
                     core.list_namespaced_config_map,
                     self.system.namespace,
                     field_selector=self._selector,
-                    resource_version=self._since,
+                    resource_version=since,
                     timeout_seconds=2,
                 )
                 for event in stream:
-                    self._since = event["object"].metadata.resource_version
+                    if event["type"] == "ERROR":  # an expired resourceVersion delivered as an event
+                        since = None
+                        break
+                    since = event["object"].metadata.resource_version
                     if event["type"] in ("ADDED", "MODIFIED"):
                         self._saw(event["object"].data)
                     if self._stop.is_set():
                         break
             except client.ApiException as error:
-                if error.status != 410:
+                if error.status == 410:
+                    since = None
+                else:
                     self._stop.wait(0.2)
-                    continue
-                # Compacted past `_since` (nothing changed for minutes): start again from what is
-                # there now. Versions only grow, so an unchanged one means nothing was missed.
-                configmap = core.read_namespaced_config_map(f"{POOL}-placement", self.system.namespace)
-                self._since = configmap.metadata.resource_version
-                data = configmap.data or {}
-                text = data.get("placement.json")
-                if self.commits and text and Placement.from_json(text).version != self.commits[-1][0]:
-                    self._gap()
-                self._saw(data)
-            except Exception:  # the API server away (drill 8): resume from `_since`
+            except Exception:  # the API server away (drill 8): resume from `since`
                 self._stop.wait(0.2)
 
 
