@@ -540,10 +540,9 @@ def simulate(
         f"the planners plan for {horizon} steps (the fault interval at Part A's {step_s * 1e3:.0f} ms step)"
     )
     rows: list[dict[str, Any]] = []
-    faults: list[int] = []
+    faults = random.Random(args.seed).sample(range(SIM_SERVERS), 4)  # the same in both arms
     for arm, failure_aware in (("plain packing", False), ("failure-aware packing", True)):
         start = simulation_start(load, failure_aware=failure_aware, horizon_steps=horizon)
-        faults = faults or random.Random(args.seed).sample(list(start.ordinals), 4)
         healthy = moe_tokens(start, load)
         after = failover_loads(start, load).sum(axis=1) / healthy  # [S] every single failure
         arm_rows = drill(

@@ -110,6 +110,13 @@ def server_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     return np.moveaxis(result, 0, -2)
 
 
+def failover_shares(share: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[L, E]``: the tokens each other host of an expert takes over when one of its
+    ``counts`` replicas (of ``share`` tokens each) fails: ``share / (counts - 1)``; 0 for an
+    expert with a single replica (nothing takes it over)."""
+    return np.where(counts > 1, share / np.maximum(counts - 1, 1), 0.0)
+
+
 def failover_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     """float64 ``[S, L]``: for every server ``s`` (ordinal order) failing alone, each layer's
     busiest surviving server's tokens while the clients fail over (no re-plan: an expert's tokens
@@ -123,8 +130,7 @@ def failover_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     loads = check_load(load, len(placement.layers), placement.num_experts)
     hosting = placement.hosting_matrix()  # [S, L, E]
     counts = hosting.sum(axis=0)  # [L, E]
-    share = loads / np.maximum(counts, 1)
-    extra = np.where(counts > 1, share / np.maximum(counts - 1, 1), 0.0)  # [L, E]
+    extra = failover_shares(loads / np.maximum(counts, 1), counts)  # [L, E]
     tokens = server_loads(placement, loads)  # [L, S]
     num_servers = placement.num_servers
     result = np.empty((num_servers, len(placement.layers)))

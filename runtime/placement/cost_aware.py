@@ -17,8 +17,9 @@ a poor local optimum; when the gain the search leaves is large next to a fresh p
 (long horizons), a from-scratch packing (`replicate_and_pack`) with its servers exchanged to keep
 as much in place as possible (`keep_in_place`) is scored with the same objective and taken if it
 is better (the failure-aware packing: the same balance, with each server's experts' other
-replicas on many servers). With ``cost.load_error`` > 0 the objective counts forecast tokens, which prefer
-servers that serve several light shares over one heavy share (`eaas.runtime.placement.cost`).
+replicas on many servers). With ``cost.load_error`` > 0 the objective counts forecast tokens,
+which prefer servers that serve several light shares over one heavy share
+(`eaas.runtime.placement.cost`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from eaas.runtime.placement.cost import CostModel, check_load
+from eaas.runtime.placement.cost import CostModel, check_load, failover_shares
 from eaas.runtime.placement.placement import Placement, PlacementError
 from eaas.runtime.placement.search import Search
 from eaas.runtime.placement.spread import repair_spread
@@ -265,7 +265,7 @@ class _Bins:
         self.extra: np.ndarray | None = None
         self.cross: np.ndarray | None = None
         if counts is not None:
-            self.extra = np.where(counts > 1, share / np.maximum(counts - 1, 1), 0.0)
+            self.extra = failover_shares(share, counts)
             self.cross = np.zeros((num_layers, num_servers, num_servers))
 
     def matrix(self) -> np.ndarray:
