@@ -68,6 +68,9 @@ ENV_POOL = "EAAS_POOL"
 ENV_ORDINAL = "EAAS_SERVER_ORDINAL"
 ENV_TRANSPORT = "EAAS_TRANSPORT"
 ENV_CHECKPOINT = "EAAS_CHECKPOINT"
+# The checkpoint's revision (MoEService spec.model.revision, else a hash of where the checkpoint is):
+# an attention client uses only expert servers of its own revision and names it in every answer.
+ENV_MODEL_REVISION = "EAAS_MODEL_REVISION"
 ENV_PLACEMENT_FILE = "EAAS_PLACEMENT_FILE"
 ENV_PENDING_FILE = "EAAS_PENDING_PLACEMENT_FILE"
 ENV_PLACEMENT_CONFIGMAP = "EAAS_PLACEMENT_CONFIGMAP"

@@ -26,7 +26,7 @@ import click
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import log_level_option, serving_feature_options
+from eaas.runtime.serving.cli_options import log_level_option, model_revision_option, serving_feature_options
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -210,6 +210,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="seconds before a server that answers probes but not a request is failed over (hung: ~1 s)",
 )
 @serving_feature_options
+@model_revision_option("uses only expert servers of this revision and names it in every answer")
 def attention_client(
     checkpoint: Path,
     placement_path: Path,
@@ -240,6 +241,7 @@ def attention_client(
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
+    model_revision: str | None,
 ) -> None:
     """Greedy generation with the attention side here and the experts on expert servers.
 
@@ -259,6 +261,7 @@ def attention_client(
         request_timeout_s=request_timeout,
         data_tokens=data_tokens_from(data_tokens, data_token_file),
         lease=heartbeat.pod_name if heartbeat else None,  # the servers free our slots when it expires
+        revision=model_revision,
     )
     if port is None:
         _one_shot(
@@ -288,6 +291,7 @@ def attention_client(
         host=host,
         port=port,
         model_name=model_name or checkpoint.resolve().name,
+        model_revision=model_revision,
         max_batch_size=max_batch_size,
         max_queue=max_queue,
         max_tokens=max_tokens,

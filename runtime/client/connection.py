@@ -59,10 +59,17 @@ class Expected:
     num_experts: int
     top_k: int
     pairs: frozenset[tuple[int, int]]
+    revision: str | None = None  # the checkpoint's revision; None: any
 
     def check(self, ordinal: int, info: dict[str, Any]) -> None:
         """Raises ``HandshakeError`` unless ``info`` (the server's ``/v1/info``) satisfies this."""
         model = info.get("model", {})
+        # A server that names no revision (an older runtime) is taken: it predates blue/green.
+        if self.revision is not None and model.get("revision") not in (None, self.revision):
+            raise HandshakeError(
+                f"server {ordinal} serves model revision {model.get('revision')!r}, this client's is "
+                f"{self.revision!r}: an answer must come from one revision"
+            )
         for field in ("hidden_size", "num_experts", "top_k"):
             if model.get(field) != getattr(self, field):
                 raise HandshakeError(

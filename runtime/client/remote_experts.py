@@ -67,6 +67,7 @@ class ClientOptions:
     lease: str | None = (
         None  # this client's Lease (in the servers' namespace): slots are freed when it expires
     )
+    revision: str | None = None  # the checkpoint's revision: servers of another one are refused
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class RemoteExperts:
                 o.client_id,
                 o.request_timeout_s,
                 o.connect_timeout_s,
-                Expected(*shape, frozenset(placement.experts_of(ordinal))),
+                Expected(*shape, frozenset(placement.experts_of(ordinal)), o.revision),
                 o.data_tokens,
                 placement.version,
                 o.lease,

@@ -16,7 +16,7 @@ from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import check_kernel_backend, log_level_option
+from eaas.runtime.serving.cli_options import check_kernel_backend, log_level_option, model_revision_option
 from eaas.runtime.transport import transport_names
 
 
@@ -119,6 +119,7 @@ from eaas.runtime.transport import transport_names
 @drain_timeout_option(
     "with --placement-dir, serve on until no placement names this server and no client holds a slot"
 )
+@model_revision_option("attention clients of another revision refuse this server")
 @lease_options
 @data_token_options
 @log_level_option
@@ -144,6 +145,7 @@ def expert_server(
     peers_service: str | None,
     peer_specs: tuple[str, ...],
     drain_timeout_seconds: float,
+    model_revision: str | None,
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
@@ -203,6 +205,7 @@ def expert_server(
                 loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
                 data_tokens=tokens,
                 peers=peers,
+                revision=model_revision,
             )
         )
     except (PlacementError, ValueError, OSError) as exc:

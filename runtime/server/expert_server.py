@@ -85,6 +85,7 @@ class ServerConfig:
     loop: LoopOptions = field(default_factory=LoopOptions)
     data_tokens: Tokens = field(default_factory=Tokens)  # bearer tokens the slot routes require (none: open)
     peers: PeerSource | None = None  # live servers to fetch experts from before the checkpoint
+    revision: str | None = None  # the checkpoint's revision: clients of another revision refuse this server
 
 
 class ExpertServer:
@@ -356,6 +357,7 @@ class ExpertServer:
                 "num_experts": m.num_experts,
                 "top_k": m.top_k,
                 "moe_layers": m.moe_layers,
+                "revision": self.config.revision,
             },
             "hosted": [list(pair) for pair in stack.pairs],
             "transports": transports,

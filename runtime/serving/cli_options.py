@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
 import click
+
+from eaas.runtime import contract
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -16,6 +19,31 @@ REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "harmony")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+REVISION_PATTERN = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+
+
+def check_revision(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A ``--model-revision`` callback: empty means none; anything else is a short name."""
+    if not value:
+        return None
+    if not re.fullmatch(REVISION_PATTERN, value):
+        raise click.BadParameter(
+            f"{value!r}: 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+        )
+    return value
+
+
+def model_revision_option(role: str) -> Callable[[F], F]:
+    """``--model-revision`` (``EAAS_MODEL_REVISION``): the checkpoint's revision, for expert servers and
+    attention clients alike (`role` says what this process does with it)."""
+    return click.option(
+        "--model-revision",
+        envvar=contract.ENV_MODEL_REVISION,
+        show_envvar=True,
+        default=None,
+        callback=check_revision,
+        help=f"the checkpoint's revision (set in pods by the operator): {role}",
+    )
 
 
 def log_level_option(command: F) -> F:

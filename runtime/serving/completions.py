@@ -42,8 +42,11 @@ class Completions:
         to_api_error: Callable[[BaseException], ApiError],
         grammars: Grammars | None = None,
         reasoning: Style | None = None,
+        revision: str | None = None,
     ) -> None:
         self.worker = worker
+        # Every answer and chunk names the checkpoint's revision that served it (when it has one).
+        self.fingerprint = {"system_fingerprint": revision} if revision else {}
         self.grammars = grammars
         self.reasoning = reasoning  # chat: how the model's thinking is told from its answer
         self.decode = decode
@@ -90,6 +93,7 @@ class Completions:
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
+            **self.fingerprint,
         }
 
         def chunk(request: Request, text: str, logprobs: Any, finish: str | None) -> Chunk:
@@ -157,6 +161,7 @@ class Completions:
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
+            **self.fingerprint,
             "choices": [choices[i] for i in sorted(choices)],
             "usage": usage_of(requests),
         }

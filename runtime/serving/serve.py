@@ -95,6 +95,7 @@ class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
     model_name: str = "eaas"
+    model_revision: str | None = None  # the checkpoint's revision, named in every answer (system_fingerprint)
     api_keys: tuple[str, ...] = ()  # accepted bearer keys of /v1/ (empty: no authentication)
     max_batch_size: int = 16  # sequences generated together
     max_batch_tokens: int = 8192  # prompt + new tokens of one batch (at least one sequence always runs)
@@ -195,6 +196,7 @@ class AttentionService:
                 _api_error,
                 Grammars(self.tokenizer, self.config.vocab_size),
                 self.reasoning,
+                o.model_revision,
             )
         else:
             self.scheduler = BatchScheduler(
@@ -560,6 +562,7 @@ class AttentionService:
             "object": "text_completion",
             "created": int(time.time()),
             "model": name,
+            **({"system_fingerprint": self.options.model_revision} if self.options.model_revision else {}),
             "choices": choices,
             "usage": {
                 "prompt_tokens": prompt_tokens,

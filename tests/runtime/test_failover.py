@@ -302,6 +302,33 @@ def test_a_server_with_another_placement_is_never_used(tiny_checkpoints: dict[st
             client.connect()
 
 
+def test_a_server_of_another_model_revision_is_never_used(tiny_checkpoints: dict[str, Path]) -> None:
+    """Blue/green: an attention client of revision r2 refuses the servers of r1 (an answer must
+    come from one revision) and uses those of its own; a client without a revision uses any, and
+    a server that names none (an older runtime) is taken by any client."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=1)
+    with in_process_servers(checkpoint, placement, revision="r1") as servers:
+        assert servers[0].info()["model"]["revision"] == "r1"
+        other = AttentionClient(checkpoint, placement, urls(servers), ClientOptions("shm", revision="r2"))
+        with pytest.raises(
+            HandshakeError, match=r"server \d serves model revision 'r1', this client's is 'r2'"
+        ):
+            other.connect()
+        for revision in ("r1", None):
+            client = AttentionClient(
+                checkpoint, placement, urls(servers), ClientOptions("shm", revision=revision)
+            )
+            client.connect()
+            assert bool(client.experts.live.all())
+            client.close()
+    with in_process_servers(checkpoint, placement) as servers:
+        client = AttentionClient(checkpoint, placement, urls(servers), ClientOptions("shm", revision="r2"))
+        client.connect()
+        client.close()
+
+
 def test_swapping_placements_never_waits_on_a_handshake_with_a_hung_server(
     tiny_checkpoints: dict[str, Path],
 ) -> None:

@@ -159,6 +159,21 @@ def test_chat_streamed_and_whole_agree(client: Any, checkpoint: Path, reference:
     assert "".join(pieces) == choice.message.content
 
 
+def test_every_answer_names_the_model_revision(client: Any, checkpoint: Path, cluster: LocalCluster) -> None:
+    """With a revision (blue/green: the operator sets it), every answer and every stream chunk
+    says which revision served it, in OpenAI's ``system_fingerprint``; without one, none."""
+    messages = [{"role": "user", "content": "hello"}]
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=2).system_fingerprint is None
+    with served(checkpoint, cluster, model_revision="r7") as revised:
+        answers = [
+            revised.completions.create(model=MODEL, prompt="experts", max_tokens=4),
+            revised.chat.completions.create(model=MODEL, messages=messages, max_tokens=4),
+            *revised.completions.create(model=MODEL, prompt="experts", max_tokens=4, stream=True),
+            *revised.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True),
+        ]
+    assert len(answers) > 4 and {a.system_fingerprint for a in answers} == {"r7"}
+
+
 def test_seeded_chat_sampling_reproduces(client: Any) -> None:
     messages = [{"role": "user", "content": "tokens"}]
     kwargs = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2}
