@@ -13,8 +13,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from memory_kube import MemoryKube
 from prometheus_client import CollectorRegistry
-from test_rebalance_reconcile import MemoryKube, serving
+from test_rebalance_reconcile import serving
 
 from eaas.operator import handlers, naming
 from eaas.operator.collector import Probe, probe

@@ -4,12 +4,12 @@ published as pending.json with an Event and a metric. The API server is an in-me
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
+from memory_kube import MemoryKube
 from prometheus_client import CollectorRegistry
 from test_rebalance import FakeServers, counts
 
@@ -21,46 +21,6 @@ from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.reconcile import expertpool
 from eaas.operator.reconcile.context import Context
 from eaas.runtime.placement import Placement
-
-
-class MemoryKube:
-    """Just enough of :class:`eaas.operator.kube.Kube` for one ExpertPool reconcile."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.status_patches: list[dict[str, Any]] = []
-        self.unreadable_at = 0.0  # never blind
-
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return copy.deepcopy(self.objects.get((kind, name)))
-
-    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        return [
-            copy.deepcopy(obj)
-            for (k, _), obj in self.objects.items()
-            if k == kind and selector.items() <= (obj["metadata"].get("labels") or {}).items()
-        ]
-
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
-        return obj
-
-    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        key = (obj["kind"], obj["metadata"]["name"])
-        if key in self.objects:
-            return None
-        self.objects[key] = copy.deepcopy(obj)
-        self.objects[key]["metadata"].setdefault("uid", f"uid-{len(self.objects)}")
-        return obj
-
-    def merge_patch(
-        self, kind: str, namespace: str, name: str, patch: dict[str, Any], *_: Any
-    ) -> dict[str, Any]:
-        self.status_patches.append(patch)
-        return patch
-
-    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
-        return self.objects.pop((kind, name), None) is not None
 
 
 @pytest.fixture
