@@ -4,7 +4,9 @@ pods it creates and the runtime inside them.
 Children are named after their owner so they are found without lookups:
 
 =====================  ==========================================
-MoEService ``m``       AttentionPool ``m-attention``, ExpertPool ``m-experts``
+MoEService ``m``       AttentionPool ``m-attention``, ExpertPool ``m-experts`` (slot ``blue``;
+                       slot ``green``: ``m-green-attention``, ``m-green-experts``), the
+                       API's Service ``m`` (selects the serving slot's attention pods)
 ExpertPool ``p``       Pods ``p-0``, ``p-1``, ... (stable ordinals), headless Service ``p``,
                        placement ConfigMap ``p-placement``
 AttentionPool ``a``    Deployment ``a``, Service ``a``
@@ -19,6 +21,8 @@ an attention client names the servers it fails over in :data:`FAILED_OVER_ANNOTA
 
 from __future__ import annotations
 
+from typing import Literal
+
 from eaas.runtime import contract
 from eaas.runtime.contract import *  # noqa: F403  (the operator reads the shared names from here too)
 
@@ -28,12 +32,31 @@ FIELD_MANAGER = "eaas-operator"
 RETIRE_ANNOTATION = f"{contract.GROUP}/retire"
 
 
-def attention_pool_name(service: str) -> str:
-    return f"{service}-attention"
+# A MoEService's two slots for a pair of pools: a new model revision comes up in the slot that is
+# not serving (blue/green), and the API's Service moves to it when it is Ready.
+Slot = Literal["blue", "green"]
+SLOTS: tuple[Slot, ...] = ("blue", "green")
 
 
-def expert_pool_name(service: str) -> str:
-    return f"{service}-experts"
+def other_slot(slot: Slot) -> Slot:
+    return "green" if slot == "blue" else "blue"
+
+
+def _in_slot(service: str, slot: Slot) -> str:
+    return service if slot == "blue" else f"{service}-green"
+
+
+def attention_pool_name(service: str, slot: Slot = "blue") -> str:
+    return f"{_in_slot(service, slot)}-attention"
+
+
+def expert_pool_name(service: str, slot: Slot = "blue") -> str:
+    return f"{_in_slot(service, slot)}-experts"
+
+
+def api_service_name(service: str) -> str:
+    """The MoEService's own Service: the API of whichever slot serves."""
+    return service
 
 
 def pod_name(pool: str, ordinal: int) -> str:

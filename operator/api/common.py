@@ -6,6 +6,8 @@ per concept); the CRD repeats them so the API server enforces them on its own.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Le
@@ -28,6 +30,8 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?
 RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 Port = Annotated[int, Field(ge=1, le=65535)]
+# A model revision's name (the runtime's --model-revision accepts the same; a test keeps them equal).
+REVISION = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
 # UCX's list syntax: names (``rc_x``, ``tcp``, ``cuda_copy``; ``ud:aux``), comma-separated, or a
 # leading ``^`` to mean "all but these"; devices are ``name`` or ``name:port`` (``mlx5_0:1``).
 UCX_TRANSPORTS = r"^\^?[a-z][a-z0-9_]*(:aux)?(,[a-z][a-z0-9_]*(:aux)?)*$"
@@ -133,11 +137,26 @@ class ModelSpec(CRDModel):
     """Experts each token is routed to."""
     checkpoint: CheckpointSpec
     """Where the weights are."""
+    revision: str = Field(default="", max_length=63, pattern=REVISION)
+    """A name for the checkpoint's revision (a date, a commit). On a MoEService, a change of it or
+    of ``checkpoint`` is a new model revision, rolled out blue/green: a second pair of pools comes up
+    beside the serving one, traffic moves when the new pair is Ready, and the old pair drains and
+    goes. Empty: the revision is a hash of ``checkpoint``. The same name with another ``checkpoint``
+    says the weights are the same: the pools are updated in place (one server at a time)."""
 
     @property
     def moe_layers(self) -> list[int]:
         """Ids of the MoE layers, in order."""
         return list(range(self.num_dense_layers, self.num_layers))
+
+    @property
+    def revision_id(self) -> str:
+        """The revision pods are told and answers name: ``revision``, else ``ckpt-`` and 10 hex
+        digits of the checkpoint's location."""
+        if self.revision:
+            return self.revision
+        where = json.dumps(self.checkpoint.to_k8s(), sort_keys=True).encode()
+        return f"ckpt-{hashlib.sha256(where).hexdigest()[:10]}"
 
     @model_validator(mode="after")
     def _match_preset(self) -> ModelSpec:

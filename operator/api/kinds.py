@@ -69,6 +69,7 @@ MOESERVICE = Kind(
         _column("Placement", ".status.placementVersion", "integer", "Published placement version"),
         _column("Transport", ".spec.transport", priority=1),
         _column("Model", ".spec.model.family", priority=1),
+        _column("Revision", ".status.revision", description="Model revision serving", priority=1),
         AGE,
     ),
 )

@@ -19,6 +19,7 @@ from eaas.operator.api.common import (
     conditions_field,
 )
 from eaas.operator.api.pools import AttentionPoolTemplate, ExpertPoolTemplate, capacity_rule
+from eaas.operator.naming import Slot
 
 AutoscalingMode = Literal["off", "builtin", "external"]
 AutoscalingMetric = Literal["busy", "expertWait", "tokenRate"]
@@ -205,6 +206,18 @@ class LearnedCapacity(CRDModel):
     """The readings, by band of the token rate, lowest first."""
 
 
+class SlotRevision(CRDModel):
+    """A pair of pools (one slot) that serves a model revision other than the serving one."""
+
+    revision: str = Field(max_length=63)
+    """The model revision (``spec.model.revision``, else a hash of the checkpoint's location)."""
+    slot: Slot
+    """Which pair of pools: ``blue`` (``<name>-attention``, ``<name>-experts``) or ``green``
+    (``<name>-green-attention``, ``<name>-green-experts``)."""
+    message: str = Field(default="", max_length=1024)
+    """What it waits for."""
+
+
 class MoEServiceStatus(CRDModel):
     """Observed state of a served model."""
 
@@ -217,7 +230,17 @@ class MoEServiceStatus(CRDModel):
     placement_version: int = Field(default=0, ge=0)
     """Version of the ExpertPool's published placement."""
     endpoint: str = Field(default="", max_length=1024)
-    """In-cluster URL of the OpenAI-compatible API."""
+    """In-cluster URL of the OpenAI-compatible API: the Service named after the MoEService, which
+    selects the serving slot's attention pods."""
+    revision: str = Field(default="", max_length=63)
+    """The model revision serving (every answer names it in ``system_fingerprint``)."""
+    serving_slot: Slot = "blue"
+    """The pair of pools that serves: traffic moves to the other one when a new revision in it is Ready."""
+    rollout: SlotRevision | None = None
+    """A new model revision coming up in the other slot (blue/green), until it serves."""
+    retiring: SlotRevision | None = None
+    """The previous revision's pools after a switch: its attention pods finish their requests and go,
+    then its expert servers."""
     learned_capacity: LearnedCapacity | None = None
     """The built-in tokenRate autoscaler's readings (a learned target only)."""
     conditions: list[Condition] = conditions_field()

@@ -182,6 +182,7 @@ def common_env(
         naming.ENV_POOL: pool,
         naming.ENV_TRANSPORT: transport,
         naming.ENV_CHECKPOINT: checkpoint_path(model),
+        naming.ENV_MODEL_REVISION: model.revision_id,
         naming.ENV_PLACEMENT_CONFIGMAP: config_map,
         naming.ENV_PLACEMENT_FILE: f"{naming.PLACEMENT_MOUNT}/{naming.PLACEMENT_KEY}",
         naming.ENV_PENDING_FILE: f"{naming.PLACEMENT_MOUNT}/{naming.PENDING_KEY}",

@@ -45,8 +45,8 @@ def expert_pool_spec(spec: MoEServiceSpec) -> ExpertPoolSpec:
     )
 
 
-def attention_pool_spec(service: Body, spec: MoEServiceSpec) -> AttentionPoolSpec:
-    experts = naming.expert_pool_name(service["metadata"]["name"])
+def attention_pool_spec(service: Body, spec: MoEServiceSpec, slot: naming.Slot = "blue") -> AttentionPoolSpec:
+    experts = naming.expert_pool_name(service["metadata"]["name"], slot)
     return AttentionPoolSpec(
         **spec.attention_pool.model_dump(),
         model=spec.model,
@@ -59,9 +59,9 @@ def attention_pool_spec(service: Body, spec: MoEServiceSpec) -> AttentionPoolSpe
     )
 
 
-def expert_pool(service: Body, spec: MoEServiceSpec) -> dict[str, Any]:
-    """The ExpertPool object (as created; later only its spec without replicas is reconciled)."""
-    name = naming.expert_pool_name(service["metadata"]["name"])
+def expert_pool(service: Body, spec: MoEServiceSpec, slot: naming.Slot = "blue") -> dict[str, Any]:
+    """The ExpertPool object of `slot` (as created; later only its spec without replicas is reconciled)."""
+    name = naming.expert_pool_name(service["metadata"]["name"], slot)
     body = {
         "apiVersion": EXPERTPOOL.api_version,
         "kind": EXPERTPOOL.kind,
@@ -71,13 +71,40 @@ def expert_pool(service: Body, spec: MoEServiceSpec) -> dict[str, Any]:
     return owned(body, service)
 
 
-def attention_pool(service: Body, spec: MoEServiceSpec) -> dict[str, Any]:
-    """The AttentionPool object."""
-    name = naming.attention_pool_name(service["metadata"]["name"])
+def attention_pool(service: Body, spec: MoEServiceSpec, slot: naming.Slot = "blue") -> dict[str, Any]:
+    """The AttentionPool object of `slot`."""
+    name = naming.attention_pool_name(service["metadata"]["name"], slot)
     body = {
         "apiVersion": ATTENTIONPOOL.api_version,
         "kind": ATTENTIONPOOL.kind,
         "metadata": _metadata(service, name, naming.ATTENTION_COMPONENT),
-        "spec": attention_pool_spec(service, spec).to_k8s(),
+        "spec": attention_pool_spec(service, spec, slot).to_k8s(),
     }
     return owned(body, service)
+
+
+def api_service(service: Body, spec: MoEServiceSpec, slot: naming.Slot) -> dict[str, Any]:
+    """The MoEService's API Service: the attention pods of the serving `slot`. A blue/green switch
+    changes only its selector; connections already open stay with the pods they reached."""
+    name = service["metadata"]["name"]
+    pods = naming.pool_selector(naming.attention_pool_name(name, slot), naming.ATTENTION_COMPONENT)
+    body = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(service, naming.api_service_name(name), naming.ATTENTION_COMPONENT),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": pods,
+            "ports": [
+                {"name": "http", "port": spec.attention_pool.port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return owned(body, service)
+
+
+def api_endpoint(service: Body, spec: MoEServiceSpec) -> str:
+    """In-cluster URL of the OpenAI-compatible API (whichever slot serves)."""
+    metadata = service["metadata"]
+    name = naming.api_service_name(metadata["name"])
+    return f"http://{name}.{metadata['namespace']}.svc:{spec.attention_pool.port}/v1"

@@ -10,7 +10,8 @@
   pool's pods: UCX connects in whichever direction an endpoint is first needed, so a server that
   writes an answer may open the connection to its client.
 
-Policies select pods by the pools' labels; they only restrict ingress. A cluster whose network
+Policies select pods by the MoEService's and the component's labels (the pods of both slots of a
+blue/green rollout); they only restrict ingress. A cluster whose network
 plugin does not enforce NetworkPolicies ignores them (the API server stores them all the same).
 """
 
@@ -56,10 +57,9 @@ def network_policies(
 ) -> list[dict[str, Any]]:
     """The expert servers' and the attention clients' NetworkPolicies."""
     name = service["metadata"]["name"]
-    experts = naming.expert_pool_name(name)
-    attention = naming.attention_pool_name(name)
-    expert_pods = naming.pool_selector(experts, naming.EXPERT_COMPONENT)
-    attention_pods = naming.pool_selector(attention, naming.ATTENTION_COMPONENT)
+    # Both slots' pods (blue/green): a pool's attention clients reach only its own servers anyway.
+    expert_pods = {naming.SERVICE_LABEL: name, naming.COMPONENT_LABEL: naming.EXPERT_COMPONENT}
+    attention_pods = {naming.SERVICE_LABEL: name, naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT}
     control, data = spec.expert_pool.port, spec.expert_pool.data_port
     monitoring = [_namespace(ns) for ns in spec.network_policy.monitoring_namespaces]
 

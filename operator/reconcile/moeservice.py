@@ -1,5 +1,6 @@
-"""MoEService reconcile: create/update its two pools, own ExpertPool replicas per the autoscaling
-mode, and summarise the pools' status."""
+"""MoEService reconcile: create/update its pools (a pair, two while a new model revision comes up:
+:mod:`eaas.operator.reconcile.revisions`) and the API's Service, own ExpertPool replicas per the
+autoscaling mode, and summarise the serving pools' status."""
 
 from __future__ import annotations
 
@@ -15,14 +16,11 @@ from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
 from eaas.operator.api.moeservice import LearnedCapacity, MoEServiceSpec
 from eaas.operator.autoscaler import HEADROOM, Autoscaler
 from eaas.operator.builders import moeservice as build
-from eaas.operator.builders.common import (
-    data_token_secret,
-    merge_patch,
-    runtime_role_binding,
-    runtime_service_account,
-)
+from eaas.operator.builders.common import data_token_secret, runtime_role_binding, runtime_service_account
 from eaas.operator.builders.network import network_policies
+from eaas.operator.conditions import PROGRESSING, Observation
 from eaas.operator.kube import KubeError
+from eaas.operator.reconcile import revisions
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.reconcile.expertpool import clients_expert_wait, clients_tpot
 from eaas.operator.status import aggregate, invalid_spec
@@ -30,10 +28,6 @@ from eaas.runtime.contract import GROUP
 
 logger = logging.getLogger("eaas.operator")
 PERSIST_S = 60.0  # the learned capacity goes to the MoEService's status at most this often
-
-
-class NotOurs(Exception):
-    """A child with the expected name exists but another object controls it."""
 
 
 def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
@@ -48,32 +42,48 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
     if not deleting:
         ensure_pod_prerequisites(ctx, body)  # before the pools: their pods use these
     try:
-        experts = ensure_child(ctx, body, build.expert_pool(body, spec), ignore=("replicas",))
-        attention = ensure_child(ctx, body, build.attention_pool(body, spec), ignore=())
-    except NotOurs as error:
+        slots = revisions.advance(ctx, body, spec, deleting)
+    except revisions.NotOurs as error:
         ctx.write_status(MOESERVICE.kind, body, kept_status(body), invalid_spec(str(error)))
         return
+    experts, attention = slots.experts, slots.attention
     set_expert_replicas(ctx, body, spec, experts)
     if not deleting:
+        ctx.kube.apply(build.api_service(body, spec, slots.serving))
         apply_network_policies(ctx, body, spec)
 
     expert_status = experts.get("status") or {}
-    attention_status = attention.get("status") or {}
     status = {
-        "attention": _counts(attention_status),
+        "attention": _counts(attention.get("status") or {}),
         "experts": _counts(expert_status),
         "placementVersion": int(expert_status.get("placementVersion") or 0),
-        "endpoint": attention_status.get("endpoint", ""),
+        "endpoint": build.api_endpoint(body, spec),
+        "revision": slots.revision,
+        "servingSlot": slots.serving,
+        "rollout": slots.rollout.to_k8s() if slots.rollout else None,
+        "retiring": slots.retiring.to_k8s() if slots.retiring else None,
     }
     status["learnedCapacity"] = learned_capacity(ctx, body, spec, experts)
     observations = aggregate({EXPERTPOOL.kind: experts, ATTENTIONPOOL.kind: attention})
+    if slots.rollout is not None:
+        rollout = slots.rollout
+        observations = [o for o in observations if o.type != PROGRESSING] + [
+            Observation.of(
+                PROGRESSING,
+                True,
+                "RevisionRollout",
+                f"model revision {rollout.revision} coming up in slot {rollout.slot}: {rollout.message}",
+            )
+        ]
     ctx.write_status(MOESERVICE.kind, body, status, observations)
 
 
 def kept_status(body: Mapping[str, Any]) -> dict[str, Any]:
     """What a status written while the spec is refused keeps: the learned capacity (the spec
-    fixed, the autoscaler goes on from it)."""
-    return {"learnedCapacity": (body.get("status") or {}).get("learnedCapacity")}
+    fixed, the autoscaler goes on from it) and which slot serves which revision."""
+    old = body.get("status") or {}
+    kept = ("learnedCapacity", "servingSlot", "revision", "endpoint", "rollout", "retiring")
+    return {key: old.get(key) for key in kept}
 
 
 def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
@@ -99,36 +109,6 @@ def apply_network_policies(ctx: Context, body: Mapping[str, Any], spec: MoEServi
             ctx.kube.apply(policy)
         else:
             ctx.kube.delete("NetworkPolicy", policy["metadata"]["namespace"], policy["metadata"]["name"])
-
-
-def ensure_child(
-    ctx: Context, owner: Mapping[str, Any], desired: dict[str, Any], ignore: tuple[str, ...]
-) -> dict[str, Any]:
-    """Create the pool, or merge-patch its spec to the desired one (except the `ignore`d fields)."""
-    kind, namespace, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
-    current = ctx.kube.get(kind, namespace, name)
-    if current is None:
-        created = ctx.kube.create(desired)
-        if created is not None:
-            ctx.post_event(owner, "Normal", "Created", f"created {kind} {name}")
-            return created
-        current = ctx.kube.get(kind, namespace, name) or desired
-    owners = [ref for ref in current["metadata"].get("ownerReferences") or [] if ref.get("controller")]
-    if not any(ref.get("uid") == owner["metadata"]["uid"] for ref in owners):
-        raise NotOurs(f"{kind} {name} exists but is not controlled by this MoEService; rename or delete it")
-    old_spec = {k: v for k, v in (current.get("spec") or {}).items() if k not in ignore}
-    new_spec = {k: v for k, v in desired["spec"].items() if k not in ignore}
-    patch: dict[str, Any] = {}
-    spec_patch = merge_patch(old_spec, new_spec)
-    if spec_patch:
-        patch["spec"] = spec_patch
-    labels = current["metadata"].get("labels") or {}
-    missing_labels = {k: v for k, v in desired["metadata"]["labels"].items() if labels.get(k) != v}
-    if missing_labels:
-        patch["metadata"] = {"labels": missing_labels}
-    if patch:
-        current = ctx.kube.merge_patch(kind, namespace, name, patch)
-    return current
 
 
 def set_expert_replicas(

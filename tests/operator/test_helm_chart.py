@@ -26,8 +26,9 @@ from e2e import binaries  # noqa: E402
 # Exactly what the operator does (see eaas.operator.kube and the reconcilers); nothing more.
 EXPECTED_RULES = {
     ("eaas.io", "moeservices"): {"list", "watch", "patch"},
-    ("eaas.io", "attentionpools"): {"get", "list", "watch", "create", "patch"},
-    ("eaas.io", "expertpools"): {"get", "list", "watch", "create", "patch"},
+    # delete: the pools of a model revision that no longer serves (blue/green)
+    ("eaas.io", "attentionpools"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("eaas.io", "expertpools"): {"get", "list", "watch", "create", "patch", "delete"},
     ("eaas.io", "moeservices/status"): {"patch"},
     ("eaas.io", "attentionpools/status"): {"patch"},
     ("eaas.io", "expertpools/status"): {"patch"},

@@ -255,17 +255,24 @@ def test_network_policies_admit_only_this_services_clients_the_operator_and_moni
     )
     experts, attention = network_policies(moes_body, spec, "eaas-system")
     assert experts["metadata"]["name"] == "tiny-expert-servers" and experts["metadata"]["ownerReferences"]
-    assert experts["spec"]["podSelector"]["matchLabels"] == expertpool.selector("tiny-experts")
+    # Both slots' pods (blue/green): selected by the MoEService and the component, not the pool.
+    server_pods = {"eaas.io/moeservice": "tiny", "app.kubernetes.io/component": "expert-server"}
+    client_pods = {"eaas.io/moeservice": "tiny", "app.kubernetes.io/component": "attention-client"}
+    for slot in naming.SLOTS:
+        assert server_pods.items() <= expertpool.labels(moeservice.expert_pool(moes_body, spec, slot)).items()
+        pool = moeservice.attention_pool(moes_body, spec, slot)
+        assert client_pods.items() <= attentionpool.labels(pool).items()
+    assert experts["spec"]["podSelector"]["matchLabels"] == server_pods
     assert experts["spec"]["policyTypes"] == ["Ingress"]
     clients, operator, monitoring, peers = experts["spec"]["ingress"]
-    assert clients["from"] == [{"podSelector": {"matchLabels": attentionpool.selector("tiny-attention")}}]
+    assert clients["from"] == [{"podSelector": {"matchLabels": client_pods}}]
     assert {p["port"] for p in clients["ports"]} == {9100, 9101}
     assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "eaas-system"
     }
     assert operator["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     assert [p["port"] for p in operator["ports"]] == [9100] == [p["port"] for p in monitoring["ports"]]
-    assert peers["from"] == [{"podSelector": {"matchLabels": expertpool.selector("tiny-experts")}}]
+    assert peers["from"] == [{"podSelector": {"matchLabels": server_pods}}]
     assert [p["port"] for p in peers["ports"]] == [9100]  # weights from peers: the control port only
     (anyone,) = attention["spec"]["ingress"]
     assert "from" not in anyone and [p["port"] for p in anyone["ports"]] == [8000]
@@ -352,8 +359,9 @@ def test_nixl_network_policies_open_the_ucx_ports_between_the_two_pools(
     spec = nixl_service(moes_spec, tcp_port_min=21000, tcp_port_max=21009)
     experts, attention = network_policies(moes_body, spec, "eaas-system")
     ucx_range = {"protocol": "TCP", "port": 21000, "endPort": 21009}
-    attention_pods = {"podSelector": {"matchLabels": attentionpool.selector("tiny-attention")}}
-    expert_pods = {"podSelector": {"matchLabels": expertpool.selector("tiny-experts")}}
+    service = {naming.SERVICE_LABEL: "tiny"}
+    attention_pods = {"podSelector": {"matchLabels": {**service, naming.COMPONENT_LABEL: "attention-client"}}}
+    expert_pods = {"podSelector": {"matchLabels": {**service, naming.COMPONENT_LABEL: "expert-server"}}}
     clients, operator, peers = experts["spec"]["ingress"]
     assert clients["from"] == [attention_pods] and ucx_range in clients["ports"]
     assert {p["port"] for p in clients["ports"]} == {9100, 9101, 21000}

@@ -51,10 +51,11 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: ["eaas.io"]
   resources: ["moeservices"]
   verbs: ["list", "watch", "patch"]
-# MoEService reconcile: read, create and update its pools (merge patch).
+# MoEService reconcile: read, create and update its pools (merge patch); delete the pair of a model
+# revision that no longer serves (blue/green).
 - apiGroups: ["eaas.io"]
   resources: ["attentionpools", "expertpools"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Status of every kind is written through /status.
 - apiGroups: ["eaas.io"]
   resources: ["moeservices/status", "attentionpools/status", "expertpools/status"]
