@@ -112,7 +112,7 @@ def resource_versions(cluster: Cluster, namespace: str) -> dict[str, str]:
         ("configmap", cluster.core.read_namespaced_config_map),
         ("deployment", cluster.apps.read_namespaced_deployment),
     ):
-        for name in (POOL, ATTENTION, f"{POOL}-placement"):
+        for name in (POOL, ATTENTION, NAME, f"{POOL}-placement"):
             try:
                 versions[f"{kind}/{name}"] = read(name, namespace).metadata.resource_version
             except client.ApiException as error:
@@ -144,6 +144,15 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     headless = cluster.core.read_namespaced_service(POOL, namespace)
     assert headless.spec.cluster_ip == "None"
     assert cluster.core.read_namespaced_service(ATTENTION, namespace).spec.ports[0].port == 8000
+    api = cluster.core.read_namespaced_service(NAME, namespace)  # the MoEService's: the serving slot's pods
+    assert api.spec.selector == {"eaas.io/pool": ATTENTION, "app.kubernetes.io/component": "attention-client"}
+    assert api.metadata.owner_references[0].kind == "MoEService" and api.spec.ports[0].port == 8000
+    moe_status = get(cluster, "moeservices", namespace, NAME)["status"]
+    assert (
+        moe_status["endpoint"] == f"http://{NAME}.{namespace}.svc:8000/v1"
+        and moe_status["servingSlot"] == "blue"
+    )
+    assert moe_status["revision"].startswith("ckpt-")
     deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
     volumes = {v.name: v for v in deployment.spec.template.spec.volumes}
     assert volumes["placement"].config_map.name == f"{POOL}-placement"
@@ -167,7 +176,10 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     by_name = {p.metadata.name: p for p in policies}
     assert set(by_name) == {f"{NAME}-expert-servers", f"{NAME}-attention"}
     expert_rules = by_name[f"{NAME}-expert-servers"].spec.ingress
-    assert expert_rules[0]._from[0].pod_selector.match_labels["eaas.io/pool"] == ATTENTION
+    assert expert_rules[0]._from[0].pod_selector.match_labels == {
+        "eaas.io/moeservice": NAME,
+        "app.kubernetes.io/component": "attention-client",
+    }
     assert expert_rules[1]._from[0].namespace_selector.match_labels == {
         "kubernetes.io/metadata.name": operator.namespace
     }

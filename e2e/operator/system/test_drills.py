@@ -9,7 +9,8 @@ pool is back to full R. docs/benchmarks.md records what they printed.
 
 Drills 9-11 are the disruptions on purpose (issue 33): SIGTERM of an expert server, of an
 attention pod, and `kubectl drain` of a node, where nothing may fail and R may never break (a
-server that received SIGTERM counts while it still serves).
+server that received SIGTERM counts while it still serves). Drill 14, a new model revision rolled
+out blue/green, comes last: the MoEService serves another checkpoint after it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -57,6 +60,7 @@ from e2e.operator.system.workload import (
     longest_gap,
     longest_gap_at,
     pod_url,
+    reference_texts,
     retried,
     sigkill_drill,
     sigstop_drill,
@@ -480,7 +484,7 @@ def owned_state(system: System) -> dict[str, Any]:
             meta.annotations,
             api.sanitize_for_serialization(pod.spec),
         )
-    for name in (POOL, ATTENTION):
+    for name in (POOL, ATTENTION, NAME):
         service = cluster.core.read_namespaced_service(name, namespace)
         state[f"service/{name}"] = (service.metadata.resource_version,)
     deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
@@ -866,3 +870,82 @@ def test_a_runtime_upgrade_rolls_one_server_at_a_time_and_a_revert_converges(sys
         f"{fewest}, no client saw a server down; back on the original template after {converged:.1f} s; "
         f"committed placements {len(watch.commits)}"
     )
+
+
+def test_a_model_revision_rolls_out_blue_green_and_no_answer_mixes_revisions(system: System) -> None:
+    """Drill 14 (issue 33's drill 5): a new checkpoint of the same architecture (other weights) as
+    revision ``r2``, under load through the MoEService's Service. The new pair of pools comes up
+    beside the serving one; the Service moves to it when it is settled; the old attention pods
+    finish their requests, then the old expert servers go. No request fails, every answer names
+    one revision and equals that revision's reference, and both revisions answer."""
+    ns, plane = system.namespace, system.plane
+    settled(system)
+    moe: Any = system.cluster.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME)
+    first = moe["status"]["revision"]
+    assert moe["status"]["servingSlot"] == "blue" and first.startswith("ckpt-")
+    directory = plane.work_dir / "checkpoints" / "tiny-mixtral-r2"
+    if not directory.exists():
+        subprocess.run(
+            [sys.executable, "-m", "eaas.runtime.cli", "model", "init", "--family", "mixtral",
+             "--preset", "tiny", "--seed", "1", "--out", str(directory)],
+            check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+    expected = {first: system.expected, "r2": reference_texts(directory, list(PROMPTS))}
+    assert expected["r2"] != {p: system.expected[p] for p in PROMPTS}, "the two revisions answer alike"
+
+    def status() -> dict[str, Any]:
+        obj: Any = system.cluster.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME)
+        return obj.get("status") or {}
+
+    def old_pods() -> list[Any]:
+        return [
+            p
+            for p in system.cluster.core.list_namespaced_pod(
+                ns, label_selector=f"eaas.io/moeservice={NAME}"
+            ).items
+            if p.metadata.labels.get("eaas.io/pool") in (POOL, ATTENTION)
+        ]
+
+    with Load(system.url, system.model) as load:
+        wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
+        struck = time.monotonic()
+        patch = {"spec": {"model": {"checkpoint": {"hostPath": {"path": str(directory)}}, "revision": "r2"}}}
+        system.cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, "moeservices", NAME, patch)
+        try:
+            wait_until(
+                lambda: status().get("rollout", {}).get("revision") == "r2", 30, "the rollout to start"
+            )
+            wait_until(
+                lambda: status().get("servingSlot") == "green" and status().get("revision") == "r2",
+                360,
+                "the green pair of revision r2 serving",
+            )
+            switched = time.monotonic()
+            wait_until(lambda: not old_pods() and "retiring" not in status(), 180, "the blue pair gone")
+            gone = time.monotonic()
+        except AssertionError as error:
+            raise AssertionError(f"{error}\nstatus: {status()}\n{pod_logs(plane, ns)}") from None
+        wait_until(lambda: load.completed_since(gone) >= 4, 120, "requests after the drill")
+    failed = [o for o in load.outcomes if o.error]
+    assert not failed, f"{len(failed)} failed requests, e.g. {failed[0]}\n{pod_logs(plane, ns)}"
+    mixed = [o for o in load.outcomes if len(o.revisions) != 1]
+    assert not mixed, f"{len(mixed)} answers without exactly one revision, e.g. {mixed[0]}"
+    served = collections.Counter(next(iter(o.revisions)) for o in load.outcomes)
+    assert set(served) == {first, "r2"}, served
+    wrong = [o for o in load.outcomes if o.text != expected[next(iter(o.revisions))][o.prompt]]
+    assert not wrong, f"answers differ from their revision's reference, e.g. {wrong[0]}"
+    late = [o for o in load.outcomes if o.started > gone and o.revisions != {"r2"}]
+    assert not late, f"{len(late)} requests started after the old pair went were not served by r2"
+    before = longest_gap(load.outcomes, 0.0, struck)
+    during = longest_gap(load.outcomes, struck, gone)
+    experts = system.cluster.custom.get_namespaced_custom_object(
+        GROUP, VERSION, ns, "expertpools", f"{NAME}-green-experts"
+    )
+    assert experts["spec"]["model"]["revision"] == "r2"
+    print(
+        f"\ndrill 14 (model revision {first} -> r2, blue/green): {len(load.outcomes)} requests, 0 failed, "
+        f"each answered by one revision and equal to its reference ({dict(served)}); the green pair "
+        f"served {switched - struck:.1f} s after the change, the blue pair gone {gone - switched:.1f} s "
+        f"later; longest gap {during:.2f} s (before: {before:.2f} s)"
+    )
+    assert during < before + RECOVERY_STALL_S

@@ -60,6 +60,7 @@ class Outcome:
     done: bool = False
     finished: bool = False  # the stream's [DONE] arrived
     done_at: float = 0.0
+    revisions: set[str | None] = field(default_factory=set)  # the system_fingerprint of every chunk
 
 
 class Load:
@@ -166,6 +167,7 @@ def stream_completion(url: str, model: str, outcome: Outcome, timeout: float = 6
                     return outcome
                 outcome.chunk_times.append(time.monotonic())
                 outcome.text += chunk["choices"][0].get("text", "")
+                outcome.revisions.add(chunk.get("system_fingerprint"))
     except urllib.error.HTTPError as error:
         outcome.error = f"HTTP {error.code}: {error.read()[:500]!r}"
     except Exception as error:
@@ -293,9 +295,9 @@ class System:
         )
 
     def serving_endpoints(self) -> int:
-        """Ready endpoints of the AttentionPool's Service (what kube-proxy routes to)."""
+        """Ready endpoints of the MoEService's API Service (what kube-proxy routes to)."""
         slices = client.DiscoveryV1Api(self.cluster.api_client).list_namespaced_endpoint_slice(
-            self.namespace, label_selector=f"kubernetes.io/service-name={ATTENTION}"
+            self.namespace, label_selector=f"kubernetes.io/service-name={NAME}"
         )
         return sum(1 for s in slices.items for e in s.endpoints or [] if e.conditions and e.conditions.ready)
 
@@ -565,7 +567,7 @@ def deploy(
             )
         except AssertionError as error:
             raise AssertionError(f"{error}\n{operator.log_tail()}\n{pod_logs(plane, namespace)}") from None
-        service = cluster.core.read_namespaced_service(ATTENTION, namespace)
+        service = cluster.core.read_namespaced_service(NAME, namespace)  # the MoEService's API
         url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"
         models = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
         with urllib.request.urlopen(models, timeout=10) as response:
