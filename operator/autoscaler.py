@@ -50,7 +50,11 @@ DOWN_TOLERANCE = 0.03  # tokenRate: scale down once the pool is sized below (1 -
 FRONTIER = 0.85  # below the SLO, the line is fitted to the bands at >= this x the highest rate seen
 EXPLORE = 1.25  # the learned capacity is at most this x the highest rate seen meeting the SLO
 SETTLE_S = TPOT_WINDOW_S  # readings count once the pool's size held as long as the p99's window ...
-STEADY_BAND = 0.1  # ... and its token rate stayed within 10% over that window
+# ... and its token rate had no trend over that window: the mean of the window's second half
+# within this of its first half's. Not the extremes: each reading is a 10 s average of a noisy rate
+# (on two cores the servers' rate under a flat load swings +-8% from one second to the next), and
+# extremes within 10% of each other may never come while the load itself is flat.
+STEADY_BAND = 0.05
 BUCKET_RATIO = 1.05  # readings are kept per 5%-wide band of the token rate
 READINGS_PER_BUCKET = 15  # the newest, per band; a band reads as their median
 NOT_THE_SERVERS = "not the expert servers' load"  # in the reason when the time per token is not theirs
@@ -204,6 +208,18 @@ def isotonic(values: list[float], weights: list[int]) -> np.ndarray:
     return np.array([mean for mean, _, count in blocks for _ in range(int(count))], dtype=float)
 
 
+def steady(rates: list[int]) -> bool:
+    """Whether a window of token-rate readings (oldest first) shows one load: the mean of its
+    second half within ``STEADY_BAND`` of its first half's (a single reading is steady)."""
+    if not rates:
+        return False
+    half = len(rates) // 2
+    if half == 0:
+        return True
+    first, second = sum(rates[:half]) / half, sum(rates[half:]) / (len(rates) - half)
+    return abs(second - first) <= STEADY_BAND * max(first, second)
+
+
 @dataclass
 class Autoscaler:
     """Recommendation history of one ExpertPool, and with a learned tokenRate target its
@@ -320,7 +336,7 @@ class Autoscaler:
     ) -> float | None:
         """tokenRate's per-server target: hand-set, or ``HEADROOM`` x the learned capacity, fed this
         reading when it describes one load: every server serving, the pool's size held for the p99's
-        window (``SETTLE_S``), and the token rate steady over it (within ``STEADY_BAND``). A p99
+        window (``SETTLE_S``), and the token rate without a trend over it (:func:`steady`). A p99
         over 30 s of a rising load reads the lower rates of the window's start: paired with the
         newest rate it says a server carries more than it does."""
         if spec.target_tokens_per_second is not None:
@@ -335,8 +351,7 @@ class Autoscaler:
             self._rates.popleft()
         settled = serving == current and now - self._sized[1] >= SETTLE_S
         rates = [rate for _, rate in self._rates]
-        steady = bool(rates) and max(rates) <= (1 + STEADY_BAND) * min(rates)
-        if settled and steady and value is not None and tpot_micros is not None:
+        if settled and steady(rates) and value is not None and tpot_micros is not None:
             self.capacity.observe(value, tpot_micros)
         capacity, self.reason = self.capacity.estimate()
         return HEADROOM * capacity if capacity is not None else None

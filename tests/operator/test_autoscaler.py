@@ -161,6 +161,21 @@ def test_readings_of_a_changing_load_are_not_learned_from() -> None:
     assert sum(len(r) for r in scaler.capacity.readings.values()) > recorded
 
 
+def test_a_flat_load_read_through_noise_is_learned_from() -> None:
+    """What drill A6 reads on two cores: a flat load whose per-second token rate swings +-8%
+    (each reading a 10 s average of a noisy rate). Extremes within 10% of each other may never
+    come; the window's halves agree, so readings count (the rule used to wait for the extremes,
+    and A6 run alone once learned nothing in 180 s)."""
+    scaler = Autoscaler()
+    rates = np.random.default_rng(0).uniform(0.92, 1.08, 120) * 180
+    for second, rate in enumerate(rates):
+        scaler.recommend(float(second), 2, round(rate), SPEC, 2, 160_000)
+    assert scaler.capacity is not None and scaler.capacity.readings
+    assert not any(
+        max(window) <= 1.1 * min(window) for window in np.lib.stride_tricks.sliding_window_view(rates, 31)
+    ), "the noise was meant to defeat a rule on the extremes"
+
+
 def test_a_diurnal_day_keeps_every_invariant_at_every_step() -> None:
     """From an oversized start (a new pool sized by guess) the policy learns the capacity and then,
     at every step once no server is starting: no more servers than ceil(1.15 x the highest demand
