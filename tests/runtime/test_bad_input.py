@@ -123,8 +123,10 @@ def test_fuzzed_shm_requests_get_an_answer(
             assert 0 < response.payload_bytes <= 1024  # an error message
         del slot, payload
     finally:
-        segment.close()
+        # Release, then detach, as a client does: closing the segment first drops the liveness
+        # lock, and the server's reaper may free the slot before the DELETE reaches it (a 404).
         http_json("DELETE", f"{server.url}/v1/slots/shm/{handle['slot']}")
+        segment.close()
 
 
 def tcp_connect(server: ExpertServer) -> socket.socket:
