@@ -43,13 +43,14 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         ensure_pod_prerequisites(ctx, body)  # before the pools: their pods use these
     try:
         slots = revisions.advance(ctx, body, spec, deleting)
+        if not deleting:
+            revisions.point_api_service(ctx, body, spec, slots.serving)
     except revisions.NotOurs as error:
         ctx.write_status(MOESERVICE.kind, body, kept_status(body), invalid_spec(str(error)))
         return
     experts, attention = slots.experts, slots.attention
     set_expert_replicas(ctx, body, spec, experts)
     if not deleting:
-        ctx.kube.apply(build.api_service(body, spec, slots.serving))
         apply_network_policies(ctx, body, spec)
 
     expert_status = experts.get("status") or {}

@@ -241,6 +241,19 @@ def test_a_pool_of_the_other_slot_that_is_not_ours_is_reported(plane: Plane) -> 
     assert status["servingSlot"] == "blue"
 
 
+def test_a_service_of_the_api_s_name_that_is_not_ours_is_left_alone_and_reported(plane: Plane) -> None:
+    theirs = {
+        "kind": "Service",
+        "metadata": {"name": "tiny", "uid": "user-svc"},
+        "spec": {"selector": {"a": "b"}},
+    }
+    plane.kube.objects[("Service", "tiny")] = copy.deepcopy(theirs)
+    status = plane.reconcile()
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and "Service tiny exists but is not controlled" in ready["message"]
+    assert plane.kube.objects[("Service", "tiny")] == theirs
+
+
 def test_pods_are_told_their_revision(moes_body: dict[str, Any], moes_spec: MoEServiceSpec) -> None:
     spec = moes_spec.model_copy(update={"model": moes_spec.model.model_copy(update={"revision": "r9"})})
     from eaas.operator.builders import moeservice as build
