@@ -143,8 +143,12 @@ def retire(ctx: Context, body: Mapping[str, Any], slot: naming.Slot) -> SlotRevi
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     attention_name = naming.attention_pool_name(name, slot)
     attention = ctx.kube.get(ATTENTIONPOOL.kind, namespace, attention_name)
-    experts = ctx.kube.get(EXPERTPOOL.kind, namespace, naming.expert_pool_name(name, slot))
+    experts_name = naming.expert_pool_name(name, slot)
+    experts = ctx.kube.get(EXPERTPOOL.kind, namespace, experts_name)
     if attention is None and experts is None:
+        # Its servers may still be going (garbage collection): tell them again, every pass, that no
+        # placement needs them. A server's own Lease write as SIGTERM arrives may drop the word.
+        release_servers(ctx, namespace, experts_name)
         return None
     revision = next(
         (model.revision_id for model in map(pool_model, (experts, attention)) if model is not None), ""
@@ -158,18 +162,17 @@ def retire(ctx: Context, body: Mapping[str, Any], slot: naming.Slot) -> SlotRevi
         )
     if experts is None:
         return None
-    release_servers(ctx, experts)
+    release_servers(ctx, namespace, experts_name)
     delete_pool(ctx, body, experts)
     return SlotRevision(
         revision=revision, slot=slot, message=f"ExpertPool {experts['metadata']['name']} going"
     )
 
 
-def release_servers(ctx: Context, pool: Mapping[str, Any]) -> None:
-    """Tell a retiring pool's servers, on their Leases, that no placement needs them: on SIGTERM
-    they exit once no client holds a slot (none does: the pair's attention pods are gone), instead
-    of serving nobody until their drain timeout."""
-    namespace, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
+def release_servers(ctx: Context, namespace: str, name: str) -> None:
+    """Tell a retiring pool's (`name`) servers, on their Leases, that no placement needs them: on
+    SIGTERM they exit once no client holds a slot (none does: the pair's attention pods are gone),
+    instead of serving nobody until their drain timeout."""
     released = {"metadata": {"annotations": {naming.RELEASED_ANNOTATION: "retired"}}}
     for lease in ctx.kube.list("Lease", namespace, {naming.POOL_LABEL: name}):
         if naming.RELEASED_ANNOTATION in (lease["metadata"].get("annotations") or {}):

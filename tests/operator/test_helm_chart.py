@@ -34,7 +34,8 @@ EXPECTED_RULES = {
     ("eaas.io", "expertpools/status"): {"patch"},
     ("eaas.io", "expertpools/scale"): {"patch"},
     ("", "pods"): {"list", "create", "delete"},
-    ("", "services"): {"create", "patch"},  # server-side apply that creates needs create too
+    # server-side apply that creates needs create too; get: the API Service's owner is checked first
+    ("", "services"): {"get", "create", "patch"},
     ("", "configmaps"): {"get", "create", "patch"},
     ("", "secrets"): {"create"},  # the data-token Secret: created once, never read
     ("apps", "deployments"): {"create", "patch"},

@@ -73,10 +73,11 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "create", "delete"]
-# Headless and client Services (server-side apply: patch, and create when it creates one).
+# Headless and client Services (server-side apply: patch, and create when it creates one); get: the
+# MoEService's API Service is applied only when no other object controls one of its name.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 # The placement ConfigMap: read and server-side apply.
 - apiGroups: [""]
   resources: ["configmaps"]
