@@ -19,8 +19,17 @@ halve the step (see `BatchedSearch.optimize`).
 The gain of a move is how far the busiest server it touches ends below that busy server's tokens
 (with near-ties at the top the layer's peak falls over several moves); a swap loads two experts
 and counts ``swap_weight`` times its gain. Every granted move lowers the layer's sorted load
-vector and a drop raises no peak, so the search cannot cycle. Moves keep every pair's replica
-count (R) and its failure-domain spread.
+vector and a drop raises no peak. Moves keep every pair's replica count (R) and its
+failure-domain spread.
+
+With ``cost.failover_factor`` > 0 the objective also counts how far each layer's failover peak
+exceeds its bound (`eaas.runtime.placement.cost`), and a layer where it does also proposes
+*failover moves* (`BatchedSearch._failover_proposals`): with ``s`` the server whose failure
+overloads ``u`` most, take an expert both host off ``u`` or off ``s``, or give it another replica
+(in a free slot or in place of a surplus replica), on a server that would carry little should
+``s`` fail. Such a move may raise the healthy peak; a round is kept only if the objective falls,
+so the search still ends. The tokens each server takes over from each other one are kept in
+``overlap [L, S, S]``, updated move by move.
 
 Shapes: ``L`` layers, ``E`` experts per layer, ``S`` servers; ``K`` the most experts a server
 hosts in one layer (the padded width of per-server expert lists).
@@ -30,16 +39,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from eaas.runtime.placement.cost import CostModel
+from eaas.runtime.placement.cost import CostModel, failover_limits, failover_peaks_from, failover_shares
 from eaas.runtime.placement.placement import Placement
 
 SWAP_WEIGHT = 0.75  # a swap's gain counts 0.75x: it loads two experts
-_RELOCATE, _REPLICATE, _SWAP, _DROP = 0, 1, 2, 3
+_RELOCATE, _REPLICATE, _SWAP, _DROP, _REPLACE = 0, 1, 2, 3, 4
 PAIRS_PER_STEP = 1.0  # busy servers per layer that propose a move, per unit of step
 MIN_PAIRS = 4  # busy servers per layer that propose a move at least (near-ties at the top need several)
 HALVE_BELOW = 3.0  # halve the step when a round gains less than this many loads per unit of step
 _SWAP_PAIRS = 2  # busiest servers per layer that also try swaps
 _SPARE_COLUMNS = 4  # free columns added to the per-server expert table when it fills
+_FAILOVER_PAIRS = 4  # survivors per layer (most loaded after a failure) that get a failover move
+_FAILOVER_RECEIVERS = 2  # servers tried as a failover move's receiver (besides the two it involves)
 
 
 class BatchedSearch:
@@ -113,6 +124,12 @@ class BatchedSearch:
         floor = self.move_cost / (max(1, num_servers) * self.coef)
         self.min_gain = np.maximum(np.maximum(min_gain_fraction * self.mean, floor), 1e-9)
         self.rows = np.arange(num_layers)
+        self.failover_factor = cost.failover_factor
+        self.overlap: np.ndarray | None = None  # [L, S, S] tokens u takes over when s fails, at [l, s, u]
+        if self.failover_factor > 0 and num_servers > 1 and self.replication > 1:
+            held = self.servers_experts.astype(np.float64)  # [L, S, E]
+            weights = failover_shares(self.share, self.count)[:, None, :]
+            self.overlap = (held * weights) @ held.transpose(0, 2, 1)
 
     def _per_replica(self, layer: np.ndarray, demand: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Forecast tokens of one replica of experts with ``demand`` tokens over ``count``
@@ -127,9 +144,22 @@ class BatchedSearch:
 
     # -- objective -------------------------------------------------------------------------------
 
+    def peaks(self) -> np.ndarray:
+        """``[L]`` the peak each layer's compute term counts (`eaas.runtime.placement.cost.compute_peaks`)."""
+        peaks = self.tokens.max(axis=1)
+        limits = self._limits()
+        if limits is None or self.overlap is None:
+            return peaks
+        return peaks + np.maximum(0.0, failover_peaks_from(self.overlap, self.tokens) - limits * self.mean)
+
+    def _limits(self) -> np.ndarray | None:
+        if self.overlap is None:
+            return None
+        return failover_limits(self.failover_factor, self.count, self.num_servers, self.replication)
+
     def compute(self) -> float:
         """Predicted compute seconds over the horizon of the current state."""
-        return self.fixed + self.coef * float(self.tokens.max(axis=1).sum())
+        return self.fixed + self.coef * float(self.peaks().sum())
 
     def objective(self) -> float:
         """Predicted seconds (without planner runtime) of the current state."""
@@ -139,6 +169,19 @@ class BatchedSearch:
     # -- one round ---------------------------------------------------------------------------------
 
     def _proposals(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
+        """The round's proposals: `_balance_proposals` and `_failover_proposals` together."""
+        found = [
+            p
+            for p in (self._balance_proposals(allowance, pairs), self._failover_proposals(allowance))
+            if p is not None
+        ]
+        if not found:
+            return None
+        if len(found) == 1:
+            return found[0]
+        return tuple(np.concatenate(parts) for parts in zip(*found, strict=True))
+
+    def _balance_proposals(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
         """Every layer's best move off each of its ``pairs`` busiest servers: arrays (gain, kind,
         layer, e, f, h, v) for the (layer, pair) that have an improving move; None if none.
 
@@ -246,6 +289,151 @@ class BatchedSearch:
         gain = best_gain[layer_index, pair]
         return gain, kind, rows[layer_index], expert, partner, hot[layer_index, pair], receiver
 
+    def _failover_proposals(self, allowance: int) -> tuple[np.ndarray, ...] | None:
+        """Moves against failover peaks, in every layer whose failover peak exceeds its bound by
+        more than the minimum gain: for each of the layer's ``_FAILOVER_PAIRS`` survivors ``u``
+        loaded most after some failure (``s`` the worst one for ``u``), one move of an expert ``e``
+        both host (share ``x``; ``w`` what each other host takes over when one fails):
+
+        - off ``u`` to ``v`` (``u`` sheds ``x + w``),
+        - off ``s`` to ``v`` (``u`` sheds ``w``), or
+        - onto ``v`` as another replica (every host's share and ``w`` shrink: hot experts get more
+          replicas where failures would overload their partners), into a free slot or in place of
+          ``v``'s lightest surplus replica in the layer,
+
+        ``v`` among the open servers least loaded after their own worst failure. The gain is how
+        far ``u``'s load after a failure falls over the bound, less any rise of the healthy peak,
+        estimated from ``u`` and ``v`` alone; the round keeps the moves only if the objective
+        improves. Same arrays as `_balance_proposals`."""
+        limits = self._limits()
+        if limits is None or self.overlap is None:
+            return None
+        num_servers, num_experts = self.num_servers, self.num_experts
+        after = self.tokens[:, None, :] + self.overlap  # [L, failed s, survivor u]
+        diagonal = np.arange(num_servers)
+        after[:, diagonal, diagonal] = -np.inf
+        column = after.max(axis=1)  # [L, S] each survivor after its worst failure
+        bound = limits * self.mean  # [L]
+        rows = np.flatnonzero(column.max(axis=1) - bound > self.min_gain)
+        if len(rows) == 0:
+            return None
+        after, column = after[rows], column[rows]
+        bound = bound[rows, None, None, None]
+        peak = self.tokens[rows].max(axis=1)[:, None, None, None]
+        layers, pairs = len(rows), min(_FAILOVER_PAIRS, num_servers)
+        index = np.arange(layers)[:, None]  # [B, 1]
+        survivor = np.argsort(-column, axis=1)[:, :pairs]  # [B, K]
+        failed = after.argmax(axis=1)[index, survivor]  # [B, K]
+        top = column[index, survivor][..., None, None]  # [B, K, 1, 1]
+        second = (
+            np.partition(after, -2, axis=1)[:, -2, :] if num_servers > 2 else np.full_like(column, -np.inf)
+        )
+        second = second[index, survivor][..., None, None]
+        hosts = self.experts_servers[rows]  # [B, E, S]
+        experts = np.arange(num_experts)
+        x = self.share[rows]  # [B, E]
+        count = self.count[rows]
+        is_open = self.new_loads < allowance
+        # Each server's lightest surplus replica in the layer (dropping it keeps R and the spread).
+        surplus = hosts & (count > self.replication)[..., None]  # [B, E, S]
+        if self.spread > 1:
+            # Replicas per failure domain [B, E, D], and how many domains each pair covers.
+            domains = self.domain_onehot.shape[1]
+            b_i, e_i, s_i = np.nonzero(hosts)
+            per_domain = np.bincount(
+                (b_i * num_experts + e_i) * domains + self.domains[s_i],
+                minlength=layers * num_experts * domains,
+            ).reshape(layers, num_experts, domains)
+            covered = (per_domain > 0).sum(axis=2)  # [B, E]
+            b_i, e_i, s_i = np.nonzero(surplus)
+            keeps = (covered[b_i, e_i] > self.spread) | (per_domain[b_i, e_i, self.domains[s_i]] > 1)
+            surplus[b_i[~keeps], e_i[~keeps], s_i[~keeps]] = False
+        lightest = np.where(surplus, x[..., None], np.inf).argmin(axis=1)  # [B, S]
+        has_surplus = surplus[index, lightest, np.arange(num_servers)]
+        x_dropped = np.where(has_surplus, x[index, lightest], 0.0)
+        wanted = min(num_servers, _FAILOVER_RECEIVERS + 2)
+
+        def receivers(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """The ``wanted`` servers in ``mask [B, S]`` least loaded after a failure: ids ``[B, C]``
+            (-1 = none) and which may take a move of pair ``k`` ``[B, K, C]``."""
+            order = np.argsort(np.where(mask, column, np.inf), axis=1)[:, :wanted]
+            chosen = np.where(np.take_along_axis(mask, order, axis=1), order, -1)
+            ok = (chosen[:, None, :] >= 0) & (chosen[:, None, :] != failed[..., None])
+            return chosen, ok & (chosen[:, None, :] != survivor[..., None])
+
+        with_slot, ok_slot = receivers(np.broadcast_to(is_open & (self.used < self.capacity), column.shape))
+        with_surplus, ok_surplus = receivers(is_open[None, :] & has_surplus)
+        shared = (
+            hosts[index[..., None], experts, failed[..., None]]
+            & hosts[index[..., None], experts, survivor[..., None]]
+        )
+        shared &= (x > self.min_gain[rows, None])[:, None, :]  # [B, K, E]
+        w = failover_shares(x, count)[:, None, :, None]  # [B, 1, E, 1]
+        new_x = self._per_replica(rows[:, None], self.load[rows], count + 1)[:, None, :, None]
+        new_w = new_x / count[:, None, :, None]
+        x4 = x[:, None, :, None]
+        drop = x4 - new_x
+        gains, choices, partners = [], [], []
+        for chosen, ok_v, options in (
+            (with_slot, ok_slot, ((_RELOCATE, survivor), (_RELOCATE, failed), (_REPLICATE, survivor))),
+            (with_surplus, ok_surplus, ((_REPLACE, survivor),)),
+        ):
+            v = np.maximum(chosen, 0)
+            usable = shared[..., None] & ok_v[:, :, None, :]
+            usable &= ~hosts[index[..., None], experts[:, None], v[:, None, :]][:, None]  # [B, K, E, C]
+            column_v = column[index, v][:, None, None, :]  # [B, 1, 1, C]
+            failed_v = after[index[..., None], failed[..., None], v[:, None, :]][
+                :, :, None, :
+            ]  # [B, K, 1, C]
+            tokens_v = self.tokens[rows[:, None], v][:, None, None, :]
+            freed = x_dropped[index, v][:, None, None, :] if options[0][0] == _REPLACE else 0.0
+            for kind, source in options:
+                if kind == _RELOCATE and source is survivor:
+                    u_after = np.maximum(top - x4 - w, second - x4)
+                    v_after = np.maximum(column_v + x4, failed_v + x4 + w)
+                    v_tokens = tokens_v + x4
+                elif kind == _RELOCATE:
+                    u_after, v_after, v_tokens = np.maximum(top - w, second), column_v + x4 + w, tokens_v + x4
+                else:
+                    u_after = np.maximum(top - drop - (w - new_w), second - drop)
+                    v_after = np.maximum(column_v + new_x, failed_v + new_x + new_w) - freed
+                    v_tokens = tokens_v + new_x - freed
+                ok = usable
+                if kind != _RELOCATE:
+                    ok = ok & (count < num_servers)[:, None, :, None]
+                elif self.spread > 1:
+                    # Moving e from ``source`` to ``v`` keeps the spread unless it leaves a domain
+                    # without adding another.
+                    home, there = self.domains[source], self.domains[v]  # [B, K], [B, C]
+                    lost = per_domain[index, :, home] == 1  # [B, K, E]
+                    won = per_domain[index[..., None], experts[:, None], there[:, None, :]] == 0  # [B, E, C]
+                    after_move = covered[:, None, :, None] - lost[..., None] + won[:, None]
+                    after_move = np.where(
+                        home[:, :, None, None] == there[:, None, None, :],
+                        covered[:, None, :, None],
+                        after_move,
+                    )
+                    ok = ok & (after_move >= self.spread)
+                over_after = np.maximum(0.0, np.maximum(u_after, v_after) - bound)
+                gain = (top - bound) - over_after - np.maximum(0.0, v_tokens - peak)
+                gains.append(np.where(ok, gain, -np.inf))
+                choices.append((kind, source, chosen))
+                partners.append(lightest[index, v] if kind == _REPLACE else np.full_like(chosen, -1))
+        stacked = np.stack(gains, axis=2).reshape(layers, pairs, -1)  # [B, K, options x E x C]
+        best = stacked.argmax(axis=2)
+        gain = np.take_along_axis(stacked, best[..., None], axis=2)[..., 0]
+        keep = gain > self.min_gain[rows, None]
+        if not keep.any():
+            return None
+        layer_index, pair = np.nonzero(keep)
+        option, rest = np.divmod(best[layer_index, pair], num_experts * wanted)
+        expert, column_index = np.divmod(rest, wanted)
+        kinds = np.array([choice[0] for choice in choices])[option]
+        source = np.stack([choice[1] for choice in choices], axis=2)[layer_index, pair, option]
+        receiver = np.stack([choice[2] for choice in choices], axis=2)[layer_index, column_index, option]
+        partner = np.stack(partners, axis=2)[layer_index, column_index, option]
+        return gain[layer_index, pair], kinds, rows[layer_index], expert, partner, source, receiver
+
     def _grant(self, proposals: tuple[np.ndarray, ...], allowance: int) -> tuple[np.ndarray, ...]:
         """Grant proposals, largest gain first, while the servers they load have allowance left
         (and a free slot, for relocations and replications); in a layer, moves of one round touch
@@ -257,12 +445,13 @@ class BatchedSearch:
         hot, receiver = hot[order], receiver[order]
         count = len(order)
         swap = kind == _SWAP
+        two_experts = swap | (kind == _REPLACE)
         # One move per (layer, server) and per (layer, expert) per round.
         servers = np.stack([layer * self.num_servers + receiver, layer * self.num_servers + hot], axis=1)
         ok = np.asarray(_first_seen(servers.reshape(-1), self.tokens.size).reshape(count, 2).all(axis=1))
         dummy = self.load.size + np.arange(count)  # a unique key for the partner of a non-swap
         pair_key = layer * self.num_experts
-        experts = np.stack([pair_key + expert, np.where(swap, pair_key + partner, dummy)], axis=1)
+        experts = np.stack([pair_key + expert, np.where(two_experts, pair_key + partner, dummy)], axis=1)
         ok &= _first_seen(experts.reshape(-1), self.load.size + count).reshape(count, 2).all(axis=1)
         if self.max_moves is not None:
             ok &= np.cumsum(ok) <= self.max_moves - self.moves
@@ -275,8 +464,9 @@ class BatchedSearch:
         event_move = np.repeat(np.arange(count), 2)[event_loads]
         over = _rank_within(event_server, self.num_servers) >= (allowance - self.new_loads)[event_server]
         ok[event_move[over]] = False
-        # Slots for relocations and replications (a relocation's freed slot is not reused here).
-        takes_slot = np.flatnonzero(ok & ~swap)
+        # Slots for relocations and replications (a relocation's freed slot is not reused here; a
+        # replacement frees the slot it takes).
+        takes_slot = np.flatnonzero(ok & ~two_experts)
         slot_server = receiver[takes_slot]
         full = _rank_within(slot_server, self.num_servers) >= (self.capacity - self.used)[slot_server]
         ok[takes_slot[full]] = False
@@ -284,28 +474,41 @@ class BatchedSearch:
 
     def _apply(self, moves: tuple[np.ndarray, ...]) -> None:
         """Apply moves (in a layer they touch distinct servers and experts). Kinds: relocate e
-        from h to v, replicate e onto v, swap e (on h) with f (on v), drop the replica of e on v."""
+        from h to v, replicate e onto v, swap e (on h) with f (on v), drop the replica of e on v,
+        replace f on v by a new replica of e."""
         kind, layer, expert, partner, hot, receiver = moves
-        relocate, replicate, swap, drop = kind == _RELOCATE, kind == _REPLICATE, kind == _SWAP, kind == _DROP
-        # Every other host of a replicated (dropped) expert gives up (takes over) part of its share.
-        changed = replicate | drop
-        l, e = layer[changed], expert[changed]
+        relocate, replicate, swap = kind == _RELOCATE, kind == _REPLICATE, kind == _SWAP
+        drop, replace = kind == _DROP, kind == _REPLACE
+        if self.overlap is not None:
+            pairs = layer * self.num_experts
+            keys = np.unique(np.concatenate([pairs + expert, (pairs + partner)[swap | replace]]))
+            pair_l, pair_e = np.divmod(keys, self.num_experts)
+            before = self._overlap_terms(pair_l, pair_e)
+        # Replica counts change: every host of such a pair gives up (takes over) part of its share.
+        up = replicate | replace
+        l = np.concatenate([layer[up], layer[drop], layer[replace]])
+        e = np.concatenate([expert[up], expert[drop], partner[replace]])
+        delta = np.repeat(np.array([1, -1]), [int(up.sum()), int(drop.sum() + replace.sum())])
         old = self.share[l, e]
-        self.count[l, e] += np.where(replicate[changed], 1, -1)
+        self.count[l, e] += delta
         new = self._per_replica(l, self.load[l, e], self.count[l, e])
         self.share[l, e] = new
         self._add_rows(l, (new - old)[:, None] * self.experts_servers[l, e])
         # Tokens each server gains (on the receiving side) or loses (on the busy side).
-        moved = np.where(relocate | replicate, self.share[layer, expert], 0.0)
+        moved = np.where(relocate | up, self.share[layer, expert], 0.0)
         swapped = self.share[layer, expert] - self.share[layer, np.maximum(partner, 0)]
         moved = np.where(swap, swapped, moved)
         self.tokens[layer, receiver] += moved
         self.tokens[layer, hot] -= np.where(relocate | swap, moved, 0.0)
         # A dropped replica's server had its old share (and got the share change above).
-        self.tokens[layer[drop], receiver[drop]] -= new[drop[changed]]
-        drop_l = np.concatenate([layer[relocate | swap], layer[swap], layer[drop]])
-        drop_e = np.concatenate([expert[relocate | swap], partner[swap], expert[drop]])
-        drop_s = np.concatenate([hot[relocate | swap], receiver[swap], receiver[drop]])
+        gone_l = np.concatenate([layer[drop], layer[replace]])
+        gone_e = np.concatenate([expert[drop], partner[replace]])
+        gone_s = np.concatenate([receiver[drop], receiver[replace]])
+        np.subtract.at(self.tokens, (gone_l, gone_s), self.share[gone_l, gone_e])
+        moving = relocate | swap
+        drop_l = np.concatenate([layer[moving], layer[swap], gone_l])
+        drop_e = np.concatenate([expert[moving], partner[swap], gone_e])
+        drop_s = np.concatenate([hot[moving], receiver[swap], gone_s])
         grows = ~drop
         add_l = np.concatenate([layer[grows], layer[swap]])
         add_e = np.concatenate([expert[grows], partner[swap]])
@@ -313,20 +516,31 @@ class BatchedSearch:
         self._set(drop_l, drop_e, drop_s, False)
         self._set(add_l, add_e, add_s, True)
         self.moves += int(grows.sum())
+        if self.overlap is not None:
+            np.add.at(self.overlap, pair_l, self._overlap_terms(pair_l, pair_e) - before)
+
+    def _overlap_terms(self, layer: np.ndarray, expert: np.ndarray) -> np.ndarray:
+        """``[N, S, S]`` what pairs ``(layer, expert)`` add to ``overlap``: the tokens each host takes
+        over from each other one."""
+        hosts = self.experts_servers[layer, expert].astype(np.float64)  # [N, S]
+        weight = failover_shares(self.share[layer, expert], self.count[layer, expert])
+        return (hosts * weight[:, None])[:, :, None] * hosts[:, None, :]
 
     def _undo(self, moves: tuple[np.ndarray, ...]) -> None:
         """Take back moves applied by `_apply`: a relocation or swap is the same move with its two
-        servers exchanged; a replication is undone by a drop and the other way round."""
+        servers exchanged; a replication is undone by a drop and the other way round; a
+        replacement by the replacement the other way round."""
         kind, layer, expert, partner, hot, receiver = moves
         inverse = np.select([kind == _REPLICATE, kind == _DROP], [_DROP, _REPLICATE], kind)
         exchange = (kind == _RELOCATE) | (kind == _SWAP)
+        replace = kind == _REPLACE
         before = self.moves
         self._apply(
             (
                 inverse,
                 layer,
-                expert,
-                partner,
+                np.where(replace, partner, expert),
+                np.where(replace, expert, partner),
                 np.where(exchange, receiver, hot),
                 np.where(exchange, hot, receiver),
             )

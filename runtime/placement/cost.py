@@ -24,6 +24,19 @@ share by ``rho * x``, independently), and the busiest server is the one that dev
 ``x^2 / m_l`` term is that spread to first order around a balanced server, so a server that serves
 one heavy share counts more than one serving the same tokens as several light shares, and
 replicating a heavy expert pays for itself sooner. ``load_error = 0`` is the plain forecast.
+
+Failure: when a server fails, its clients fail its experts over to their other replicas until the
+re-plan commits, and each other host of an expert takes ``share / (replicas - 1)`` more. With
+``failover_factor`` = alpha > 0 and R >= 2, a layer's compute term also counts how far its
+*failover peak* (the busiest survivor's tokens after the worst single failure in the layer,
+`failover_peaks`) exceeds ``alpha_l * m_l``: ``peak_l + max(0, failover_peak_l - alpha_l * m_l)``.
+``m_l`` is the layer's mean tokens per server, the peak of a perfectly balanced layer, so the bound
+does not move with the placement (a bound on ``alpha * peak_l`` would reward raising the healthy
+peak); ``alpha_l`` is alpha or, where no placement of the layer can reach it, the ratio a perfect
+one would have (`failover_limits`). A token over the bound counts as much as a token of the
+healthy peak. Within the bound, a failure costs nothing in the objective: faults are rare, and the
+failover state lasts the seconds until the re-plan commits, so the planners keep it bounded
+rather than trade steady-state balance for it.
 """
 
 from __future__ import annotations
@@ -34,6 +47,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from eaas.runtime.placement.placement import Placement, PlacementError
+
+FAILOVER_FACTOR = 1.3
+"""Default `CostModel.failover_factor`. DeepSeek-V3's shape on 64 servers with R = 2 and the
+drifting trace of benchmarks/placement.py: the failure-aware packing refined by `cost_aware`
+starts at 1.24x its layers' means (worst over failures, per layer), and rebalancing without the
+bound drifts to 1.36x; 1.3 holds it there without costing steady-state balance, 1.25 cost about
+1.5% of it (benchmarks/placement.py, part D)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,10 @@ class CostModel:
         Not a profile of the deployment but of the forecast: set it per rebalance with
         ``dataclasses.replace``. `cost_aware` uses it; `ilp` and the elastic operations plan for
         the forecast itself.
+    failover_factor: how far above the healthy peak a layer's busiest server may go while one
+        server's experts fail over to their other replicas (module docstring); 0 plans for the
+        healthy state only. `cost_aware` and the elastic operations use it; `ilp` and the EPLB
+        baseline do not.
     """
 
     seconds_per_token: float = 0.25e-6
@@ -57,6 +81,7 @@ class CostModel:
     seconds_per_expert_load: float = 1e-3
     planner_seconds: float = 0.0
     load_error: float = 0.0
+    failover_factor: float = FAILOVER_FACTOR
 
     def __post_init__(self) -> None:
         fields = (
@@ -65,6 +90,7 @@ class CostModel:
             "seconds_per_expert_load",
             "planner_seconds",
             "load_error",
+            "failover_factor",
         )
         for field in fields:
             value = getattr(self, field)
@@ -72,6 +98,11 @@ class CostModel:
                 raise PlacementError(f"CostModel.{field} must be a finite number >= 0, got {value!r}")
         if self.seconds_per_token <= 0:
             raise PlacementError("CostModel.seconds_per_token must be > 0")
+        if 0 < self.failover_factor < 1:
+            raise PlacementError(
+                f"CostModel.failover_factor must be 0 (off) or >= 1, got {self.failover_factor!r}: "
+                "a failure never lowers the busiest survivor's load"
+            )
 
 
 def check_load(load: object, num_layers: int, num_experts: int) -> np.ndarray:
@@ -142,6 +173,66 @@ def failover_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
         result[:, l] = after.max(axis=1) if num_servers > 1 else np.inf
         result[(hosting[:, l, :] & (counts[l] == 1)[None, :]).any(axis=1), l] = np.inf  # a last replica
     return result
+
+
+def failover_limits(
+    factor: float, counts: np.ndarray, num_servers: int, replication: int
+) -> np.ndarray | None:
+    """``[L]`` the factor over its mean tokens per server each layer's failover peak is held to
+    (`CostModel.failover_factor`), or
+    None when failures are not planned for (``factor`` 0, fewer than 2 servers, or R = 1: a
+    failure then makes experts unavailable, which only R prevents).
+
+    A layer's limit is ``factor`` or, where that is out of reach, the ratio an even placement
+    would have: a server's experts have ``k`` other replicas in all (on average over servers,
+    ``sum_e c_e (c_e - 1) / S`` for replica counts ``c [E]``), each taking an equal part of its
+    tokens when it fails, and at best they lie on the other servers as evenly as whole replicas
+    can: the busiest survivor holds ``ceil(k / (S - 1))`` of them and carries
+    ``1 + ceil(k / (S - 1)) / k`` times the mean. With DeepSeek-V3's 256 experts on 64 servers and
+    R = 2 that is 1.125; 8 experts on 4 servers (two layers' worth of the tiny test model), 1.5."""
+    if factor == 0 or num_servers < 2 or replication < 2:
+        return None
+    others = np.maximum((counts * np.maximum(counts - 1, 0)).sum(axis=1) / num_servers, 1e-9)  # [L] k
+    busiest = np.ceil(others / (num_servers - 1) - 1e-9)
+    return np.maximum(factor, 1.0 + busiest / others)
+
+
+def failover_peaks(
+    hosting: np.ndarray, tokens: np.ndarray, share: np.ndarray, counts: np.ndarray
+) -> np.ndarray:
+    """``[L]`` each layer's busiest survivor after the worst single failure (clients fail over, no
+    re-plan), for ``hosting`` bool ``[L, S, E]``, ``tokens [L, S]`` per server, ``share [L, E]``
+    tokens per replica and ``counts [L, E]`` replicas. Experts with one replica move nowhere
+    (`failover_loads` marks them ``inf``; here they add nothing). ``-inf`` with one server."""
+    held = hosting.astype(np.float64)  # [L, S, E]
+    overlap = (held * failover_shares(share, counts)[:, None, :]) @ held.transpose(0, 2, 1)  # [L, S, S]
+    return failover_peaks_from(overlap, tokens)
+
+
+def failover_peaks_from(overlap: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """`failover_peaks` from ``overlap [L, S, S]``: the tokens server ``u`` takes over when ``s``
+    fails, at ``[l, s, u]`` (the diagonal is ignored)."""
+    num_servers = tokens.shape[1]
+    after = tokens[:, None, :] + overlap  # [L, failed s, survivor u]
+    diagonal = np.arange(num_servers)
+    after[:, diagonal, diagonal] = -np.inf
+    return np.asarray(after.reshape(len(tokens), -1).max(axis=1))
+
+
+def compute_peaks(placement: Placement, load: np.ndarray, cost: CostModel) -> np.ndarray:
+    """``[L]`` the tokens each layer's compute term counts: the busiest server's (forecast) tokens,
+    plus how far the failover peak exceeds its bound (module docstring)."""
+    array = check_load(load, len(placement.layers), placement.num_experts)
+    tokens = forecast_loads(placement, array, cost.load_error)  # [L, S]
+    peaks = tokens.max(axis=-1)
+    counts = placement.replica_counts()
+    limits = failover_limits(cost.failover_factor, counts, placement.num_servers, placement.replication)
+    if limits is None:
+        return np.asarray(peaks)
+    share = forecast_shares(array, np.maximum(counts, 1), cost.load_error, placement.num_servers)
+    hosting = placement.hosting_matrix().transpose(1, 0, 2)
+    bound = limits * array.sum(axis=1) / placement.num_servers
+    return np.asarray(peaks + np.maximum(0.0, failover_peaks(hosting, tokens, share, counts) - bound))
 
 
 def _per_server(placement: Placement, shares: np.ndarray) -> np.ndarray:
@@ -246,10 +337,10 @@ def predicted_seconds(
 ) -> float:
     """The objective: latency of serving ``horizon_steps`` steps of per-step ``load [L, E]`` on
     ``candidate``, plus moving there from ``current``, plus the planner's runtime if it moved.
-    With ``cost.load_error`` > 0 the compute term counts forecast tokens (`forecast_loads`)."""
+    With ``cost.load_error`` > 0 the compute term counts forecast tokens (`forecast_loads`); with
+    ``cost.failover_factor`` > 0, failover peaks over their limits (`compute_peaks`)."""
     check_horizon(horizon_steps)
-    array = check_load(load, len(candidate.layers), candidate.num_experts)
-    peaks = forecast_loads(candidate, array, cost.load_error).max(axis=-1)  # [L]
+    peaks = compute_peaks(candidate, load, cost)  # [L]
     per_step = len(peaks) * cost.seconds_per_layer + cost.seconds_per_token * float(peaks.sum())
     total = horizon_steps * per_step + movement_seconds(current, candidate, cost)
     if not current.same_assignment(candidate):

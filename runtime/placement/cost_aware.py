@@ -34,6 +34,7 @@ from eaas.runtime.placement.cost import (
     CostModel,
     check_horizon,
     check_load,
+    compute_peaks,
     forecast_loads,
     predicted_seconds,
 )
@@ -83,10 +84,9 @@ def cost_aware(
     tokens = forecast_loads(current, loads, cost.load_error)  # [L, S]
     floor = loads.sum(axis=1) / current.num_servers  # [L] no placement's peak is below its mean
     counts = current.replica_counts()
-    if (
-        gain_bound(tokens, counts, current.replication, cost, horizon_steps, floor=floor)
-        <= cost.planner_seconds
-    ):
+    excess = compute_peaks(current, loads, cost) - tokens.max(axis=1)  # [L] failover peaks over the healthy
+    bound = gain_bound(tokens, counts, current.replication, cost, horizon_steps, floor=floor, excess=excess)
+    if bound <= cost.planner_seconds:
         return current
     search = BatchedSearch(current, loads, cost, horizon_steps, tokens=tokens, max_moves=max_moves)
     keep = search.objective()  # the current placement's predicted seconds (it moves nothing)
@@ -135,9 +135,15 @@ def _portfolio(
     move_by_move = search_for(
         current, current.servers, matrix, matrix, load, cost, horizon_steps, max_moves=max_moves
     )
-    value = move_by_move.optimize()
+    move_by_move.optimize()
     if move_by_move.log:
-        found.append((value, move_by_move.matrix()))
+        # It plans for the healthy state only: score its result on the whole objective.
+        found_matrix = move_by_move.matrix()
+        candidate = Placement.from_matrix(
+            current.layers, current.num_experts, current.servers, found_matrix, current.replication
+        )
+        value = predicted_seconds(current, candidate, load, replace(cost, planner_seconds=0.0), horizon_steps)
+        found.append((value, found_matrix))
     return found
 
 
@@ -149,6 +155,7 @@ def gain_bound(
     horizon_steps: int,
     *,
     floor: np.ndarray | None = None,
+    excess: np.ndarray | None = None,
 ) -> float:
     """An upper bound on what any rebalance of the current placement can save (predicted seconds,
     planner runtime aside); `cost_aware` skips the search when it does not exceed
@@ -163,7 +170,9 @@ def gain_bound(
     lowers the expert's current hosts (``R`` of them in a layer without surplus replicas; where a
     layer has some, a free drop may lower a server, and only the gain counts there). So at least
     ``n_l(T) / R`` loads, of which the busiest loader bears at least ``1 / S``, and at least one
-    load in all unless some layer has surplus replicas (then drops alone may gain)."""
+    load in all unless some layer has surplus replicas (then drops alone may gain). ``excess``:
+    ``[L]`` how far each layer's counted peak lies above its busiest server (the failover term,
+    `compute_peaks`); a rebalance may remove all of it, so it is added to every layer's bound."""
     coef = horizon_steps * cost.seconds_per_token
     num_servers = tokens.shape[1]
     mean = (tokens.mean(axis=1) if floor is None else np.asarray(floor, dtype=np.float64))[:, None]
@@ -174,6 +183,9 @@ def gain_bound(
     charged = gains - cost.seconds_per_expert_load / (num_servers * replication) * np.arange(num_servers + 1)
     surplus = (counts > replication).any(axis=1)
     charged[surplus] = gains[surplus]
+    if excess is not None:
+        extra = coef * np.maximum(np.asarray(excess, dtype=np.float64), 0.0)[:, None]
+        gains, charged = gains + extra, charged + extra
     perfect = float(gains.max(axis=1).sum())  # every peak down to its floor
     one_load = 0.0 if surplus.any() else cost.seconds_per_expert_load
     return min(perfect - one_load, float(charged.max(axis=1).sum()))

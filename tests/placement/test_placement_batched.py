@@ -20,6 +20,7 @@ from eaas.runtime.placement import (
     round_robin,
 )
 from eaas.runtime.placement.batched import BatchedSearch, _first_seen, _rank_within
+from eaas.runtime.placement.cost import failover_shares
 from eaas.runtime.placement.cost_aware import PORTFOLIO_MAX_CELLS
 
 
@@ -40,6 +41,10 @@ def check_search(current: Placement, load: np.ndarray, cost: CostModel, horizon:
         search.tokens, forecast_loads(found, load, cost.load_error), rtol=1e-9, atol=1e-9
     )
     np.testing.assert_array_equal(search.count, found.replica_counts())
+    if search.overlap is not None:  # the tokens each server takes over from each other one
+        held = found.hosting_matrix().transpose(1, 0, 2).astype(np.float64)
+        weights = failover_shares(search.share, search.count)[:, None, :]
+        np.testing.assert_allclose(search.overlap, (held * weights) @ held.transpose(0, 2, 1), atol=1e-9)
     used = found.used_slots()
     assert search.used.tolist() == [used[ordinal] for ordinal in found.ordinals]
     fresh = found.hosting_matrix() & ~current.hosting_matrix()

@@ -23,7 +23,7 @@ from eaas.runtime.placement import (
     round_robin,
 )
 from eaas.runtime.placement.batched import BatchedSearch
-from eaas.runtime.placement.cost import forecast_loads
+from eaas.runtime.placement.cost import compute_peaks, forecast_loads
 from eaas.runtime.placement.cost_aware import gain_bound
 from eaas.runtime.placement.eplb import keep_in_place
 from eaas.runtime.placement.search import Search, search_for
@@ -59,6 +59,7 @@ COSTS = st.builds(
     seconds_per_token=st.sampled_from([1e-7, 1e-6, 1e-5]),
     seconds_per_expert_load=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]),
     load_error=st.sampled_from([0.0, 0.0, 0.1, 0.5]),
+    failover_factor=st.sampled_from([0.0, 1.0, 1.3, 2.0]),
 )
 
 
@@ -90,7 +91,10 @@ def test_the_skip_bound_covers_every_gain_the_searches_find(
         load = load * np.random.default_rng(seed).uniform(0.5, 1.5, load.shape)
     tokens = forecast_loads(current, load, cost.load_error)
     floor = load.sum(axis=1) / current.num_servers
-    bound = gain_bound(tokens, current.replica_counts(), current.replication, cost, horizon, floor=floor)
+    excess = compute_peaks(current, load, cost) - tokens.max(axis=1)
+    bound = gain_bound(
+        tokens, current.replica_counts(), current.replication, cost, horizon, floor=floor, excess=excess
+    )
     keep = predicted_seconds(current, current, load, cost, horizon)
     fresh = keep_in_place(current, replicate_and_pack(current, load))
     found = [predicted_seconds(current, fresh, load, cost, horizon)]
