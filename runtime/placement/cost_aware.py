@@ -7,10 +7,13 @@ movement (busiest loader) + planner runtime, taking improving relocations, repli
 between the most and least loaded servers, and returns the current placement unchanged when the
 predicted gain does not pay for the moves.
 
-The search is `eaas.runtime.placement.batched` (rounds of moves for all layers at once, in array
-operations). On small instances (at most ``PORTFOLIO_MAX_CELLS`` server x layer x expert cells),
-where a search costs about a millisecond, it also runs the rounds with finer steps and the
-move-by-move `eaas.runtime.placement.search` (with its two-step chains), and keeps the best.
+The search is `eaas.runtime.placement.search`, the planners' one search (rounds of moves for all
+layers at once, in array operations; the elastic operations use it too). On small instances (at
+most ``PORTFOLIO_MAX_CELLS`` server x layer x expert cells), where a search costs about a
+millisecond, it also runs the rounds with other steps and weights and an iterated local search
+(`Search.escape`), and keeps the best. With ``cost.failover_factor`` > 0 (the default) the
+objective also bounds the busiest survivor of any single failure, and the search gives hot
+experts the replicas that takes.
 
 Moving little is a local search, and a placement that has aged through many rebalances can sit in
 a poor local optimum; when the gain the search leaves is large next to a fresh packing's movement
@@ -29,7 +32,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from eaas.runtime.placement.batched import BatchedSearch
 from eaas.runtime.placement.cost import (
     CostModel,
     check_horizon,
@@ -40,9 +42,9 @@ from eaas.runtime.placement.cost import (
 )
 from eaas.runtime.placement.eplb import keep_in_place, replicate_and_pack
 from eaas.runtime.placement.placement import Placement, PlacementError
-from eaas.runtime.placement.search import search_for
+from eaas.runtime.placement.search import SMALL_CELLS, search_for
 
-PORTFOLIO_MAX_CELLS = 1 << 12  # S x L x E up to which cost_aware tries several searches
+PORTFOLIO_MAX_CELLS = SMALL_CELLS  # S x L x E up to which cost_aware tries several searches
 FRESH_PACK_RELOAD = 1.0
 """A fresh packing is scored when the compute gain the search left (its peaks above the layers'
 means) exceeds the time to reload this many times the largest server's slots. Kept in place, a
@@ -88,7 +90,7 @@ def cost_aware(
     bound = gain_bound(tokens, counts, current.replication, cost, horizon_steps, floor=floor, excess=excess)
     if bound <= cost.planner_seconds:
         return current
-    search = BatchedSearch(current, loads, cost, horizon_steps, tokens=tokens, max_moves=max_moves)
+    search = search_for(current, loads, cost, horizon_steps, tokens=tokens, max_moves=max_moves)
     keep = search.objective()  # the current placement's predicted seconds (it moves nothing)
     best = search.optimize()
     matrix = search.matrix() if search.changed else None
@@ -123,27 +125,16 @@ def _portfolio(
     """The other searches tried on small instances: (objective, hosting matrix) of each that moved."""
     found = []
     for step, swap_weight, pairs_per_step in itertools.product((1, 2, 4), (0.5, 0.75, 1.0), (1.0, 2.0)):
-        search = BatchedSearch(
+        search = search_for(
             current, load, cost, horizon_steps, tokens=tokens, max_moves=max_moves, swap_weight=swap_weight
         )
         value = search.optimize(step=step, pairs_per_step=pairs_per_step, stop_step=1)
         if search.changed:
             found.append((value, search.matrix()))
-    if cost.load_error > 0:  # the move-by-move search plans for the forecast itself
-        return found
-    matrix = current.hosting_matrix()
-    move_by_move = search_for(
-        current, current.servers, matrix, matrix, load, cost, horizon_steps, max_moves=max_moves
-    )
-    move_by_move.optimize()
-    if move_by_move.log:
-        # It plans for the healthy state only: score its result on the whole objective.
-        found_matrix = move_by_move.matrix()
-        candidate = Placement.from_matrix(
-            current.layers, current.num_experts, current.servers, found_matrix, current.replication
-        )
-        value = predicted_seconds(current, candidate, load, replace(cost, planner_seconds=0.0), horizon_steps)
-        found.append((value, found_matrix))
+    search = search_for(current, load, cost, horizon_steps, tokens=tokens, max_moves=max_moves)
+    value = search.settle()
+    if search.changed:
+        found.append((value, search.matrix()))
     return found
 
 

@@ -13,6 +13,9 @@ least R times (spread over failure domains where possible), moving little:
   pairs below R (their weights are copied from surviving replicas), then a cost-aware pass. If the
   survivors cannot hold R replicas, R is lowered to what fits (never below 1) — check
   ``result.replication``.
+
+All three run the planners' one search (`eaas.runtime.placement.search`) on the objective of
+`eaas.runtime.placement.cost`, the failover bound included.
 """
 
 from __future__ import annotations
@@ -53,10 +56,10 @@ def add_server(
     original = np.insert(current.hosting_matrix(), new_column, False, axis=0)
     is_new = [s.ordinal == server.ordinal for s in servers]
     search = search_for(
-        current, servers, original, original, loads, cost, horizon_steps, load_allowed=is_new,
+        current, loads, cost, horizon_steps, servers=servers, matrix=original, load_allowed=is_new,
         charged=[not new for new in is_new],
     )  # fmt: skip
-    search.optimize()
+    search.settle()
     return _result(current, servers, search.matrix(), current.replication)
 
 
@@ -140,7 +143,7 @@ def _rebuild(
     keep = [current.server_index(s.ordinal) for s in survivors]
     original = current.hosting_matrix()[keep]
     search = search_for(
-        current, survivors, original, original, load, cost, horizon_steps, replication=replication
+        current, load, cost, horizon_steps, servers=survivors, matrix=original, replication=replication
     )
     counts = original.sum(axis=0)  # [L, E]
     # Pairs with no replica left first, then the heaviest under-replicated ones.
@@ -149,16 +152,10 @@ def _rebuild(
         ((int(counts[l, e]), -float(load[l, e]), int(l), int(e)) for l, e in short),
     )
     pairs = [(l, e) for _, _, l, e in priority]
-    if search.need_dom > 1:
-        covered_short = {(l, e) for l, e in pairs}
-        pairs += [
-            (l, e)
-            for l in range(len(current.layers))
-            for e in range(current.num_experts)
-            if (l, e) not in covered_short and not search.spread_ok(search.hosts[l][e])
-        ]
+    covered_short = set(pairs)
+    pairs += [pair for pair in search.under_spread() if pair not in covered_short]
     search.ensure_replicas(pairs)
-    search.optimize()
+    search.settle()
     return _result(current, survivors, search.matrix(), replication)
 
 

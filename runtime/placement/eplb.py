@@ -221,16 +221,8 @@ def _spread(
         return matrix
     except PlacementError:
         pass
-    search = Search(
-        matrix, matrix, load, capacities, domain_ids.tolist(), replication, needed_domains, CostModel(), 1
-    )
-    short = [
-        (l, e)
-        for l in range(load.shape[0])
-        for e in range(load.shape[1])
-        if not search.spread_ok(search.hosts[l][e])
-    ]
-    search.ensure_replicas(short)
+    search = Search(matrix, load, capacities, domain_ids, replication, needed_domains, CostModel(), 1)
+    search.ensure_replicas(search.under_spread())
     return search.matrix()
 
 

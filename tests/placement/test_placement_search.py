@@ -1,6 +1,6 @@
-"""The round-based search batched over layers (`eaas.runtime.placement.batched`), on its own: every
-state it returns is a valid placement, its bookkeeping matches a recomputation from that
-placement, and the objective it reports is the real one."""
+"""The planners' one search (`eaas.runtime.placement.search`), on its own: every state it returns is
+a valid placement, its bookkeeping matches a recomputation from that placement, and the objective
+it reports is the real one."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from eaas.runtime.placement import (
     predicted_seconds,
     round_robin,
 )
-from eaas.runtime.placement.batched import BatchedSearch, _first_seen, _rank_within
 from eaas.runtime.placement.cost import failover_shares
 from eaas.runtime.placement.cost_aware import PORTFOLIO_MAX_CELLS
+from eaas.runtime.placement.search import _first_seen, _rank_within, search_for
 
 
 def check_search(current: Placement, load: np.ndarray, cost: CostModel, horizon: int, step: int) -> Placement:
     """Run a search; check its result and bookkeeping; return the placement it found."""
-    search = BatchedSearch(current, load, cost, horizon)
+    search = search_for(current, load, cost, horizon)
     keep = search.objective()
     assert keep == pytest.approx(predicted_seconds(current, current, load, cost, horizon), rel=1e-9)
     best = search.optimize(step=step)
@@ -68,7 +68,7 @@ def test_every_step_size_gives_a_valid_placement_and_true_objective(
 
 
 @pytest.mark.parametrize("replication", [1, 2])
-def test_large_instance_uses_the_batched_search_alone(replication: int) -> None:
+def test_large_instance_uses_the_rounds_alone(replication: int) -> None:
     # 12 layers x 64 experts on 16 servers in 4 domains: above the portfolio threshold.
     servers = domain_servers(16, replication * 12 * 64 // 16 + 8, 4)
     current = round_robin(12, 64, servers, replication)
@@ -79,7 +79,8 @@ def test_large_instance_uses_the_batched_search_alone(replication: int) -> None:
     plan = cost_aware(current, load, cost, horizon_steps=100)
     assert plan is not current and plan.same_assignment(found)
     keep = predicted_seconds(current, current, load, cost, 100)
-    assert predicted_seconds(current, plan, load, cost, 100) < 0.9 * keep
+    # (R = 2: the failover bound counts too, and a round-robin start is far over it.)
+    assert predicted_seconds(current, plan, load, cost, 100) < (0.9 if replication == 1 else 0.95) * keep
     assert cost_aware(current, load, cost, horizon_steps=100) == plan  # deterministic
 
 
@@ -87,7 +88,7 @@ def test_move_budget_is_respected() -> None:
     current = round_robin(12, 64, domain_servers(16, 60, 4))
     load = trace_load(12, 64, seed=4)
     for budget in (1, 7, 40):
-        search = BatchedSearch(current, load, CostModel(), 1000, max_moves=budget)
+        search = search_for(current, load, CostModel(), 1000, max_moves=budget)
         search.optimize()
         assert 0 < search.moves <= budget
 
@@ -105,3 +106,22 @@ def test_first_seen_and_rank_within_match_a_loop(keys: list[int]) -> None:
         seen[key] = seen.get(key, 0) + 1
     np.testing.assert_array_equal(_first_seen(array, 10), np.array(first, dtype=bool))
     np.testing.assert_array_equal(_rank_within(array, 10), np.array(rank, dtype=np.int64))
+
+
+@SETTINGS
+@given(instances(), COSTS, st.integers(1, 1000), st.integers(0, 2**16))
+def test_escape_is_valid_and_never_worse(
+    instance: tuple[Placement, np.ndarray], cost: CostModel, horizon: int, seed: int
+) -> None:
+    """The iterated local search's kicks are taken back unless they lead somewhere better."""
+    current, load = instance
+    search = search_for(current, load, cost, horizon)
+    settled = search.optimize(step=1, stop_step=1)
+    best = search.escape(8, seed, step=1, stop_step=1)
+    assert best <= settled + 1e-12
+    assert abs(best - search.objective()) <= 1e-9 * max(1.0, best)
+    found = Placement.from_matrix(
+        current.layers, current.num_experts, current.servers, search.matrix(), current.replication
+    )
+    assert_invariants(found)
+    assert best == pytest.approx(predicted_seconds(current, found, load, cost, horizon), rel=1e-9, abs=1e-12)
