@@ -38,10 +38,14 @@ published full restarts take 2-3 min (SGLang) and 348 s (EEP), shown in Part B f
 (3..60) x 256 experts, top-8, ``SyntheticTrace``'s expected load of a 4096-token decode batch
 (skewed expert popularity, max/mean ~2.5 per server). 64 servers, R = 2 and one redundant slot per
 server per layer (``SLOTS_PER_LAYER`` = 576, DeepSeek's EPLB redundant experts), so survivors have
-room to restore R. Two arms on the same load and faults: *plain packing* (EPLB's
-``replicate_and_pack``, as before) and *failure-aware packing* (``failure_aware=True``: the same
-replication and balance, each server's experts' other replicas spread over many servers), each
-refined by the operator's default policy (``cost_aware``). A decode step costs
+room to restore R. Three arms on the same load and faults (`ARMS`): *plain packing* (EPLB's
+``replicate_and_pack``) with the planners' healthy objective (``failover_factor=0``: the planners
+before issue 30); *failure-aware packing* (``failure_aware=True``: the same replication and
+balance, each server's experts' other replicas spread over many servers) with the healthy
+objective; and the failure-aware packing with the default objective, which also bounds the
+busiest survivor of any single failure (``CostModel.failover_factor``, what ships). Each start is
+refined by the operator's default policy (``cost_aware``) and re-planned by ``recover``, with the
+arm's objective. A decode step costs
 ``(1 - f) + f x M / M0`` of a healthy one, M = sum over layers of the busiest server's tokens
 (``server_loads``: an expert's tokens split evenly over its live replicas, as the client splits an
 expert with > 32 tokens; M0 healthy). Faults hit g = 1..4 seeded random servers one at a time,
@@ -155,17 +159,31 @@ def window_average(first: float, first_s: float, then: float, window_s: float) -
     return (first * first_s + then * (window_s - first_s)) / window_s
 
 
+HEALTHY_ONLY = CostModel(failover_factor=0.0)
+ARMS = (
+    ("plain packing, healthy objective", False, HEALTHY_ONLY),  # the planners before issue 30
+    ("failure-aware packing, healthy objective", True, HEALTHY_ONLY),
+    ("failure-aware packing and objective", True, CostModel()),  # what ships
+)
+"""Part B's arms: (name, failure-aware packing, the planners' cost model)."""
+
+
 def simulation_start(
-    load: np.ndarray, servers: int = SIM_SERVERS, *, failure_aware: bool = True, horizon_steps: int = 100
+    load: np.ndarray,
+    servers: int = SIM_SERVERS,
+    *,
+    failure_aware: bool = True,
+    horizon_steps: int = 100,
+    cost: CostModel | None = None,
 ) -> Placement:
     """The 64-server placement the drill starts from: EPLB's packing (failure-aware or plain)
-    refined by ``cost_aware`` (R = 2, one redundant slot per server per layer). load: float
-    ``[L, E]``."""
+    refined by ``cost_aware`` with ``cost`` (default `CostModel()`; R = 2, one redundant slot per
+    server per layer). load: float ``[L, E]``."""
     layers = list(SIM_LAYERS)[: load.shape[0]]
     capacity = math.ceil(len(layers) * SLOTS_PER_LAYER * load.shape[1] / SIM_EXPERTS / servers)
     empty = round_robin(layers, load.shape[1], servers, SIM_REPLICATION, capacity=capacity)
     packed = replicate_and_pack(empty, load, failure_aware=failure_aware)
-    return cost_aware(packed, load, CostModel(), horizon_steps=horizon_steps)
+    return cost_aware(packed, load, cost or CostModel(), horizon_steps=horizon_steps)
 
 
 def drill(
@@ -176,15 +194,17 @@ def drill(
     degraded_s: float,
     interval_s: float,
     horizon_steps: int = 100,
+    cost: CostModel | None = None,
 ) -> list[dict[str, Any]]:
     """One row per fault g (servers ``faults[:g]`` lost, one at a time): relative throughput in the
-    failover state (``degraded_s``), after ``recover`` (planning for ``horizon_steps``), the window
-    average until the next fault, and the loss per lost GPU of each. load: float ``[L, E]``."""
+    failover state (``degraded_s``), after ``recover`` (planning for ``horizon_steps`` with
+    ``cost``, default `CostModel()`), the window average until the next fault, and the loss per
+    lost GPU of each. load: float ``[L, E]``."""
     healthy = moe_tokens(start, load)
     current, rows = start, []
     for g, ordinal in enumerate(faults, 1):
         failover = relative_throughput(expert_fraction, moe_tokens(current, load, (ordinal,)) / healthy)
-        before, current = current, recover(current, [ordinal], load, horizon_steps=horizon_steps)
+        before, current = current, recover(current, [ordinal], load, cost, horizon_steps=horizon_steps)
         replanned = relative_throughput(expert_fraction, moe_tokens(current, load) / healthy)
         average = window_average(failover, degraded_s, replanned, interval_s)
         rows.append(
@@ -439,7 +459,7 @@ def main() -> None:
     results = report_part_a(part_a, mono)
     rows_b, monolith_rows = simulate(part_a["expert_fraction"], part_a["step_s"], mono["restart_s"], args)
     results += rows_b + monolith_rows
-    ours = [r for r in rows_b if r["arm"] == "failure-aware packing"]
+    ours = [r for r in rows_b if r["arm"] == ARMS[-1][0]]
     worst = max(r["window_loss_per_gpu"] for r in ours)
     worst_failover = max(r["failover_loss_per_gpu"] for r in ours)
     unavailable = sum(r["unavailable"] for r in rows_b)
@@ -528,8 +548,9 @@ def report_part_a(part_a: dict[str, Any], mono: dict[str, Any]) -> list[dict[str
 def simulate(
     expert_fraction: float, step_s: float, restart_s: float, args: Any
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Part B: the 64-server drill, today's planner (plain packing) against the failure-aware
-    packing on the same load and faults, and the monolith's windows."""
+    """Part B: the 64-server drill, the planners before issue 30 (plain packing, healthy objective)
+    against the failure-aware packing with and without the failover bound in the objective, on the
+    same load and faults, and the monolith's windows."""
     load = simulation_load(args.seed)
     horizon = max(1, round(args.fault_interval_s / step_s))  # a placement serves until the next fault
     print(
@@ -541,12 +562,12 @@ def simulate(
     )
     rows: list[dict[str, Any]] = []
     faults = random.Random(args.seed).sample(range(SIM_SERVERS), 4)  # the same in both arms
-    for arm, failure_aware in (("plain packing", False), ("failure-aware packing", True)):
-        start = simulation_start(load, failure_aware=failure_aware, horizon_steps=horizon)
+    for arm, failure_aware, cost in ARMS:
+        start = simulation_start(load, failure_aware=failure_aware, horizon_steps=horizon, cost=cost)
         healthy = moe_tokens(start, load)
         after = failover_loads(start, load).sum(axis=1) / healthy  # [S] every single failure
         arm_rows = drill(
-            start, load, faults, expert_fraction, args.degraded_s, args.fault_interval_s, horizon
+            start, load, faults, expert_fraction, args.degraded_s, args.fault_interval_s, horizon, cost
         )
         print(
             f"{arm}: after any one server's failure the busiest servers carry {after.mean():.3f}x "

@@ -209,17 +209,28 @@ class Search:
     # -- one round ---------------------------------------------------------------------------------
 
     def _proposals(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
-        """The round's proposals: `_balance_proposals` and `_failover_proposals` together."""
-        found = [
-            p
-            for p in (self._balance_proposals(allowance, pairs), self._failover_proposals(allowance))
-            if p is not None
-        ]
-        if not found:
-            return None
-        if len(found) == 1:
-            return found[0]
-        return tuple(np.concatenate(parts) for parts in zip(*found, strict=True))
+        """The round's proposals (`_balance_proposals`; failover moves have rounds of their own,
+        `_failover_round`)."""
+        return self._balance_proposals(allowance, pairs)
+
+    def _failover_round(self, allowance: int, best: float) -> float:
+        """A round of `_failover_proposals` under ``allowance``, kept only if the objective falls
+        below ``best``; returns the objective then. Separate from the balancing rounds, so that a
+        failover move that does not pay never costs a balancing round its place."""
+        if self.overlap is None:
+            return best
+        proposals = self._failover_proposals(allowance)
+        if proposals is None:
+            return best
+        granted = self._grant(proposals, allowance)
+        if len(granted[0]) == 0:
+            return best
+        self._apply(granted)
+        value = self.objective()
+        if value < best - 1e-12:
+            return value
+        self._undo(granted)
+        return best
 
     def _balance_proposals(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
         """Every layer's best move off each of its ``pairs`` busiest servers: arrays (gain, kind,
@@ -558,8 +569,10 @@ class Search:
         self._set(drop_l, drop_e, drop_s, False)
         self._set(add_l, add_e, add_s, True)
         self.moves += int(grows.sum())
-        if self.overlap is not None:
-            np.add.at(self.overlap, pair_l, self._overlap_terms(pair_l, pair_e) - before)
+        if self.overlap is not None:  # pair_l is sorted (np.unique): sum each layer's changes
+            starts = np.flatnonzero(np.concatenate(([True], pair_l[1:] != pair_l[:-1])))
+            change = np.add.reduceat(self._overlap_terms(pair_l, pair_e) - before, starts, axis=0)
+            self.overlap[pair_l[starts]] += change
 
     def _overlap_terms(self, layer: np.ndarray, expert: np.ndarray) -> np.ndarray:
         """``[N, S, S]`` what pairs ``(layer, expert)`` add to ``overlap``: the tokens each host takes
@@ -714,6 +727,8 @@ class Search:
 
         while self.max_moves is None or self.moves < self.max_moves:
             allowance = self.loads_charged() + step
+            if not trial:
+                best = self._failover_round(allowance, best)
             before = self.compute()
             pairs = min(pairs_cap, max(MIN_PAIRS, int(pairs_per_step * step)))
             applied = []
