@@ -81,6 +81,9 @@ class Search:
         load_allowed: ``[S]`` servers that may load experts (default all).
         charged: ``[S]`` servers whose loads stall serving (default all; a new server's do not).
         tokens: optional forecast tokens ``[L, S]`` of ``matrix``, if the caller has them.
+        entries: optional ``matrix``'s hosted pairs as `Placement.hosted_entries` gives them
+            (layer, server, expert index arrays in that order, replica counts), if the caller has
+            them.
         max_moves: stop after this many moves.
         min_gain_fraction: ignore moves that lower a layer's peak by less than this fraction of the
             layer's mean tokens per server (smaller gains are within the load estimate's noise).
@@ -101,6 +104,7 @@ class Search:
         load_allowed: Sequence[bool] | None = None,
         charged: Sequence[bool] | None = None,
         tokens: np.ndarray | None = None,
+        entries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
         max_moves: int | None = None,
         min_gain_fraction: float = 2e-3,
         swap_weight: float = SWAP_WEIGHT,
@@ -111,12 +115,16 @@ class Search:
         self.num_servers, self.num_layers, self.num_experts = num_servers, num_layers, num_experts
         self.load = np.asarray(load, dtype=np.float64)
         self.servers_experts = np.array(start.transpose(1, 0, 2), order="C")  # [L, S, E] (a copy)
-        layer, server, expert = np.nonzero(self.servers_experts)  # in (l, s, e) order
+        if entries is None:
+            layer, server, expert = np.nonzero(self.servers_experts)  # in (l, s, e) order
+            counts = start.sum(axis=0)
+        else:
+            layer, server, expert, counts = entries
         layer_server = layer * num_servers + server
         self.experts_servers = np.zeros((num_layers, num_experts, num_servers), dtype=bool)  # [L, E, S]
         self.experts_servers[layer, expert, server] = True
         self.original = self.experts_servers.copy()
-        self.count = start.sum(axis=0).astype(np.int64)  # [L, E] replicas
+        self.count = np.array(counts, dtype=np.int64)  # [L, E] replicas
         self.mean = self.load.sum(axis=1) / max(1, num_servers)  # [L] tokens per server
         # Forecast tokens of a share x are x + risk * x^2 (`eaas.runtime.placement.cost`).
         self.risk = cost.load_error / np.where(self.mean > 0, self.mean, 1.0)  # [L]
@@ -1010,6 +1018,8 @@ def search_for(
     go to `Search` (``load_allowed``, ``charged``, ``tokens``, ``max_moves``, ...)."""
     servers = list(current.servers if servers is None else servers)
     hosting = current.hosting_matrix() if matrix is None else matrix
+    if matrix is None and servers == list(current.servers):
+        options.setdefault("entries", current.hosted_entries())
     replicas = replication or current.replication
     domains, _ = domain_ids(servers)
     spread = required_spread(servers, len(current.layers) * current.num_experts, replicas)
