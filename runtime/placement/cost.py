@@ -219,11 +219,15 @@ def failover_peaks_from(overlap: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(after.reshape(len(tokens), -1).max(axis=1))
 
 
-def compute_peaks(placement: Placement, load: np.ndarray, cost: CostModel) -> np.ndarray:
+def compute_peaks(
+    placement: Placement, load: np.ndarray, cost: CostModel, tokens: np.ndarray | None = None
+) -> np.ndarray:
     """``[L]`` the tokens each layer's compute term counts: the busiest server's (forecast) tokens,
-    plus how far the failover peak exceeds its bound (module docstring)."""
+    plus how far the failover peak exceeds its bound (module docstring). ``tokens``: the
+    placement's `forecast_loads` ``[L, S]``, if the caller has them."""
     array = check_load(load, len(placement.layers), placement.num_experts)
-    tokens = forecast_loads(placement, array, cost.load_error)  # [L, S]
+    if tokens is None:
+        tokens = forecast_loads(placement, array, cost.load_error)  # [L, S]
     peaks = tokens.max(axis=-1)
     counts = placement.replica_counts()
     limits = failover_limits(cost.failover_factor, counts, placement.num_servers, placement.replication)

@@ -86,7 +86,7 @@ def cost_aware(
     tokens = forecast_loads(current, loads, cost.load_error)  # [L, S]
     floor = loads.sum(axis=1) / current.num_servers  # [L] no placement's peak is below its mean
     counts = current.replica_counts()
-    excess = compute_peaks(current, loads, cost) - tokens.max(axis=1)  # [L] failover peaks over the healthy
+    excess = compute_peaks(current, loads, cost, tokens) - tokens.max(axis=1)  # [L] the failover term
     bound = gain_bound(tokens, counts, current.replication, cost, horizon_steps, floor=floor, excess=excess)
     if bound <= cost.planner_seconds:
         return current
