@@ -808,9 +808,11 @@ class Search:
             mark = len(self._journal)
             if self.max_moves is not None and self.moves >= self.max_moves:
                 break
+            if not (self.tokens.max(axis=1) - self.mean > self.min_gain).any():
+                break  # nothing left to balance
             kick = self._kick(rng)
-            if kick is None:
-                break
+            if kick is None:  # this draw found no kick (another may)
+                continue
             self._apply(kick)
             value = self.optimize(**optimize_args)  # type: ignore[arg-type]
             if value < best - 1e-12:
