@@ -50,10 +50,9 @@ from eaas.runtime.placement.placement import Placement, PlacementError
 
 FAILOVER_FACTOR = 1.3
 """Default `CostModel.failover_factor`. DeepSeek-V3's shape on 64 servers with R = 2 and the
-drifting trace of benchmarks/placement.py: the failure-aware packing refined by `cost_aware`
-starts at 1.24x its layers' means (worst over failures, per layer), and rebalancing without the
-bound drifts to 1.36x; 1.3 holds it there without costing steady-state balance, 1.25 cost about
-1.5% of it (benchmarks/placement.py, part D)."""
+drifting trace of benchmarks/placement.py (part D): the failure-aware packing starts at 1.27x
+its layers' means (the busiest survivor of the worst failure, per layer), rebalancing without the
+bound drifts to 1.38x, and with 1.3 it stays at 1.27–1.31x at the same steady-state balance."""
 
 
 @dataclass(frozen=True)
