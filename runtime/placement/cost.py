@@ -158,20 +158,23 @@ def failover_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     many experts (EPLB's packing pairs servers that way, so one failure doubles its partner's
     load), small where each server's experts have their other replicas spread over many."""
     loads = check_load(load, len(placement.layers), placement.num_experts)
-    hosting = placement.hosting_matrix()  # [S, L, E]
-    counts = hosting.sum(axis=0)  # [L, E]
-    extra = failover_shares(loads / np.maximum(counts, 1), counts)  # [L, E]
-    tokens = server_loads(placement, loads)  # [L, S]
-    num_servers = placement.num_servers
-    result = np.empty((num_servers, len(placement.layers)))
-    diagonal = np.arange(num_servers)
-    for l in range(len(placement.layers)):
-        held = hosting[:, l, :].astype(np.float64)  # [S, E]
-        after = tokens[l][None, :] + (held * extra[l]) @ held.T  # [failed s, survivor u]
-        after[diagonal, diagonal] = -np.inf
-        result[:, l] = after.max(axis=1) if num_servers > 1 else np.inf
-        result[(hosting[:, l, :] & (counts[l] == 1)[None, :]).any(axis=1), l] = np.inf  # a last replica
-    return result
+    hosting = placement.hosting_matrix().transpose(1, 0, 2)  # [L, S, E]
+    counts = placement.replica_counts()  # [L, E]
+    overlap = failover_overlap(hosting, loads / np.maximum(counts, 1), counts)  # [L, S, S]
+    after = server_loads(placement, loads)[:, None, :] + overlap  # [L, failed s, survivor u]
+    diagonal = np.arange(placement.num_servers)
+    after[:, diagonal, diagonal] = -np.inf
+    result = after.max(axis=2).T if placement.num_servers > 1 else np.full((1, len(placement.layers)), np.inf)
+    result[(hosting & (counts == 1)[:, None, :]).any(axis=2).T] = np.inf  # a last replica
+    return np.asarray(result, dtype=np.float64)
+
+
+def failover_overlap(hosting: np.ndarray, share: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[L, S, S]`` the tokens server ``u`` takes over when ``s`` fails, at ``[l, s, u]``
+    (``H diag(w) H^T`` per layer), for ``hosting`` bool ``[L, S, E]``, ``share [L, E]`` tokens per
+    replica and ``counts [L, E]`` replicas."""
+    held = hosting.astype(np.float64)
+    return np.asarray((held * failover_shares(share, counts)[:, None, :]) @ held.transpose(0, 2, 1))
 
 
 def failover_limits(
@@ -203,9 +206,7 @@ def failover_peaks(
     re-plan), for ``hosting`` bool ``[L, S, E]``, ``tokens [L, S]`` per server, ``share [L, E]``
     tokens per replica and ``counts [L, E]`` replicas. Experts with one replica move nowhere
     (`failover_loads` marks them ``inf``; here they add nothing). ``-inf`` with one server."""
-    held = hosting.astype(np.float64)  # [L, S, E]
-    overlap = (held * failover_shares(share, counts)[:, None, :]) @ held.transpose(0, 2, 1)  # [L, S, S]
-    return failover_peaks_from(overlap, tokens)
+    return failover_peaks_from(failover_overlap(hosting, share, counts), tokens)
 
 
 def failover_peaks_from(overlap: np.ndarray, tokens: np.ndarray) -> np.ndarray:

@@ -50,7 +50,13 @@ from typing import Any
 
 import numpy as np
 
-from eaas.runtime.placement.cost import CostModel, failover_limits, failover_peaks_from, failover_shares
+from eaas.runtime.placement.cost import (
+    CostModel,
+    failover_limits,
+    failover_overlap,
+    failover_peaks_from,
+    failover_shares,
+)
 from eaas.runtime.placement.placement import Placement, PlacementError, Server, domain_ids, required_spread
 
 SWAP_WEIGHT = 0.75  # a swap's gain counts 0.75x: it loads two experts
@@ -162,9 +168,7 @@ class Search:
         self.failover_factor = cost.failover_factor
         self.overlap: np.ndarray | None = None  # [L, S, S] tokens u takes over when s fails, at [l, s, u]
         if self.failover_factor > 0 and num_servers > 1 and self.replication > 1:
-            held = self.servers_experts.astype(np.float64)  # [L, S, E]
-            weights = failover_shares(self.share, self.count)[:, None, :]
-            self.overlap = (held * weights) @ held.transpose(0, 2, 1)
+            self.overlap = failover_overlap(self.servers_experts, self.share, self.count)
 
     def is_open(self, allowance: int) -> np.ndarray:
         """bool ``[S]``: servers that may load one more expert under ``allowance`` new loads."""
@@ -216,15 +220,11 @@ class Search:
 
     # -- one round ---------------------------------------------------------------------------------
 
-    def _proposals(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
-        """The round's proposals (`_balance_proposals`; failover moves have rounds of their own,
-        `_failover_round`)."""
-        return self._balance_proposals(allowance, pairs)
-
     def _failover_round(self, allowance: int, best: float) -> float:
         """A round of `_failover_proposals` under ``allowance``, kept only if the objective falls
-        below ``best``; returns the objective then. Separate from the balancing rounds, so that a
-        failover move that does not pay never costs a balancing round its place."""
+        below ``best``; returns the objective then. Separate from the balancing rounds
+        (`_balance_proposals`), so that a failover move that does not pay never costs a balancing
+        round its place."""
         if self.overlap is None:
             return best
         proposals = self._failover_proposals(allowance)
@@ -744,7 +744,7 @@ class Search:
             if drops is not None:
                 self._apply(drops)
                 applied.append(drops)
-            proposals = self._proposals(allowance, pairs)
+            proposals = self._balance_proposals(allowance, pairs)
             granted = None if proposals is None else self._grant(proposals, allowance)
             if granted is None or len(granted[0]) == 0:
                 for moves in reversed(applied):
