@@ -45,26 +45,27 @@ from e2e.operator.system.workload import (
     NAME,
     POOL,
     PROMPTS,
-    RECOVERY_STALL_S,
     REPLICATION,
     SKEWED,
+    START_STALL_S,
     VERSION,
     Load,
     Outcome,
     ReplicaWatch,
+    Starts,
     System,
     completions_equal_reference,
     crash_stall,
     deploy,
     gap_story,
     longest_gap,
-    longest_gap_at,
     pod_url,
     reference_texts,
     retried,
     sigkill_drill,
     sigstop_drill,
     stream_completion,
+    waits,
 )
 from e2e.waiting import wait_until
 
@@ -106,6 +107,7 @@ def test_kill_of_an_attention_pod_fails_only_its_in_flight_requests(system: Syst
     doomed, other = system.attention_pods()
     pid = system.pid_of(doomed)
     with (
+        Starts(system) as starts,
         Load(pod_url(other, "http"), system.model) as steady,
         Load(pod_url(doomed, "http"), system.model, timeout=10) as lost,
     ):
@@ -143,6 +145,7 @@ def test_kill_of_an_attention_pod_fails_only_its_in_flight_requests(system: Syst
         wait_until(lambda: steady.completed_since(back) >= 2, 120, "requests on the other pod after")
     system.check(steady.outcomes)  # the other pod: nothing failed, identical answers
     during = longest_gap(steady.outcomes, struck, time.monotonic())
+    split = waits(steady.outcomes, struck, time.monotonic(), starts)
     baseline = longest_gap(steady.outcomes, before_start, struck)
     in_flight = [o for o in lost.outcomes if o.done_at > struck]
     finished_before = [o for o in lost.outcomes if o.done_at <= struck]
@@ -156,12 +159,13 @@ def test_kill_of_an_attention_pod_fails_only_its_in_flight_requests(system: Syst
     system.check([stream_completion(pod_url(replacement, "http"), system.model, Outcome(PROMPTS[0]))])
     print(
         f"\ndrill 4 (attention pod killed): other pod {len(steady.outcomes)} requests, 0 failed, "
-        f"longest gap {during:.2f} s (before: {baseline:.2f} s); killed pod: {len(in_flight)} in flight "
+        f"longest gap {during:.2f} s (before: {baseline:.2f} s; {split.story()}); killed pod: "
+        f"{len(in_flight)} in flight "
         f"failed ({sorted({o.error.split(':')[0] for o in in_flight})}), retried through the Service: "
         f"all succeeded; replacement serving after {replaced:.1f} s; one slot per client after "
         f"{slots_back:.1f} s"
     )
-    assert during < baseline + 1.0
+    split.check(baseline, other=1.0)
 
 
 def test_hung_attention_pod_loses_its_slots_to_its_lease(system: System) -> None:
@@ -572,7 +576,11 @@ def test_sigterm_of_an_expert_server_hands_its_experts_over_before_it_goes(syste
             gone.append(time.monotonic())
         return True
 
-    with ReplicaWatch(system, serving=True) as watch, Load(system.url, system.model) as load:
+    with (
+        ReplicaWatch(system, serving=True) as watch,
+        Starts(system) as starts,
+        Load(system.url, system.model) as load,
+    ):
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
         before_start = time.monotonic()
         time.sleep(3)
@@ -598,26 +606,29 @@ def test_sigterm_of_an_expert_server_hands_its_experts_over_before_it_goes(syste
         ),
         None,
     )
-    during, at = longest_gap_at(load.outcomes, struck, time.monotonic())
+    during = longest_gap(load.outcomes, struck, time.monotonic())
     baseline = longest_gap(load.outcomes, before_start, struck)
     assert without is not None, watch.commits
     handover = longest_gap(load.outcomes, struck, without)
+    story = gap_story(load.outcomes, struck, time.monotonic(), struck)
+    split = waits(load.outcomes, struck, time.monotonic(), starts)
     log = "\n".join(
         p.read_text(errors="replace") for p in system.plane.pod_dir.glob(f"{ns}_{name}_{uid[:8]}*/*.log")
     )
     print(
         f"\ndrill 9 (SIGTERM of {name}: kubectl delete pod): {len(load.outcomes)} requests, 0 failed; "
         f"longest gap until the placement without it was committed ({without - struck:.1f} s) "
-        f"{handover:.2f} s, over the whole drill {during:.2f} s, ending {at - struck:.1f} s after the "
-        f"SIGTERM (before: {baseline:.2f} s); fewest serving replicas {fewest}, no client saw a server "
+        f"{handover:.2f} s, over the whole drill {during:.2f} s ({story}; {split.story()}) "
+        f"(before: {baseline:.2f} s); fewest serving replicas {fewest}, no client saw a server "
         f"down; the server exited after {gone[0] - struck:.1f} s, pool at 3 again after {whole:.1f} s"
     )
     assert "no placement names this server and no client holds a slot; exiting" in log, log[-3000:]
     # Target: 0.2 s over the machine's jitter. Here the replacement server starts (an interpreter
     # and torch, seconds of CPU) on the same two cores as everything else: the handover is held to
-    # the crash path's bound, the whole drill to the recovery's; docs/benchmarks.md records both.
+    # the crash path's bound, the rest of the drill to the recovery's (START_STALL_S while a pod
+    # starts); docs/benchmarks.md records them.
     assert handover < baseline + CRASH_STALL_S
-    assert during < baseline + RECOVERY_STALL_S
+    split.check(baseline)
 
 
 def test_sigterm_of_an_attention_pod_finishes_its_requests(system: System) -> None:
@@ -683,7 +694,11 @@ def test_kubectl_drain_of_a_node_with_two_expert_servers(system: System) -> None
     node, count = hosts.most_common(1)[0]
     assert count >= 2, hosts  # three servers on two nodes
     on_node = {p.metadata.uid for p in system.expert_pods() if p.spec.node_name == node}
-    with ReplicaWatch(system, serving=True) as watch, Load(system.url, system.model) as load:
+    with (
+        ReplicaWatch(system, serving=True) as watch,
+        Starts(system) as starts,
+        Load(system.url, system.model) as load,
+    ):
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
         before_start = time.monotonic()
         time.sleep(3)
@@ -716,14 +731,16 @@ def test_kubectl_drain_of_a_node_with_two_expert_servers(system: System) -> None
     during = longest_gap(load.outcomes, struck, time.monotonic())
     baseline = longest_gap(load.outcomes, before_start, struck)
     story = gap_story(load.outcomes, struck, time.monotonic(), struck)
+    split = waits(load.outcomes, struck, time.monotonic(), starts)
     refusals = (drained.stdout + drained.stderr).count("disruption budget")
     print(
         f"\ndrill 11 (kubectl drain {node}, {count} expert servers on it): {len(load.outcomes)} requests, "
-        f"0 failed; longest gap {during:.2f} s ({story}; before: {baseline:.2f} s); fewest serving replicas "
+        f"0 failed; longest gap {during:.2f} s ({story}; {split.story()}; before: {baseline:.2f} s); fewest "
+        f"serving replicas "
         f"{fewest}, no client saw a server down; drain done after {took:.1f} s ({refusals} evictions "
         f"refused by a budget and retried); pool whole after {whole:.1f} s"
     )
-    assert during < baseline + RECOVERY_STALL_S  # replacements start on these two cores (see drill 9)
+    split.check(baseline)  # replacements start on these two cores (see drill 9)
 
 
 def test_a_whole_node_lost_loses_no_request(system: System) -> None:
@@ -777,7 +794,7 @@ def test_a_whole_node_lost_loses_no_request(system: System) -> None:
                 return False
         return bool(system.full_strength(3))
 
-    with ReplicaWatch(system) as watch, Load(system.url, system.model) as load:
+    with ReplicaWatch(system) as watch, Starts(system) as starts, Load(system.url, system.model) as load:
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
         before_start = time.monotonic()
         time.sleep(3)
@@ -796,16 +813,18 @@ def test_a_whole_node_lost_loses_no_request(system: System) -> None:
     crash = crash_stall(load.outcomes, struck)
     baseline = longest_gap(load.outcomes, before_start, struck)
     story = gap_story(load.outcomes, struck, time.monotonic(), struck)
+    split = waits(load.outcomes, struck, time.monotonic(), starts)
     samples = [f for t, _, f in watch.fewest if t >= struck]
     print(
         f"\ndrill 12 (every expert server on {node} SIGKILLed: {sorted(lost)}): {len(load.outcomes)} "
         f"requests, 0 failed; longest wait at the strike {crash:.2f} s, over the whole drill {during:.2f} s "
-        f"({story}; before: {baseline:.2f} s); fewest Ready replicas of any expert {min(samples)} (the "
+        f"({story}; {split.story()}; before: {baseline:.2f} s); fewest Ready replicas of any expert "
+        f"{min(samples)} (the "
         f"other node's server held one of each); pool at full R after {whole:.1f} s"
     )
     assert min(samples) >= 1  # never an expert without a Ready replica
     assert crash < baseline + CRASH_STALL_S  # as for one crashed server
-    assert during < baseline + RECOVERY_STALL_S  # the replacements start on these two cores
+    split.check(baseline)  # the replacements start on these two cores
 
 
 def test_a_runtime_upgrade_rolls_one_server_at_a_time_and_a_revert_converges(system: System) -> None:
@@ -906,7 +925,7 @@ def test_a_model_revision_rolls_out_blue_green_and_no_answer_mixes_revisions(sys
             if p.metadata.labels.get("eaas.io/pool") in (POOL, ATTENTION)
         ]
 
-    with Load(system.url, system.model) as load:
+    with Starts(system) as starts, Load(system.url, system.model) as load:
         wait_until(lambda: load.completed_since(0) >= 4, 120, "requests before the drill")
         struck = time.monotonic()
         patch = {"spec": {"model": {"checkpoint": {"hostPath": {"path": str(directory)}}, "revision": "r2"}}}
@@ -938,6 +957,8 @@ def test_a_model_revision_rolls_out_blue_green_and_no_answer_mixes_revisions(sys
     assert not late, f"{len(late)} requests started after the old pair went were not served by r2"
     before = longest_gap(load.outcomes, 0.0, struck)
     during = longest_gap(load.outcomes, struck, gone)
+    story = gap_story(load.outcomes, struck, gone, struck)
+    split = waits(load.outcomes, struck, gone, starts)
     experts = system.cluster.custom.get_namespaced_custom_object(
         GROUP, VERSION, ns, "expertpools", f"{NAME}-green-experts"
     )
@@ -946,6 +967,9 @@ def test_a_model_revision_rolls_out_blue_green_and_no_answer_mixes_revisions(sys
         f"\ndrill 14 (model revision {first} -> r2, blue/green): {len(load.outcomes)} requests, 0 failed, "
         f"each answered by one revision and equal to its reference ({dict(served)}); the green pair "
         f"served {switched - struck:.1f} s after the change, the blue pair gone {gone - switched:.1f} s "
-        f"later; longest gap {during:.2f} s (before: {before:.2f} s)"
+        f"later; longest gap {during:.2f} s ({story}; {split.story()}; before: {before:.2f} s)"
     )
-    assert during < before + RECOVERY_STALL_S
+    # The green pair starts, and the blue pair stops (four processes, their network namespaces,
+    # the garbage collector), on the same two cores as the pair that serves: every wait is held to
+    # START_STALL_S over the jitter before (1.61 s while no pod started, in a run alone here).
+    split.check(before, other=START_STALL_S)
