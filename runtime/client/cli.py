@@ -276,6 +276,7 @@ def attention_client(
         )
         return
     from eaas.runtime.lease import Heartbeat
+    from eaas.runtime.server.daemon import end_process
     from eaas.runtime.serving.serve import AttentionService, ServeOptions, dns_discovery, static_discovery
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -354,6 +355,7 @@ def attention_client(
         if beats is not None:
             beats.stop()
     click.echo("stopped", err=True)
+    end_process(0)  # stopped and closed: no interpreter teardown (its CPU is the node's)
 
 
 def _one_shot(

@@ -157,6 +157,7 @@ def expert_server(
     from eaas.runtime.lease import Heartbeat, pool_of
     from eaas.runtime.placement import Placement, PlacementError
     from eaas.runtime.server.client_leases import ClientLeaseWatch
+    from eaas.runtime.server.daemon import end_process
     from eaas.runtime.server.departure import Departure
     from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
     from eaas.runtime.server.loop import LoopOptions
@@ -293,6 +294,7 @@ def expert_server(
     finally:
         for companion in companions:
             companion.stop()
+    end_process(0)  # served and closed: no interpreter teardown (its CPU is the node's)
 
 
 def peer_source(

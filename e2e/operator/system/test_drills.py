@@ -47,7 +47,6 @@ from e2e.operator.system.workload import (
     PROMPTS,
     REPLICATION,
     SKEWED,
-    START_STALL_S,
     VERSION,
     Load,
     Outcome,
@@ -969,7 +968,7 @@ def test_a_model_revision_rolls_out_blue_green_and_no_answer_mixes_revisions(sys
         f"served {switched - struck:.1f} s after the change, the blue pair gone {gone - switched:.1f} s "
         f"later; longest gap {during:.2f} s ({story}; {split.story()}; before: {before:.2f} s)"
     )
-    # The green pair starts, and the blue pair stops (four processes, their network namespaces,
-    # the garbage collector), on the same two cores as the pair that serves: every wait is held to
-    # START_STALL_S over the jitter before (1.61 s while no pod started, in a run alone here).
-    split.check(before, other=START_STALL_S)
+    # The green pair starts on the same two cores as the pair that serves (START_STALL_S then).
+    # The blue pair's servers end without the interpreter's teardown (``end_process``): with it,
+    # the waits while no pod started read 1.5-1.8 s here, as the blue pair went.
+    split.check(before)
