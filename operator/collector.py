@@ -141,11 +141,13 @@ class Rebalancer:
         policy: rebalance.Policy,
         interval_seconds: int,
         capacity: int = 0,
+        failover_factor: float | None = None,
     ) -> rebalance.Decision | None:
         """A decision for pool `key` (namespace, name), or None when none is due.
 
         committed: the placement being served (no change may be in flight); urls: ordinal →
-        control URL of the Ready servers; interval_seconds: ``rebalanceIntervalSeconds`` (0 = off).
+        control URL of the Ready servers; interval_seconds: ``rebalanceIntervalSeconds`` (0 = off);
+        failover_factor: ``CostModel.failover_factor`` for this pool (None: this rebalancer's).
         """
         if interval_seconds <= 0:
             self.forget(*key)
@@ -180,6 +182,8 @@ class Rebalancer:
         if forecast is not None and forecast.shape == load.shape:
             drift = prediction_error(forecast, load, 1, 1)
         cost = replace(self.cost, load_error=drift)
+        if failover_factor is not None:
+            cost = replace(cost, failover_factor=failover_factor)
         if window.seconds_per_token is not None:  # measured on these servers: what a token costs here
             cost = replace(cost, seconds_per_token=window.seconds_per_token)
         try:

@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from eaas.operator.api.base import CRDModel, Rule
 from eaas.runtime.model.config import Family, MoEConfig
 from eaas.runtime.model.presets import PRESETS, preset
+from eaas.runtime.placement.cost import FAILOVER_FACTOR
 
 # The runtime's transports (eaas.runtime.transport.registry, which needs torch; a test keeps the two
 # lists equal), so the CRDs offer nothing the expert servers cannot do.
@@ -285,12 +286,26 @@ class UCXSpec(CRDModel):
 class PlacementSpec(CRDModel):
     """How experts are placed on expert servers and re-balanced."""
 
+    rules = (
+        Rule(
+            "self.failoverFactorPercent == 0 || self.failoverFactorPercent >= 100",
+            "failoverFactorPercent must be 0 (off) or at least 100 (the healthy peak)",
+            field_path=".failoverFactorPercent",
+            check=lambda p: p.failover_factor_percent == 0 or p.failover_factor_percent >= 100,
+        ),
+    )
+
     policy: Literal["cost_aware", "eplb"] = "cost_aware"
     """``cost_aware``: few expert moves, skips a rebalance whose cost exceeds its gain;
     ``eplb``: DeepSeek EPLB-style replicate-and-pack."""
     rebalance_interval_seconds: int = Field(default=300, ge=0, le=86400)
     """How often the operator scrapes the servers' per-expert load and re-plans; 0 = only on scaling
     (docs/operations.md, "Load-based rebalancing")."""
+    failover_factor_percent: int = Field(default=round(100 * FAILOVER_FACTOR), ge=0, le=1000)
+    """``cost_aware`` with ``replicationFactor`` >= 2: how far above a layer's mean load its busiest
+    server may go after any one server fails, in percent (130 = 1.3x), counted in the rebalance's
+    objective so that replicas are placed (and hot experts given more) for the failure the pool
+    must absorb; 0 = plan for the healthy pool only (docs/placement.md, "Planning for the failure it must absorb")."""
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]

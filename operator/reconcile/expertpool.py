@@ -239,6 +239,7 @@ def propose_rebalance(
         spec.placement.policy,
         spec.placement.rebalance_interval_seconds,
         capacity=spec.expert_slots_per_server,
+        failover_factor=spec.placement.failover_factor_percent / 100,
     )
     if decision is None or decision.placement is None:
         return None

@@ -126,6 +126,14 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
         ({"ucx.tcpPortMax": 70000}, "spec.ucx.tcpPortMax: Input should be less than or equal to 65535"),
         ({"ucx.tcpPortMax": 20099.5}, "spec.ucx.tcpPortMax: Input should be a valid integer"),
         (
+            {"placement.failoverFactorPercent": 50},
+            "spec.placement.failoverFactorPercent: failoverFactorPercent must be 0 (off) or at least 100",
+        ),
+        (
+            {"placement.failoverFactorPercent": 1001},
+            "spec.placement.failoverFactorPercent: Input should be less than or equal to 1000",
+        ),
+        (
             {"ucx.tcpPortMin": 20100, "ucx.tcpPortMax": 20099},
             "spec.ucx.tcpPortMin: tcpPortMin must be <= tcpPortMax",
         ),
@@ -179,6 +187,19 @@ def test_crd_admits_nixl_and_checks_ucx_with_the_same_patterns() -> None:
     assert ucx["tcpPortMin"]["type"] == "integer" == ucx["tcpPortMax"]["type"]
     rules = [rule["rule"] for rule in spec["x-kubernetes-validations"]]
     assert any("self.ucx.tcpPortMin" in rule for rule in rules)
+
+
+def test_the_failover_bound_defaults_to_the_planners_and_may_be_turned_off() -> None:
+    assert MoEServiceSpec.from_k8s(spec_with()).placement.failover_factor_percent == 130  # 1.3x
+    for percent in (0, 100, 250):
+        spec = MoEServiceSpec.from_k8s(spec_with(**{"placement.failoverFactorPercent": percent}))
+        assert spec.placement.failover_factor_percent == percent
+    for name in ("eaas.io_moeservices.yaml", "eaas.io_expertpools.yaml"):  # the API server checks it too
+        crd = yaml.safe_load((ROOT / "crds" / name).read_text())
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        placement = spec["properties"]["placement"]
+        assert placement["properties"]["failoverFactorPercent"]["default"] == 130
+        assert any("failoverFactorPercent" in r["rule"] for r in placement["x-kubernetes-validations"])
 
 
 def test_capacity_rule_accepts_exactly_enough_slots() -> None:

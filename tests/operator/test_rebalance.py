@@ -212,6 +212,36 @@ def test_tick_plans_with_the_measured_cost_per_token() -> None:
     assert measured.message.endswith("25 us per routed token (measured)")
 
 
+def test_tick_plans_with_the_pools_failover_factor() -> None:
+    """The pool's ``placement.failoverFactorPercent`` reaches the plan: a rebalancer whose own
+    cost has the bound, told 0 for this pool, plans what one without the bound plans, and the
+    other way round. Here both move the same two experts, but with the bound the move also
+    lowers the busiest survivor of a failure, so it is worth more (0.092 s against 0.041 s)."""
+    current = placement()
+    load = hot_load(tokens=400)
+
+    def plan(own: float, told: float | None) -> rebalance.Decision | None:
+        fake, _, rebalancer, urls = ticking(current, CostModel(failover_factor=own))
+        decision = None
+        for total in (load, 2 * load):
+            for o in current.ordinals:
+                tokens = served(current, o, total)
+                fake.answers[f"{urls[o]}/v1/stats"] = stats(tokens, busy=float(tokens.sum()) * 25e-6)
+            decision = rebalancer.tick(("ns", "p"), current, urls, "cost_aware", 60, failover_factor=told)
+            fake.now += 60
+        return decision
+
+    def outcome(decision: rebalance.Decision | None) -> tuple[str, str | None, float]:
+        assert decision is not None
+        placed = None if decision.placement is None else decision.placement.to_json()
+        return decision.result, placed, round(decision.gain_seconds, 9)
+
+    healthy, bounded = outcome(plan(0.0, None)), outcome(plan(1.3, None))
+    assert healthy[0] == bounded[0] == "rebalanced" and bounded[2] > 1.5 * healthy[2]
+    assert outcome(plan(1.3, 0.0)) == healthy
+    assert outcome(plan(0.0, 1.3)) == bounded
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
