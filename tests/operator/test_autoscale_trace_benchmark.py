@@ -182,3 +182,45 @@ def test_the_learned_token_rate_starts_from_the_sizing_runs_and_has_its_own_ceil
     step = np.r_[np.full(120, 1.5), np.full(120, 0.375)]
     token = trace.controller_ceiling(step, 2, 6, 6, 0.9, scale_down_window_s=0, metric="tokenRate")
     assert 0.25 < token <= trace.oracle_saving(step, 2, 6)
+
+
+def test_the_sizing_replays_the_traces_peak_after_a_lead_in(trace: ModuleType) -> None:
+    """The fixed pool is sized on the trace's own requests around its peak: the SLO windows at
+    >= 0.8 x the peak rate, replayed after the window before them."""
+    day = trace.rate_trace(1.5, 180, seed=0)
+    start, judged_from, end = trace.peak_segment(day, 15.0)
+    assert (start, judged_from) == (judged_from - 15.0, judged_from)
+    assert judged_from <= int(day.argmax()) < end and (end - judged_from) % 15.0 == 0
+    for first in np.arange(judged_from, end, 15.0):
+        assert day[int(first) : int(first) + 15].mean() >= 0.8 * day.max()
+    for outside in (judged_from - 15.0, end):  # the windows beside the judged ones are lighter
+        assert day[int(outside) : int(outside) + 15].mean() < 0.8 * day.max()
+    # A flat day is judged whole, after no lead-in; a single busy second still gets its window.
+    assert trace.peak_segment(np.full(60, 1.0), 15.0) == (0.0, 0.0, 60.0)
+    spike = np.r_[np.full(40, 0.1), [5.0], np.full(19, 0.1)]
+    assert trace.peak_segment(spike, 15.0) == (15.0, 30.0, 45.0)
+    requests = trace.trace_requests(day, seed=0, vocab=100)
+    replayed = trace.segment(requests, start, end)
+    assert replayed == [(a - start, p, m) for a, p, m in requests if start <= a < end]
+    assert replayed and all(0.0 <= a < end - start for a, _, _ in replayed)
+
+
+def test_the_fixed_pool_is_the_smallest_that_met_the_slo_through_the_peak(trace: ModuleType) -> None:
+    def row(servers: int, p50: float, p99: float, violating: int, failed: int = 0) -> dict[str, float]:
+        return {
+            "servers": servers,
+            "tpot_p50_s": p50,
+            "tpot_p99_s": p99,
+            "violating_windows": violating,
+            "failed": failed,
+        }
+
+    sizing = [row(2, 0.8, 1.2, 2), row(3, 0.2, 0.21, 1), row(4, 0.1, 0.15, 0, failed=1), row(5, 0.1, 0.14, 0)]
+    assert trace.fixed_size(sizing)[0] == 5  # 4 met the time but failed a request
+    # None met: 3 is within 10% of the best in both p50 and p99, so more servers bought no latency.
+    flat = [row(2, 0.8, 1.2, 2), row(3, 0.150, 0.30, 1), row(4, 0.145, 0.28, 1), row(5, 0.140, 0.275, 2)]
+    servers, rule = trace.fixed_size(flat)
+    assert servers == 3 and rule.startswith("none met")
+    # The p99 of 5 is within 10% of 6's, but its p50 is not: the sixth server bought latency.
+    tail = [row(4, 0.239, 0.288, 2), row(5, 0.173, 0.224, 1), row(6, 0.147, 0.215, 1)]
+    assert trace.fixed_size(tail)[0] == 6
