@@ -305,7 +305,8 @@ class PlacementSpec(CRDModel):
     """``cost_aware`` with ``replicationFactor`` >= 2: how far above a layer's mean load its busiest
     server may go after any one server fails, in percent (130 = 1.3x), counted in the rebalance's
     objective so that replicas are placed (and hot experts given more) for the failure the pool
-    must absorb; 0 = plan for the healthy pool only (docs/placement.md, "Planning for the failure it must absorb")."""
+    must absorb; 0 = plan for the healthy pool only (docs/placement.md, "Planning for the failure
+    it must absorb")."""
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]
