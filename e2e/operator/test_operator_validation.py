@@ -82,6 +82,12 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         '"tcp", "shm", "cuda_ipc", "nixl"',
     ),
     (
+        "failover",
+        {"placement": {"failoverFactorPercent": 50}},
+        "spec.placement.failoverFactorPercent: Invalid value",
+        "failoverFactorPercent must be 0 (off) or at least 100",
+    ),
+    (
         "checkpoint",
         {"model.checkpoint": {"hostPath": {"path": "/m"}, "persistentVolumeClaim": {"claimName": "w"}}},
         "spec.model.checkpoint: Invalid value",
@@ -109,7 +115,11 @@ def test_model_identity_is_immutable_and_defaults_are_materialised(
 ) -> None:
     cluster.apply(manifest("keep"), namespace)
     stored = yaml.safe_load(cluster.kubectl("get", "moeservice/keep", "-n", namespace, "-o", "yaml").stdout)
-    assert stored["spec"]["placement"] == {"policy": "cost_aware", "rebalanceIntervalSeconds": 300}
+    assert stored["spec"]["placement"] == {
+        "policy": "cost_aware",
+        "rebalanceIntervalSeconds": 300,
+        "failoverFactorPercent": 130,
+    }
     assert stored["spec"]["expertPool"]["port"] == 9100 and stored["spec"]["model"]["numDenseLayers"] == 0
     changed = cluster.kubectl(
         "patch",

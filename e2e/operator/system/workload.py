@@ -723,10 +723,23 @@ def deploy(
         service = cluster.core.read_namespaced_service(NAME, namespace)  # the MoEService's API
         url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"
         models = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
-        with urllib.request.urlopen(models, timeout=10) as response:
-            model = json.loads(response.read())["data"][0]["id"]
+        # The Service answers once kube-proxy has programmed its endpoints, which can be a moment
+        # after the pods are Ready: until then its ClusterIP refuses the connection.
+        model = wait_until(lambda: _model_of(models), 60, f"the Service {NAME} answering {url}")
         print(f"\n{prefix}: tiny MoEService Ready with its processes in {time.monotonic() - started:.1f} s")
         yield System(cluster, plane, namespace, checkpoint, url, model, expected)
+
+
+def _model_of(models: urllib.request.Request) -> str | None:
+    """The model the Service names at ``/v1/models``; None while its ClusterIP refuses or drops the
+    connection (no endpoint programmed yet). An HTTP error is an answer, and raises."""
+    try:
+        with urllib.request.urlopen(models, timeout=10) as response:
+            return str(json.loads(response.read())["data"][0]["id"])
+    except urllib.error.HTTPError:
+        raise
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
 
 
 def _serving(system: System, servers: int) -> bool:
