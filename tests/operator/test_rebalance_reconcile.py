@@ -97,6 +97,34 @@ def test_the_resync_timer_publishes_a_rebalance_for_a_hot_expert(pool: dict[str,
     assert progressing[0]["reason"] == "Rebalancing"
 
 
+@pytest.mark.parametrize(("percent", "factor"), [(None, 1.3), (0, 0.0), (250, 2.5)])
+def test_the_pools_failover_bound_reaches_the_rebalancer(
+    pool: dict[str, Any], percent: int | None, factor: float
+) -> None:
+    """``spec.placement.failoverFactorPercent`` (default 130) is the failover factor the pool's
+    rebalance plans with."""
+    if percent is not None:
+        pool["spec"]["placement"]["failoverFactorPercent"] = percent
+    kube = MemoryKube()
+    serving(kube, pool)
+    told: list[float | None] = []
+
+    class Spy(Rebalancer):
+        def tick(self, *args: Any, **kwargs: Any) -> None:
+            told.append(kwargs.get("failover_factor"))
+
+    metrics = OperatorMetrics(CollectorRegistry())
+    context = Context(
+        kube=kube,
+        metrics=metrics,
+        post_event=lambda *a: None,
+        rebalancer=Spy(metrics),
+        server_urls=lambda pool_name, pods, port: {o: f"http://server-{o}:{port}" for o in range(3)},
+    )
+    expertpool.resync(context, pool)
+    assert told == [pytest.approx(factor)]
+
+
 def test_interval_zero_turns_rebalancing_off(pool: dict[str, Any]) -> None:
     pool["spec"]["placement"]["rebalanceIntervalSeconds"] = 0
     kube = MemoryKube()
