@@ -320,7 +320,12 @@ class RemoteExperts:
                     if channel is None:
                         raise ChannelError("not connected")
                     on_device = rows.to(x.device)
-                    channel.send(layer, x[on_device], ids, weights[on_device])
+                    staged = channel.staging(len(rows), x.shape[1], x.dtype, x.device)
+                    if staged is None:
+                        share_x = x[on_device]
+                    else:  # gathered straight into the transport's send memory: one copy fewer
+                        share_x = torch.index_select(x, 0, on_device, out=staged)
+                    channel.send(layer, share_x, ids, weights[on_device])
                     in_flight.append((server, rows, ids))
                     self.counters.requests += 1
                     self.counters.tokens_sent += int(rows.numel())

@@ -175,6 +175,19 @@ class Channel(ABC):
     def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Writes a request: x [T, H], ids [T, K] (-1 = not here), weights [T, K]. Raises ``ChannelError``."""
 
+    def staging(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """Where the next request's x [T, H] may be built in place, or None (the default: build it
+        anywhere, ``send`` copies or streams it from there).
+
+        A transport that sends from memory of its own (``shm``'s slot, ``nixl``'s registered send
+        area) returns a view of where x goes in it: a caller that gathers x straight into it
+        (``torch.index_select(..., out=...)``) and passes that view to ``send`` saves a copy of x.
+        The view is valid until the next ``send``; None when x of that size and device cannot go
+        there."""
+        return None
+
     @abstractmethod
     def receive(self, deadline: float) -> torch.Tensor:
         """Waits (until ``time.monotonic()`` reaches ``deadline``) for the response y [T, H].

@@ -35,9 +35,11 @@ from eaas.runtime.protocol import (
     Status,
     check_response,
     dtype_code,
+    is_staged,
     read_message,
     read_response,
     slot_stride,
+    staged_x,
     write_request,
 )
 from eaas.runtime.transport.backoff import reduce_timer_slack_once
@@ -133,6 +135,13 @@ class NixlChannel(Channel):
         self.writes = writes
         self.send_buffer = offer.send_area()
         self.answer_buffer = offer.answer_area()
+        # The send area's payload as bytes: x is built there in place (``staging``).
+        self.send_payload = torch.frombuffer(
+            self.send_buffer, dtype=torch.uint8, offset=PAYLOAD_OFFSET, count=self.capacity_bytes
+        )
+        self.answer_payload = torch.frombuffer(
+            self.answer_buffer, dtype=torch.uint8, offset=PAYLOAD_OFFSET, count=self.capacity_bytes
+        )
         self._seq = 0
         self._expect: tuple[int, int, int, int] | None = None  # seq, tokens, hidden, dtype
         self._answer: bool = False  # the answer notification for ``_expect`` arrived
@@ -203,7 +212,8 @@ class NixlChannel(Channel):
         self._seq += 1
         num_tokens, hidden = x.shape
         dtype = dtype_code(x.dtype)
-        size = write_request(self.send_buffer[PAYLOAD_OFFSET:], x, ids, weights)
+        staged = is_staged(x, self.send_payload)  # built in place: nothing to copy
+        size = write_request(self.send_payload, x, ids, weights, include_x=not staged)
         top_k = ids.shape[1]
         header = SlotHeader(FrameKind.REQUEST, dtype, layer, num_tokens, top_k, hidden, self._seq, size)
         header.pack_into(self.send_buffer, HEADER_OFFSET)
@@ -216,6 +226,13 @@ class NixlChannel(Channel):
             raise ChannelClosed(self._gone) from exc
         self._sent_at = time.monotonic()
         self._next_ping = self._sent_at + LIVENESS_CHECK_S
+
+    def staging(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        if self._closed or self._expect is not None:
+            return None
+        return staged_x(self.send_payload, num_tokens, hidden, dtype, device)
 
     def _look(self) -> None:
         """Makes progress; notes our answer, a released slot or a dead server."""
@@ -279,10 +296,9 @@ class NixlChannel(Channel):
                 raise ProtocolError(Status.TOO_LARGE, f"response of {header.payload_bytes} bytes")
         except ProtocolError as exc:
             raise ChannelClosed(f"malformed response: {exc}") from exc
-        payload = self.answer_buffer[PAYLOAD_OFFSET:]
         if header.status != Status.OK:
-            raise RemoteError(header.status, read_message(payload, header))
-        return read_response(payload, header)
+            raise RemoteError(header.status, read_message(self.answer_buffer[PAYLOAD_OFFSET:], header))
+        return read_response(self.answer_payload, header)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -297,7 +313,7 @@ class NixlChannel(Channel):
             except Exception:
                 pass
         endpoint.forget(self.peer, self.slot, self.generation)
-        del self.send_buffer, self.answer_buffer
+        del self.send_buffer, self.answer_buffer, self.send_payload, self.answer_payload
         # The areas stay registered, and the peer connected, until nothing of ours is in flight to
         # it (a hung server: until it answers or dies; nixl_endpoint's "Letting go").
         endpoint.retire(self.writes, then=self.offer_made.close)

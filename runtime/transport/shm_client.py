@@ -16,6 +16,8 @@ from eaas.runtime.protocol import (
     SlotHeader,
     SlotState,
     dtype_code,
+    is_staged,
+    staged_x,
     write_request,
 )
 from eaas.runtime.transport import liveness
@@ -33,6 +35,8 @@ class ShmChannel(SegmentChannel):
         self.request_bell = request_bell
         self.response_bell = response_bell
         self.capacity_bytes = segment.capacity_bytes
+        # The payload as bytes: x is built there in place (``staging``).
+        self.payload_bytes = torch.frombuffer(self.payload, dtype=torch.uint8, count=self.capacity_bytes)
 
     @classmethod
     def connect(
@@ -68,7 +72,8 @@ class ShmChannel(SegmentChannel):
         self._seq += 1
         num_tokens, hidden = x.shape
         dtype = dtype_code(x.dtype)
-        size = write_request(self.payload, x, ids, weights)
+        staged = is_staged(x, self.payload_bytes)  # built in place: nothing to copy
+        size = write_request(self.payload_bytes, x, ids, weights, include_x=not staged)
         header = SlotHeader(
             FrameKind.REQUEST, dtype, layer, num_tokens, ids.shape[1], hidden, self._seq, size
         )
@@ -76,6 +81,13 @@ class ShmChannel(SegmentChannel):
         self._expect = (self._seq, num_tokens, hidden, dtype)
         self.segment.flags[self.slot] = SlotState.REQUEST_READY
         self.request_bell.ring()
+
+    def staging(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        if self._closed or self._expect is not None:
+            return None
+        return staged_x(self.payload_bytes, num_tokens, hidden, dtype, device)
 
     def _pause(self, timeout_s: float) -> None:
         self.response_bell.wait(timeout_s)
@@ -93,7 +105,7 @@ class ShmChannel(SegmentChannel):
         try:
             self._say_goodbye()
         finally:
-            del self.payload
+            del self.payload, self.payload_bytes
             del self.buffer
             self.request_bell.close()
             self.response_bell.close()

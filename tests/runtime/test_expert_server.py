@@ -14,7 +14,7 @@ import torch
 from datapath_helpers import PROMPTS, generate_concurrently, in_process_servers, urls
 
 from eaas.runtime.client.connection import ServerConnection
-from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts
+from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts, MoEConfig
 from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.server import ExpertServer, LoopOptions
 from eaas.runtime.transport import get_transport
@@ -171,15 +171,20 @@ def test_a_silent_client_delays_others_by_at_most_the_batch_wait(mixtral: tuple[
             busy.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_large_requests_are_exact(mixtral: tuple[Path, Placement], transport: str) -> None:
-    """300 tokens x 64 float32 = 75 KiB: tcp sends x scatter-gather and reads with a low-water mark."""
-    checkpoint, _ = mixtral
+def one_server_and_reference(checkpoint: Path) -> tuple[MoEConfig, Placement, LocalExperts]:
+    """The model's config, a placement of every expert on one server, and every expert in-process."""
     reader = CheckpointReader(checkpoint)
     config = reader.config
     placement = round_robin(config.moe_layers, config.num_experts, 1)
     everything = [(layer, e) for layer in config.moe_layers for e in range(config.num_experts)]
-    reference = LocalExperts(ExpertStack.load(reader, everything))
+    return config, placement, LocalExperts(ExpertStack.load(reader, everything))
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_large_requests_are_exact(mixtral: tuple[Path, Placement], transport: str) -> None:
+    """300 tokens x 64 float32 = 75 KiB: tcp sends x scatter-gather and reads with a low-water mark."""
+    checkpoint, _ = mixtral
+    config, placement, reference = one_server_and_reference(checkpoint)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(300, config.hidden_size, generator=generator)
     ids = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2] for _ in range(300)])
@@ -193,6 +198,58 @@ def test_large_requests_are_exact(mixtral: tuple[Path, Placement], transport: st
                 connection.channel.send(layer, x, ids, weights)
                 y = connection.channel.receive(time.monotonic() + 10)
                 torch.testing.assert_close(y, reference(layer, x, ids, weights), rtol=1e-5, atol=1e-5)
+        finally:
+            connection.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl", "tcp"])
+def test_a_request_gathered_into_the_channels_staging_area_is_answered_exactly(
+    mixtral: tuple[Path, Placement], transport: str
+) -> None:
+    """``staging``: shm and nixl let x be gathered straight into the memory they send from (the
+    client does so: one copy of x fewer); tcp streams x from wherever it is and offers none. A tensor
+    passed in from elsewhere is still copied in, over what the area held."""
+    checkpoint, _ = mixtral
+    config, placement, reference = one_server_and_reference(checkpoint)
+    generator = torch.Generator().manual_seed(2)
+    hidden, layer = config.hidden_size, config.moe_layers[0]
+    source = torch.randn(40, hidden, generator=generator)
+    rows = torch.randperm(40, generator=generator)[:24]
+    ids = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2] for _ in range(24)])
+    weights = torch.rand(24, 2, generator=generator)
+    cpu = torch.device("cpu")
+    with in_process_servers(
+        checkpoint, placement, max_tokens=32, transports=("shm", "tcp", "nixl")
+    ) as servers:
+        connection = ServerConnection(0, servers[0].url, transport, "staged", 10.0, 2.0)
+        connection.connect()
+        try:
+            channel = connection.channel
+            assert channel is not None
+            staged = channel.staging(24, hidden, torch.float32, cpu)
+            if transport == "tcp":
+                assert staged is None
+                return
+            assert staged is not None and staged.shape == (24, hidden)
+            too_many = channel.capacity_bytes // (hidden * 4) + 1  # x alone over the slot's bytes
+            assert channel.staging(too_many, hidden, torch.float32, cpu) is None
+            assert channel.staging(24, hidden, torch.float64, cpu) is None  # not a protocol dtype
+            assert channel.staging(24, hidden, torch.float32, torch.device("meta")) is None
+            x = torch.index_select(source, 0, rows, out=staged)
+            assert x.data_ptr() == staged.data_ptr()
+            channel.send(layer, x, ids, weights)
+            assert channel.staging(24, hidden, torch.float32, cpu) is None  # a request is outstanding
+            y = channel.receive(time.monotonic() + 10)
+            want = reference(layer, source[rows], ids, weights)
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+            # x from the caller's own memory overwrites what the staging area held
+            staged = channel.staging(24, hidden, torch.float32, cpu)
+            assert staged is not None
+            staged.fill_(7.0)
+            other = torch.randn(24, hidden, generator=generator)
+            channel.send(layer, other, ids, weights)
+            y = channel.receive(time.monotonic() + 10)
+            torch.testing.assert_close(y, reference(layer, other, ids, weights), rtol=1e-5, atol=1e-5)
         finally:
             connection.close()
 

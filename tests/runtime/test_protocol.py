@@ -25,11 +25,13 @@ from eaas.runtime.protocol import (
     check_experts,
     check_request,
     check_response,
+    is_staged,
     read_request,
     read_response,
     request_layout,
     slot_capacity_bytes,
     slot_stride,
+    staged_x,
     write_request,
     write_response,
 )
@@ -102,6 +104,51 @@ def test_request_and_response_payloads_round_trip(dtype: torch.dtype, as_tensor:
     y = torch.randn(5, 64).to(dtype)
     assert write_response(buffer, y) == y.numel() * y.element_size()
     assert torch.equal(read_response(buffer, header), y)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["memoryview", "uint8 tensor"])
+@pytest.mark.parametrize(
+    ("ids_dtype", "weights_dtype", "grad"),
+    [
+        (torch.int64, torch.float32, False),  # the client's usual: numpy fills ids and weights
+        (torch.int32, torch.float64, False),
+        (torch.int64, torch.bfloat16, False),  # numpy has no bf16: torch copies
+        (torch.int64, torch.float32, True),  # weights still in an autograd graph: torch copies
+    ],
+)
+def test_ids_and_weights_of_any_dtype_are_written_as_int32_and_float32(
+    ids_dtype: torch.dtype, weights_dtype: torch.dtype, grad: bool, as_tensor: bool
+) -> None:
+    buffer: memoryview | torch.Tensor = (
+        torch.full((LIMITS.capacity_bytes,), 0xAB, dtype=torch.uint8)
+        if as_tensor
+        else memoryview(bytearray(b"\xab" * LIMITS.capacity_bytes))
+    )
+    x = torch.randn(4, 64)
+    ids = torch.tensor([[0, -1], [3, 4], [-1, 7], [1, 2]], dtype=ids_dtype)
+    weights = torch.rand(4, 2).to(weights_dtype).requires_grad_(grad)
+    size = write_request(buffer, x, ids, weights)
+    _, got_ids, got_weights = read_request(buffer, request_header(num_tokens=4, payload_bytes=size))
+    assert got_ids.dtype == torch.int32 and torch.equal(got_ids, ids.to(torch.int32))
+    assert torch.equal(got_weights, weights.detach().to(torch.float32))
+
+
+def test_staged_x_is_the_x_section_and_send_recognises_it() -> None:
+    area = torch.zeros(LIMITS.capacity_bytes, dtype=torch.uint8)
+    cpu = torch.device("cpu")
+    staged = staged_x(area, 5, 64, torch.bfloat16, cpu)
+    assert staged is not None and staged.shape == (5, 64) and staged.data_ptr() == area.data_ptr()
+    assert is_staged(staged, area) and not is_staged(staged.clone(), area)
+    assert not is_staged(staged_x(area, 8, 64, torch.float32, cpu).t(), area)  # type: ignore[union-attr]
+    assert staged_x(area, LIMITS.capacity_bytes // 128 + 1, 64, torch.float32, cpu) is None  # too big
+    assert staged_x(area, 5, 64, torch.int64, cpu) is None  # not a dtype the protocol carries
+    assert staged_x(area, 0, 64, torch.float32, cpu) is None
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    staged.copy_(x)
+    ids, weights = torch.zeros(5, 2, dtype=torch.int64), torch.ones(5, 2)
+    size = write_request(area, staged, ids, weights, include_x=False)
+    got_x, _, _ = read_request(area, request_header(num_tokens=5, dtype=DType.BFLOAT16, payload_bytes=size))
+    assert torch.equal(got_x, x)
 
 
 @pytest.mark.parametrize(
