@@ -8,7 +8,8 @@ the client makes an ``NixlOffer`` (the agent's metadata for the answer area only
 address); the handshake's answer carries the server agent's metadata for the granted slot only.
 
 Waiting for an answer polls the agent (that is what makes NIXL progress; no progress thread runs):
-without sleeping right after the send, then with sleeps that grow with the wait. Every
+without sleeping right after the send (longer for a channel whose answers come fast), then with
+sleeps that grow with the wait. Every
 ``LIVENESS_CHECK_S`` it also pings the server with a 4-byte WRITE: UCX reports a server whose
 process died (its endpoint broke) at once, as a NIXL error, and the channel fails with
 ``ChannelClosed``. A server that hangs raises nothing: the client's round-trip probe covers it
@@ -59,12 +60,30 @@ from eaas.runtime.transport.nixl_endpoint import (
 log = logging.getLogger("eaas.transport")
 
 LIVENESS_CHECK_S = 0.02  # how often a waiting client pings the server
-# How a waiter paces its looks at the notifications: without sleeping for SPIN_S after the send
-# (a small round trip's worth), then sleeping a quarter of the time waited so far, within
-# [MIN_SLEEP_S, MAX_SLEEP_S]: an answer is seen at most ~25% late, and a long wait costs few looks.
+# How a waiter paces its looks at the notifications: without sleeping for a while after the send,
+# then sleeping a quarter of the time waited so far, within [MIN_SLEEP_S, MAX_SLEEP_S]: an answer is
+# seen at most ~25% late (and a wake-up late), and a long wait costs few looks. The while is SPIN_S
+# (a small round trip's worth), or SPIN_FACTOR times the channel's usual round trip when that is
+# short (at most MAX_SPIN_S): a fast server's answers are then caught without the wake-up of a
+# sleep, which on a busy host costs as much as the round trip itself. A channel whose server takes
+# longer (a decode step's compute) spins only SPIN_S: its wait leaves the cores to the servers.
 SPIN_S = 150e-6
+SPIN_FACTOR = 1.5
+MAX_SPIN_S = 1e-3
+# The usual round trip follows a faster answer at once and a slower one by USUAL_RISE of the
+# difference: answers that came late (a server that was asleep, a waiter that slept past the
+# answer) do not talk it out of spinning, while a server that now computes for long does.
+USUAL_RISE = 0.1
 MIN_SLEEP_S = 20e-6
 MAX_SLEEP_S = 500e-6
+
+
+def spin_for(usual_s: float | None) -> float:
+    """How long a waiter looks without sleeping, given the channel's usual round trip."""
+    if usual_s is None or SPIN_FACTOR * usual_s > MAX_SPIN_S:
+        return SPIN_S
+    return max(SPIN_S, SPIN_FACTOR * usual_s)
+
 
 _shared: Endpoint | None = None
 _shared_pid = 0
@@ -149,6 +168,8 @@ class NixlChannel(Channel):
         self._closed = False
         self._next_ping = 0.0
         self._sent_at = 0.0
+        self._usual_s: float | None = None  # the usual round trip (send to answer seen)
+        self._spin_s = SPIN_S
 
     @classmethod
     def offer(cls, capacity_bytes: int) -> NixlOffer:
@@ -248,6 +269,7 @@ class NixlChannel(Channel):
                     self._gone = "the server released this slot"
                 elif kind is Notice.ANSWER and self._expect is not None and seq == self._expect[0]:
                     self._answer = True
+                    self._learn(time.monotonic() - self._sent_at)
             now = time.monotonic()
             if self._gone is None and not self._answer and now >= self._next_ping:
                 self._next_ping = now + LIVENESS_CHECK_S
@@ -261,9 +283,14 @@ class NixlChannel(Channel):
         self._look()
         return self._answer or self._gone is not None
 
+    def _learn(self, took_s: float) -> None:
+        usual = self._usual_s
+        self._usual_s = took_s if usual is None or took_s < usual else usual + USUAL_RISE * (took_s - usual)
+        self._spin_s = spin_for(self._usual_s)
+
     def poll_interval_s(self) -> float:
         waited = time.monotonic() - self._sent_at
-        if waited < SPIN_S:
+        if waited < self._spin_s:
             return 0.0
         return min(MAX_SLEEP_S, max(MIN_SLEEP_S, waited / 4))
 

@@ -237,7 +237,8 @@ class NixlServerTransport(ServerTransport):
             return bool(self._ready)
 
     def poll(self) -> list[Request]:
-        self._pump()
+        if not self._ready:  # (``wait`` just pumped the ones it returned for)
+            self._pump()
         with self._lock:
             ready, self._ready = self._ready, []
             requests = []

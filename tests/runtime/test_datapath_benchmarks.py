@@ -25,6 +25,10 @@ def test_transport_rtt_quick(tmp_path: Path) -> None:
         # nixl: the transport, NIXL's own round trip (default UCX transports and TCP alone)
         assert row["nixl_us"] > 0 and row["nixl_raw_us"] > 0 and row["nixl_raw_ucx_tcp_us"] > 0
         assert row["nixl_over_raw"] == row["nixl_us"] / row["nixl_raw_us"]
+        # as the client drives them: x staged in place (shm, nixl), the answer not copied out
+        assert row["shm_in_place_us"] > 0 and row["tcp_in_place_us"] > 0 and row["nixl_in_place_us"] > 0
+        assert row["nixl_in_place_over_raw"] == row["nixl_in_place_us"] / row["nixl_raw_us"]
+        assert row["nixl_fixed_spin_in_place_us"] > 0  # the waiting that never learns the server's pace
         if row["hidden"] == 7168:  # with and without NIXL's progress thread in the echo process
             assert row["pt_nixl_us"] > 0 and row["pt_nixl_progress_thread_us"] > 0
             assert row["pt_nixl_echo_cpu"] >= 0 and row["pt_nixl_progress_thread_echo_cpu"] >= 0
@@ -36,6 +40,9 @@ def test_transport_rtt_quick(tmp_path: Path) -> None:
         "nixl_faster_than_tcp_from_32",
         "nixl_within_1.2x_tcp_below_32",
     } == set(last["targets"])
+    at = {(r["tokens"], r["hidden"]): r for r in last["results"]}
+    in_place_128 = at[(128, 7168)]["nixl_in_place_over_raw"]
+    assert last["targets"]["nixl_within_1.3x_raw_128x7168"]["value"] == in_place_128
 
 
 def test_e2e_decode_quick(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ failing its clients at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -28,7 +29,15 @@ from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.protocol import HEADER_OFFSET, SlotHeader, Status
 from eaas.runtime.server import ExpertServer
 from eaas.runtime.transport import ChannelClosed, RemoteError
-from eaas.runtime.transport.nixl_client import NixlChannel, client_endpoint
+from eaas.runtime.transport.nixl_client import (
+    MAX_SPIN_S,
+    SPIN_FACTOR,
+    SPIN_S,
+    USUAL_RISE,
+    NixlChannel,
+    client_endpoint,
+    spin_for,
+)
 from eaas.runtime.transport.nixl_endpoint import (
     Notice,
     encode,
@@ -92,6 +101,38 @@ def test_transfer_lengths_cover_every_frame_with_little_waste() -> None:
         length = transfer_length(size, limit)
         assert length in lengths and size <= length <= limit
         assert length <= max(size * 1.0625, size + 4096), (size, length)
+
+
+def test_a_waiting_client_spins_longer_only_for_a_server_that_answers_fast() -> None:
+    assert spin_for(None) == SPIN_S  # nothing learned yet
+    assert spin_for(50e-6) == SPIN_S  # 1.5 x 50 µs is within the least spin
+    assert spin_for(400e-6) == pytest.approx(SPIN_FACTOR * 400e-6)
+    assert spin_for(MAX_SPIN_S / SPIN_FACTOR) == pytest.approx(MAX_SPIN_S)
+    assert spin_for(2e-3) == SPIN_S  # a computing server: the wait leaves the cores to it
+
+
+def test_the_usual_round_trip_follows_a_faster_answer_at_once_and_a_slower_one_slowly(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    placement, server = served
+    with contextlib.closing(connection(server, "pace")) as conn:
+        conn.connect()
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel)
+        layer, x, ids, weights = request_for(placement, 1)
+        channel.send(layer, x, ids, weights)
+        channel.receive(time.monotonic() + 10)
+        assert channel._usual_s is not None and channel._usual_s > 0  # learned from a real answer
+        channel._learn(300e-6)
+        channel._learn(200e-6)
+        assert channel._usual_s == pytest.approx(200e-6)
+        assert channel._spin_s == pytest.approx(SPIN_FACTOR * 200e-6)
+        channel._learn(3e-3)  # one late answer (a server that was asleep)
+        assert channel._usual_s == pytest.approx(200e-6 + USUAL_RISE * 2.8e-3)
+        assert channel._spin_s == pytest.approx(SPIN_FACTOR * channel._usual_s)
+        for _ in range(40):  # answers that keep coming late: the spin gives up
+            channel._learn(5e-3)
+        assert channel._spin_s == SPIN_S
 
 
 def test_requests_of_every_size_round_trip_and_match_the_local_experts(
