@@ -320,7 +320,9 @@ class RemoteExperts:
                     if channel is None:
                         raise ChannelError("not connected")
                     on_device = rows.to(x.device)
-                    staged = channel.staging(len(rows), x.shape[1], x.dtype, x.device)
+                    staged = (  # (an autograd graph cannot write into it: x is then copied)
+                        None if x.requires_grad else channel.staging(len(rows), x.shape[1], x.dtype, x.device)
+                    )
                     if staged is None:
                         share_x = x[on_device]
                     else:  # gathered straight into the transport's send memory: one copy fewer

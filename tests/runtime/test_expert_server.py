@@ -13,7 +13,9 @@ import pytest
 import torch
 from datapath_helpers import PROMPTS, generate_concurrently, in_process_servers, urls
 
+from eaas.runtime.client import ClientOptions
 from eaas.runtime.client.connection import ServerConnection
+from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts, MoEConfig
 from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.server import ExpertServer, LoopOptions
@@ -252,6 +254,31 @@ def test_a_request_gathered_into_the_channels_staging_area_is_answered_exactly(
             torch.testing.assert_close(y, reference(layer, other, ids, weights), rtol=1e-5, atol=1e-5)
         finally:
             connection.close()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["gathered in place", "x in an autograd graph"])
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_the_client_gathers_each_share_into_the_staging_area_in_slot_sized_chunks(
+    mixtral: tuple[Path, Placement], transport: str, grad: bool
+) -> None:
+    """RemoteExperts over a staging transport: 40 tokens through slots of 16 (three chunks, each
+    gathered straight into the send memory), equal to the experts run here; x that is part of an
+    autograd graph (which ``index_select(out=...)`` refuses) is copied in instead."""
+    checkpoint, _ = mixtral
+    config, placement, reference = one_server_and_reference(checkpoint)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, config.hidden_size, generator=generator).requires_grad_(grad)
+    ids = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2] for _ in range(40)])
+    weights = torch.softmax(torch.randn(40, 2, generator=generator), dim=-1)
+    transports = ("shm", "tcp", "nixl")
+    with in_process_servers(checkpoint, placement, max_tokens=16, transports=transports) as servers:
+        options = ClientOptions(transport=transport)
+        with RemoteExperts(config, placement, urls(servers), options) as remote:
+            for layer in config.moe_layers:
+                got = remote(layer, x, ids, weights)
+                want = reference(layer, x.detach(), ids, weights)
+                torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)
+            assert remote.counters.requests == 3 * len(config.moe_layers)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
