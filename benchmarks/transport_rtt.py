@@ -84,7 +84,12 @@ from _common import cpu_seconds, emit, parser, target
 from eaas.runtime.protocol import FrameKind, SlotHeader, response_bytes, slot_capacity_bytes
 from eaas.runtime.transport import ServerTransport, TransportOptions, get_transport
 from eaas.runtime.transport.backoff import reduce_timer_slack
-from eaas.runtime.transport.nixl_endpoint import PROGRESS_THREAD_ENV, TransportUnavailable, load_library
+from eaas.runtime.transport.nixl_endpoint import (
+    PROGRESS_THREAD_ENV,
+    TransportUnavailable,
+    apply_ucx_defaults,
+    load_library,
+)
 
 TOKENS = (1, 8, 16, 32, 128, 512)
 HIDDEN = (2048, 7168)
@@ -194,8 +199,10 @@ def nixl_echo_server(offer_path: Path, handle_path: Path, max_tokens: int, hidde
 
 
 def bare_agent(role: str) -> Any:
-    """A NIXL agent with the UCX backend and no progress thread (UCX reads ``UCX_*`` now)."""
+    """A NIXL agent with the UCX backend and no progress thread (UCX reads ``UCX_*`` now), under
+    the UCX settings the transport's own agents get (``UCX_DEFAULTS``)."""
     lib = load_library()
+    apply_ucx_defaults()
     config = lib.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
     return lib.nixl_agent(f"bench-raw-{role}-{os.getpid()}-{time.monotonic_ns()}", config)
 

@@ -39,6 +39,7 @@ from eaas.runtime.transport.nixl_client import (
     spin_for,
 )
 from eaas.runtime.transport.nixl_endpoint import (
+    UCX_DEFAULTS,
     Notice,
     encode,
     notice,
@@ -101,6 +102,26 @@ def test_transfer_lengths_cover_every_frame_with_little_waste() -> None:
         length = transfer_length(size, limit)
         assert length in lengths and size <= length <= limit
         assert length <= max(size * 1.0625, size + 4096), (size, length)
+
+
+@pytest.mark.parametrize("given", [None, "yes"])
+def test_an_agent_starts_with_ucx_memory_events_off_unless_the_environment_says(given: str | None) -> None:
+    """UCX reads ``UCX_MEM_EVENTS`` when it is loaded, with the process's first agent: the agent
+    puts our default into the environment before that, and leaves a value given there alone."""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MEM_EVENTS"}
+    if given is not None:
+        env["UCX_MEM_EVENTS"] = given
+    script = (
+        "import os\n"
+        "from eaas.runtime.transport.nixl_endpoint import Endpoint\n"
+        "Endpoint('client')\n"
+        "print(os.environ.get('UCX_MEM_EVENTS'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [UCX_DEFAULTS["UCX_MEM_EVENTS"] if given is None else given]
 
 
 def test_a_waiting_client_spins_longer_only_for_a_server_that_answers_fast() -> None:
