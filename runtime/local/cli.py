@@ -134,6 +134,8 @@ def local(
             kernel_backend=kernel_backend,
             data_token=data_token,
         ) as cluster:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(cluster.client_threads() or threads)  # the cores the servers leave
             pids = ", ".join(f"{o}:{s.pid}" for o, s in cluster.servers.items())
             click.echo(
                 f"started {num_servers} expert servers in {time.perf_counter() - started:.1f} s (pids {pids})"
@@ -146,6 +148,7 @@ def local(
             wall = time.perf_counter()
             runs = run_clients(checkpoint, placement, cluster, batches, max_new_tokens, options, kill)
             wall = time.perf_counter() - wall
+        torch.set_num_threads(threads)  # the reference below runs alone
         failed = [run for run in runs if run.error is not None]
         if failed:
             raise click.ClickException(f"{len(failed)} client(s) failed: {failed[0].error!r}")

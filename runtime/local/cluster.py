@@ -98,6 +98,16 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def client_threads(self) -> int | None:
+        """Torch threads for an attention client in this process: the cores the servers' threads
+        leave it (at least one); None when ``OMP_NUM_THREADS`` says already. A client's parallel
+        op waits at a barrier for all its threads, and one whose core a server took holds it up
+        for a scheduler slice (ms), so more threads than free cores only slow it down."""
+        if os.environ.get("OMP_NUM_THREADS"):
+            return None
+        cores = len(os.sched_getaffinity(0))
+        return max(1, cores - len(self.placement.ordinals) * self.threads_per_server)
+
     @property
     def urls(self) -> dict[int, str]:
         return {ordinal: server.url for ordinal, server in self.servers.items()}

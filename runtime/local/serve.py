@@ -140,6 +140,11 @@ def serve(
             ).start()
         except ClusterError as exc:
             raise click.ClickException(f"expert servers did not start: {exc}") from exc
+        threads = cluster.client_threads()
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)  # the cores the expert servers leave this process
         try:
             for ordinal in placement.ordinals:
                 pairs, url = len(list(placement.experts_of(ordinal))), cluster.urls[ordinal]

@@ -72,3 +72,37 @@ def test_attention_client_command_generates_against_running_servers(
     [want], _ = load_reference(checkpoint).generate([tokenizer.encode("hello")], 4)
     assert f"'hello' -> {tokenizer.decode(want)!r}" in result.output
     assert "4 tokens in" in result.output and "(0 failovers)" in result.output
+
+
+@pytest.mark.parametrize(
+    ("cores", "servers", "per_server", "omp", "expected"),
+    [
+        (16, 4, 1, None, 12),  # the cores the servers' threads leave
+        (16, 4, 2, None, 8),
+        (2, 3, 1, None, 1),  # fewer cores than servers: one thread, never none
+        (2, 2, 1, None, 1),
+        (16, 4, 1, "3", None),  # OMP_NUM_THREADS given: left as it is
+    ],
+)
+def test_a_local_client_gets_the_cores_the_servers_leave(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cores: int,
+    servers: int,
+    per_server: int,
+    omp: str | None,
+    expected: int | None,
+) -> None:
+    from eaas.runtime.local.cluster import LocalCluster
+    from eaas.runtime.placement import round_robin
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    placement = round_robin([0, 1], 8, servers)
+    cluster = LocalCluster(
+        tmp_path / "checkpoint", placement, tmp_path / "cluster", threads_per_server=per_server
+    )
+    assert cluster.client_threads() == expected
