@@ -47,6 +47,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -57,6 +58,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -653,7 +655,8 @@ class PodWorker(threading.Thread):
                     raise NotYet(f"env {name}: {what} not found")
                 env[name] = data[ref["key"]].decode(errors="replace")
             elif "resourceFieldRef" in source:
-                env[name] = _resource_value(container, source["resourceFieldRef"])
+                allocatable = {"cpu": settings.cpu, "memory": settings.memory}
+                env[name] = _resource_value(container, source["resourceFieldRef"], allocatable)
             else:
                 raise Unsupported(f"env {name}: valueFrom {sorted(source)} is not supported")
         return env
@@ -1211,10 +1214,40 @@ def _port(container: dict[str, Any], port: int | str) -> int:
     raise Unsupported(f"probe port {port!r} names no port of container {container['name']!r}")
 
 
-def _resource_value(container: dict[str, Any], ref: dict[str, Any]) -> str:
+_BINARY = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+_SUFFIXES = {
+    **{suffix: Fraction(1024) ** power for power, suffix in enumerate(_BINARY)},
+    **{"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000)},
+    **{suffix: Fraction(1000) ** power for power, suffix in enumerate(("k", "M", "G", "T", "P", "E"), 1)},
+}
+_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))((?:[eE][+-]?\d+)|[a-zA-Z]*)")
+
+
+def quantity(text: str | int | float) -> Fraction:
+    """A Kubernetes resource quantity (``500m``, ``2``, ``1.5Gi``, ``1e3``), exactly."""
+    match = _QUANTITY.fullmatch(str(text).strip())
+    if match is not None and match.group(2) in _SUFFIXES:
+        return Fraction(match.group(1)) * _SUFFIXES[match.group(2)]
+    if match is not None and re.fullmatch(r"[eE][+-]?\d+", match.group(2)):
+        return Fraction(match.group(1)) * Fraction(10) ** int(match.group(2)[1:])
+    raise Unsupported(f"{text!r} is not a resource quantity")
+
+
+def _resource_value(container: dict[str, Any], ref: dict[str, Any], allocatable: dict[str, str]) -> str:
+    """What kubelet gives a Downward-API ``resourceFieldRef``: the container's request or limit in
+    units of the divisor (default 1), rounded up; an unset limit is the node's allocatable, an unset
+    request 0. CPU is counted in millicores first (``0.0001`` is 1m), memory and storage in bytes
+    (rounded up) first."""
     kind, _, resource = ref["resource"].partition(".")
+    if kind not in ("requests", "limits") or resource not in ("cpu", "memory", "ephemeral-storage"):
+        raise Unsupported(f"resourceFieldRef {ref['resource']!r} is not supported")
     value = ((container.get("resources") or {}).get(kind) or {}).get(resource)
-    return str(value) if value is not None else "0"
+    if value is None and kind == "limits":
+        value = allocatable.get(resource)
+    unit = 1000 if resource == "cpu" else 1
+    amount = math.ceil(quantity(value if value is not None else 0) * unit)
+    divisor = math.ceil(quantity(ref.get("divisor") or 1) * unit)
+    return str(math.ceil(Fraction(amount, divisor)))
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from e2e.backends import plane_cluster
 from e2e.backends import process_plane as process_plane_of
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane, ProcessNodeSpec
+from e2e.podrunner import Unsupported, _resource_value
 from e2e.waiting import wait_until
 
 NODE = "runner-node-0"
@@ -117,3 +118,33 @@ def _undo_marks(core: client.CoreV1Api, namespace: str) -> None:
     for _ in range(10):
         assert pod_ready()
         time.sleep(0.5)
+
+
+ALLOCATABLE = {"cpu": "64", "memory": "512Gi"}
+CONTAINER = {"resources": {"requests": {"cpu": "500m", "memory": "1.5Gi"}, "limits": {"cpu": "2100m"}}}
+
+
+@pytest.mark.parametrize(
+    ("resource", "divisor", "value"),
+    [
+        ("requests.cpu", "1", "1"),  # whole cores, rounded up, as kubelet does
+        ("requests.cpu", "1m", "500"),
+        ("requests.cpu", None, "1"),  # divisor 1 by default
+        ("limits.cpu", "1", "3"),
+        ("requests.memory", "1Mi", "1536"),
+        ("limits.memory", "1Gi", "512"),  # an unset limit is the node's allocatable
+        ("requests.ephemeral-storage", None, "0"),  # an unset request is 0
+    ],
+)
+def test_resource_field_refs_get_what_kubelet_gives(resource: str, divisor: str | None, value: str) -> None:
+    ref = {"resource": resource} | ({"divisor": divisor} if divisor else {})
+    assert _resource_value(CONTAINER, ref, ALLOCATABLE) == value
+    assert _resource_value({}, {"resource": "requests.cpu", "divisor": "1"}, ALLOCATABLE) == "0"
+
+
+@pytest.mark.parametrize(
+    "ref", [{"resource": "requests.nvidia.com/gpu"}, {"resource": "requests.cpu", "divisor": "lots"}]
+)
+def test_resource_field_refs_the_runner_cannot_answer_are_refused(ref: dict[str, str]) -> None:
+    with pytest.raises(Unsupported):
+        _resource_value(CONTAINER, ref, ALLOCATABLE)

@@ -78,6 +78,9 @@ ENV_PORT = "EAAS_PORT"
 ENV_DATA_PORT = "EAAS_DATA_PORT"
 ENV_DEVICE = "EAAS_DEVICE"  # where an expert server computes: "cuda" on GPU pods, else "cpu"
 ENV_KERNEL_BACKEND = "EAAS_KERNEL_BACKEND"  # spec.kernelBackend, else "triton" on GPU pods and "torch" on CPU
+# torch's intra-op threads: the operator gives the container's CPU request, rounded up to whole cores
+# (the Downward API's requests.cpu with divisor 1); 0, when nothing is requested, keeps torch's default
+ENV_THREADS = "EAAS_THREADS"
 ENV_EXPERT_SERVICE = "EAAS_EXPERT_SERVICE"
 ENV_EXPERT_PORT = "EAAS_EXPERT_PORT"
 ENV_HEARTBEAT_INTERVAL = "EAAS_HEARTBEAT_INTERVAL_SECONDS"

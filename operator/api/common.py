@@ -217,7 +217,9 @@ class PodSettings(CRDModel):
     gpu_resource_name: str = Field(default="nvidia.com/gpu", max_length=253, pattern=RESOURCE_NAME)
     """Extended resource that counts GPUs on the nodes."""
     resources: ResourceRequirements = ResourceRequirements()
-    """CPU/memory requests and limits of the container."""
+    """CPU/memory requests and limits of the container. The CPU request, rounded up to whole cores,
+    is the number of torch threads the pod computes with; without one, torch takes one per core of
+    the node."""
     service_account_name: str = Field(
         default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"
     )

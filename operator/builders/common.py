@@ -164,11 +164,18 @@ def volume_mounts() -> list[dict[str, Any]]:
 
 
 def env(pairs: Mapping[str, str | int]) -> list[dict[str, Any]]:
-    """Literal environment variables plus the Downward-API ones every pod gets."""
+    """Literal environment variables plus the Downward-API ones every pod gets: its name, namespace
+    and uid, and its torch threads, which are its CPU request rounded up to whole cores (kubelet
+    rounds up; no request gives 0, torch's default). With more threads than the cores a pod gets,
+    each parallel op waits at its barrier for the thread whose core another process took."""
     downward = [
         {"name": naming.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": naming.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": naming.ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        {
+            "name": naming.ENV_THREADS,
+            "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}},
+        },
     ]
     return downward + [{"name": name, "value": str(value)} for name, value in pairs.items()]
 

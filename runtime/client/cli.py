@@ -26,7 +26,13 @@ import click
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import log_level_option, model_revision_option, serving_feature_options
+from eaas.runtime.serving.cli_options import (
+    apply_threads,
+    log_level_option,
+    model_revision_option,
+    serving_feature_options,
+    threads_option,
+)
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -210,6 +216,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     help="seconds before a server that answers probes but not a request is failed over (hung: ~1 s)",
 )
 @serving_feature_options
+@threads_option
 @model_revision_option("uses only expert servers of this revision and names it in every answer")
 def attention_client(
     checkpoint: Path,
@@ -241,6 +248,7 @@ def attention_client(
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
+    threads: int | None,
     model_revision: str | None,
 ) -> None:
     """Greedy generation with the attention side here and the experts on expert servers.
@@ -256,6 +264,7 @@ def attention_client(
     if not server_specs and not expert_service:
         raise click.UsageError("expert servers: give --server ORDINAL=URL (repeat) or --expert-service")
     heartbeat = lease.settings(contract.ATTENTION_COMPONENT) if port is not None else None
+    apply_threads(threads)
     options = ClientOptions(
         transport=transport,
         request_timeout_s=request_timeout,

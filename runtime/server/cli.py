@@ -16,7 +16,13 @@ from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import check_kernel_backend, log_level_option, model_revision_option
+from eaas.runtime.serving.cli_options import (
+    apply_threads,
+    check_kernel_backend,
+    log_level_option,
+    model_revision_option,
+    threads_option,
+)
 from eaas.runtime.transport import transport_names
 
 
@@ -90,7 +96,7 @@ from eaas.runtime.transport import transport_names
 @click.option(
     "--batch-wait-us", default=200.0, show_default=True, help="longest wait for stragglers per batch"
 )
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+@threads_option
 @click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -152,8 +158,6 @@ def expert_server(
     log_level: str,
 ) -> None:
     """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
-    import torch
-
     from eaas.runtime.lease import Heartbeat, pool_of
     from eaas.runtime.placement import Placement, PlacementError
     from eaas.runtime.server.client_leases import ClientLeaseWatch
@@ -171,8 +175,7 @@ def expert_server(
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s expert-server[{ordinal}] %(levelname)s %(message)s"
     )
-    if threads is not None:
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     files = PlacementFiles(placement_dir) if placement_dir is not None else None
     tokens = data_tokens_from(data_tokens, data_token_file)
     peers = peer_source(ordinal, peers_service, peer_specs, control_port, tokens)

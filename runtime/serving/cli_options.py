@@ -57,6 +57,30 @@ def log_level_option(command: F) -> F:
     )(command)
 
 
+def threads_option(command: F) -> F:
+    """``--threads`` (``EAAS_THREADS``): torch's intra-op threads, for expert servers and attention
+    clients alike; see :func:`apply_threads`."""
+    return click.option(
+        "--threads",
+        type=click.IntRange(min=0),
+        envvar=contract.ENV_THREADS,
+        show_envvar=True,
+        default=None,
+        help="torch intra-op threads; 0 or none: torch's default, one per core of the host. In pods the "
+        "operator gives the container's CPU request, rounded up",
+    )(command)
+
+
+def apply_threads(threads: int | None) -> None:
+    """Give torch `threads` intra-op threads (none or 0: leave torch's default). A process whose
+    parallel ops have more threads than the cores it gets waits at each op's closing barrier for the
+    thread whose core another process took (docs/data-path.md, "How to run")."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def check_kernel_backend(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A ``--kernel-backend`` callback: an unknown backend is refused while the options are read,
     before any checkpoint is written or process started."""

@@ -225,14 +225,20 @@ def test_merge_patch_turns_old_into_new() -> None:
     assert merge_patch(new, new) is None
 
 
-def test_both_pools_mount_the_data_token_secret_and_read_it_from_the_file(
+def both_pod_specs(
     moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
-) -> None:
+) -> list[dict[str, Any]]:
+    """The pod specs of an attention pod (the Deployment's template) and of expert server 0."""
     attention = moeservice.attention_pool(moes_body, moes_spec)
     attention["metadata"]["uid"] = "attention-uid"
     deployment = attentionpool.deployment(attention, AttentionPoolSpec.from_k8s(attention["spec"]))
-    pod_specs = [deployment["spec"]["template"]["spec"], expertpool.pod(pool_body, pool_spec, 0)["spec"]]
-    for spec in pod_specs:
+    return [deployment["spec"]["template"]["spec"], expertpool.pod(pool_body, pool_spec, 0)["spec"]]
+
+
+def test_both_pools_mount_the_data_token_secret_and_read_it_from_the_file(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    for spec in both_pod_specs(moes_body, moes_spec, pool_body, pool_spec):
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["data-token"]["secret"]["secretName"] == "tiny-data-token"
         (container,) = spec["containers"]
@@ -407,3 +413,13 @@ def test_pods_get_their_grace_period_and_serve_through_most_of_it(
     budget = attentionpool.disruption_budget(pool, attention)
     assert budget["spec"]["maxUnavailable"] == 1
     assert budget["spec"]["selector"] == attentionpool.deployment(pool, attention)["spec"]["selector"]
+
+
+def test_both_pools_give_torch_the_containers_cpu_request_in_threads(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    for spec in both_pod_specs(moes_body, moes_spec, pool_body, pool_spec):
+        (container,) = spec["containers"]
+        (threads,) = [item for item in container["env"] if item["name"] == naming.ENV_THREADS]
+        # whole cores, rounded up by kubelet (500m -> 1; no request -> 0, torch's default)
+        assert threads["valueFrom"] == {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}
