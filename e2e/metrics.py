@@ -29,6 +29,7 @@ import yaml
 
 from e2e.controlplane import ControlPlane
 from e2e.pki import issue_serving_cert
+from e2e.podrunner import quantity as exact_quantity
 from e2e.processes import ManagedProcess, free_port
 from e2e.waiting import wait_until
 
@@ -246,7 +247,4 @@ class MetricsStack:
 
 def quantity(text: str) -> float:
     """A Kubernetes quantity as the adapter writes values (``250m``, ``3``, ``1500k``)."""
-    suffixes = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9}
-    if text and text[-1] in suffixes:
-        return float(text[:-1]) * suffixes[text[-1]]
-    return float(text)
+    return float(exact_quantity(text))

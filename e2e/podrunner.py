@@ -1224,13 +1224,14 @@ _QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))((?:[eE][+-]?\d+)|[a-zA-Z]*)"
 
 
 def quantity(text: str | int | float) -> Fraction:
-    """A Kubernetes resource quantity (``500m``, ``2``, ``1.5Gi``, ``1e3``), exactly."""
+    """A Kubernetes resource quantity (``500m``, ``2``, ``1.5Gi``, ``1e3``), exactly; ValueError
+    for anything else."""
     match = _QUANTITY.fullmatch(str(text).strip())
     if match is not None and match.group(2) in _SUFFIXES:
         return Fraction(match.group(1)) * _SUFFIXES[match.group(2)]
     if match is not None and re.fullmatch(r"[eE][+-]?\d+", match.group(2)):
         return Fraction(match.group(1)) * Fraction(10) ** int(match.group(2)[1:])
-    raise Unsupported(f"{text!r} is not a resource quantity")
+    raise ValueError(f"{text!r} is not a resource quantity")
 
 
 def _resource_value(container: dict[str, Any], ref: dict[str, Any], allocatable: dict[str, str]) -> str:
@@ -1245,8 +1246,11 @@ def _resource_value(container: dict[str, Any], ref: dict[str, Any], allocatable:
     if value is None and kind == "limits":
         value = allocatable.get(resource)
     unit = 1000 if resource == "cpu" else 1
-    amount = math.ceil(quantity(value if value is not None else 0) * unit)
-    divisor = math.ceil(quantity(ref.get("divisor") or 1) * unit)
+    try:
+        amount = math.ceil(quantity(value if value is not None else 0) * unit)
+        divisor = math.ceil(quantity(ref.get("divisor") or 1) * unit)
+    except ValueError as exc:
+        raise Unsupported(f"resourceFieldRef {ref['resource']!r}: {exc}") from None
     return str(math.ceil(Fraction(amount, divisor)))
 
 

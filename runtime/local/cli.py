@@ -14,7 +14,7 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES, Family
-from eaas.runtime.serving.cli_options import kernel_backend_option
+from eaas.runtime.serving.cli_options import apply_threads, kernel_backend_option
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def local(
             data_token=data_token,
         ) as cluster:
             threads = torch.get_num_threads()
-            torch.set_num_threads(cluster.client_threads() or threads)  # the cores the servers leave
+            apply_threads(cluster.client_threads())  # the cores the servers leave
             pids = ", ".join(f"{o}:{s.pid}" for o, s in cluster.servers.items())
             click.echo(
                 f"started {num_servers} expert servers in {time.perf_counter() - started:.1f} s (pids {pids})"

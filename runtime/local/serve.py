@@ -24,7 +24,12 @@ import click
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.model.config import FAMILIES
-from eaas.runtime.serving.cli_options import kernel_backend_option, log_level_option, serving_feature_options
+from eaas.runtime.serving.cli_options import (
+    apply_threads,
+    kernel_backend_option,
+    log_level_option,
+    serving_feature_options,
+)
 from eaas.runtime.transport import host_transport_names
 
 
@@ -140,11 +145,7 @@ def serve(
             ).start()
         except ClusterError as exc:
             raise click.ClickException(f"expert servers did not start: {exc}") from exc
-        threads = cluster.client_threads()
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)  # the cores the expert servers leave this process
+        apply_threads(cluster.client_threads())  # the cores the expert servers leave this process
         try:
             for ordinal in placement.ordinals:
                 pairs, url = len(list(placement.experts_of(ordinal))), cluster.urls[ordinal]
