@@ -159,8 +159,9 @@ class Channel(ABC):
     needs_offer: ClassVar[bool] = False  # True: call ``offer`` before the handshake
 
     @classmethod
-    def offer(cls, capacity_bytes: int) -> Offer:
-        """The client's side prepared for a server whose slots hold ``capacity_bytes`` of payload."""
+    def offer(cls, capacity_bytes: int, server_device: str = "cpu") -> Offer:
+        """The client's side prepared for a server whose slots hold ``capacity_bytes`` of payload
+        and which computes on ``server_device`` (its ``/v1/info`` ``device``: ``cpu``, ``cuda:0``)."""
         raise NotImplementedError(f"transport {cls.name} makes no offer")
 
     @classmethod

@@ -3,7 +3,10 @@
 See ``nixl_server`` for the exchange. Every channel of a process shares one NIXL agent
 (``client_endpoint``). A channel owns two slot-sized areas, both registered with that agent: the
 *send area*, where a request is laid out as in a slot before one WRITE carries header and payload
-to the server's slot, and the *answer area*, which the server WRITEs into. Before the handshake
+to the server's slot, and the *answer area*, which the server WRITEs into. Both are GPU memory when
+the server computes on a GPU and this process has one (``area_memory``): the server then gives a
+slot in GPU memory and splits the frames (the WRITEs carry payloads, the notifications headers:
+``nixl_endpoint``); else host memory, and a slot in host memory. Before the handshake
 the client makes an ``NixlOffer`` (the agent's metadata for the answer area only, and its
 address); the handshake's answer carries the server agent's metadata for the granted slot only.
 
@@ -29,6 +32,7 @@ import torch
 
 from eaas.runtime.protocol import (
     HEADER_OFFSET,
+    HEADER_SIZE,
     PAYLOAD_OFFSET,
     FrameKind,
     ProtocolError,
@@ -46,14 +50,15 @@ from eaas.runtime.protocol import (
 from eaas.runtime.transport.backoff import reduce_timer_slack_once
 from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
 from eaas.runtime.transport.nixl_endpoint import (
+    HOST,
     Endpoint,
+    Memory,
     Notice,
     TransferSet,
     TransportUnavailable,
     address,
     decode,
     encode,
-    frame_length,
     notice,
 )
 
@@ -100,21 +105,35 @@ def client_endpoint() -> Endpoint:
         return _shared
 
 
+def area_memory(server_device: str) -> Memory:
+    """Where a channel's areas go: GPU memory when the server computes on a GPU and this process has
+    a GPU too, else host memory. The server gives the channel a slot in the same memory."""
+    if server_device.startswith("cuda") and torch.cuda.is_available():
+        return Memory("VRAM", torch.cuda.current_device())
+    return HOST
+
+
 class NixlOffer(Offer):
     """A channel's send and answer areas, registered; ``body`` describes the answer area."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, memory: Memory = HOST) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
         self.endpoint = client_endpoint()
         self.capacity_bytes = capacity_bytes
         self.stride = slot_stride(capacity_bytes)
-        self.memory = np.zeros(2 * self.stride, dtype=np.uint8)  # [send area | answer area]
-        self.send_address = int(self.memory.ctypes.data)
+        self.memory = memory
+        self.areas: np.ndarray | torch.Tensor  # [send area | answer area]
+        if memory.kind == "VRAM":
+            self.areas = torch.zeros(2 * self.stride, dtype=torch.uint8, device=f"cuda:{memory.device}")
+            self.send_address = int(self.areas.data_ptr())
+        else:
+            self.areas = np.zeros(2 * self.stride, dtype=np.uint8)
+            self.send_address = int(self.areas.ctypes.data)
         self.answer_address = self.send_address + self.stride
-        self._registrations = [self.endpoint.register(self.send_address, self.stride)]
+        self._registrations = [self.endpoint.register(self.send_address, self.stride, memory)]
         try:
-            self._registrations.append(self.endpoint.register(self.answer_address, self.stride))
+            self._registrations.append(self.endpoint.register(self.answer_address, self.stride, memory))
             metadata = self.endpoint.metadata(self._registrations[1])
         except BaseException:
             self.close()
@@ -123,13 +142,22 @@ class NixlOffer(Offer):
             "agent_metadata": encode(metadata),
             "answer_address": self.answer_address,
             "answer_bytes": self.stride,
+            "answer_memory": memory.kind,
+            "answer_device": memory.device,
         }
 
-    def send_area(self) -> memoryview:
-        return self.memory.data[: self.stride]
+    def area(self, which: int) -> memoryview | None:
+        """Area ``which`` (0 send, 1 answer) as host bytes; None in GPU memory."""
+        if isinstance(self.areas, torch.Tensor):
+            return None
+        return self.areas.data[which * self.stride : (which + 1) * self.stride]
 
-    def answer_area(self) -> memoryview:
-        return self.memory.data[self.stride :]
+    def payload(self, which: int) -> torch.Tensor:
+        """The payload bytes of area ``which`` (0 send, 1 answer), where they are."""
+        start = which * self.stride + PAYLOAD_OFFSET
+        if isinstance(self.areas, torch.Tensor):
+            return self.areas[start : start + self.capacity_bytes]
+        return torch.frombuffer(self.areas.data, dtype=torch.uint8, offset=start, count=self.capacity_bytes)
 
     def close(self) -> None:
         for registration in self._registrations:
@@ -152,15 +180,15 @@ class NixlChannel(Channel):
         self.generation = generation  # the slot's attachment count: notices of another are not ours
         self.peer = peer
         self.writes = writes
-        self.send_buffer = offer.send_area()
-        self.answer_buffer = offer.answer_area()
-        # The send area's payload as bytes: x is built there in place (``staging``).
-        self.send_payload = torch.frombuffer(
-            self.send_buffer, dtype=torch.uint8, offset=PAYLOAD_OFFSET, count=self.capacity_bytes
-        )
-        self.answer_payload = torch.frombuffer(
-            self.answer_buffer, dtype=torch.uint8, offset=PAYLOAD_OFFSET, count=self.capacity_bytes
-        )
+        self.split = writes.split  # the server's choice: headers in the notices (nixl_endpoint)
+        self.on_gpu = offer.memory.kind == "VRAM"
+        # Host bytes of the areas (whole frames: the headers are there); None in GPU memory.
+        self.send_buffer = offer.area(0)
+        self.answer_buffer = offer.area(1)
+        # The payloads as bytes, where they are: x is built in the send area in place (``staging``).
+        self.send_payload = offer.payload(0)
+        self.answer_payload = offer.payload(1)
+        self._answer_tail = b""  # split frames: the answer's header (and an error's message)
         self._seq = 0
         self._expect: tuple[int, int, int, int] | None = None  # seq, tokens, hidden, dtype
         self._answer: bool = False  # the answer notification for ``_expect`` arrived
@@ -172,8 +200,8 @@ class NixlChannel(Channel):
         self._spin_s = SPIN_S
 
     @classmethod
-    def offer(cls, capacity_bytes: int) -> NixlOffer:
-        return NixlOffer(capacity_bytes)
+    def offer(cls, capacity_bytes: int, server_device: str = "cpu") -> NixlOffer:
+        return NixlOffer(capacity_bytes, area_memory(server_device))
 
     @classmethod
     def connect(
@@ -196,8 +224,23 @@ class NixlChannel(Channel):
             peer = offer.endpoint.add_peer(decode(handle.get("agent_metadata"), "agent_metadata"))
             if peer != handle.get("agent"):
                 raise ValueError(f"agent: the metadata names {peer!r}, the handle {handle.get('agent')!r}")
+            split = handle.get("split_frames", False)
+            if type(split) is not bool:
+                raise ValueError(f"split_frames: true or false, got {split!r}")
+            if not split and offer.memory.kind == "VRAM":
+                raise ValueError("the server sends whole frames, which a channel in GPU memory cannot read")
+            memory = HOST
+            if "memory" in handle:
+                memory = Memory(handle["memory"], handle.get("device_id", 0))
             writes = TransferSet(
-                offer.endpoint, peer, offer.send_address, slot_address, frame_length(offer.capacity_bytes)
+                offer.endpoint,
+                peer,
+                offer.send_address,
+                slot_address,
+                offer.capacity_bytes,
+                split=split,
+                local_memory=offer.memory,
+                remote_memory=memory,
             )
             offer.endpoint.connect(peer)
         except (KeyError, ValueError, TransportUnavailable) as exc:
@@ -237,11 +280,18 @@ class NixlChannel(Channel):
         size = write_request(self.send_payload, x, ids, weights, include_x=not staged)
         top_k = ids.shape[1]
         header = SlotHeader(FrameKind.REQUEST, dtype, layer, num_tokens, top_k, hidden, self._seq, size)
-        header.pack_into(self.send_buffer, HEADER_OFFSET)
+        if self.split:
+            tail = header.pack()
+        else:
+            assert self.send_buffer is not None
+            header.pack_into(self.send_buffer, HEADER_OFFSET)
+            tail = b""
+        if self.on_gpu:  # the copies into the send area are queued on the stream: NIXL reads after them
+            torch.cuda.current_stream(self.send_payload.device).synchronize()
         self._expect = (self._seq, num_tokens, hidden, dtype)
         self._answer = False
         try:
-            self.writes.write_frame(size, notice(Notice.REQUEST, self.slot, self.generation, self._seq))
+            self.writes.write_frame(size, notice(Notice.REQUEST, self.slot, self.generation, self._seq, tail))
         except Exception as exc:
             self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
             raise ChannelClosed(self._gone) from exc
@@ -264,11 +314,12 @@ class NixlChannel(Channel):
             self.writes.settle()  # our request's notification may leave only from here
             endpoint.deliver()
             while (item := endpoint.take(self.peer, self.slot, self.generation)) is not None:
-                kind, seq = item
+                kind, seq, tail = item
                 if kind is Notice.OFFLINE:
                     self._gone = "the server released this slot"
                 elif kind is Notice.ANSWER and self._expect is not None and seq == self._expect[0]:
                     self._answer = True
+                    self._answer_tail = tail
                     self._learn(time.monotonic() - self._sent_at)
             now = time.monotonic()
             if self._gone is None and not self._answer and now >= self._next_ping:
@@ -316,7 +367,16 @@ class NixlChannel(Channel):
         seq, num_tokens, hidden, dtype = self._expect
         self._expect = None
         self._answer = False
-        header = SlotHeader.unpack_from(self.answer_buffer, HEADER_OFFSET)
+        tail, self._answer_tail = self._answer_tail, b""
+        if self.split and len(tail) < HEADER_SIZE:
+            raise ChannelClosed(f"malformed response: a notice of {len(tail)} bytes where a header belongs")
+        if self.split:
+            header = SlotHeader.unpack_from(tail, 0)
+            message = memoryview(tail)[HEADER_SIZE:]
+        else:
+            assert self.answer_buffer is not None
+            header = SlotHeader.unpack_from(self.answer_buffer, HEADER_OFFSET)
+            message = self.answer_buffer[PAYLOAD_OFFSET:]
         try:
             check_response(header, seq, num_tokens, hidden, dtype)
             if header.payload_bytes > self.capacity_bytes:
@@ -324,7 +384,7 @@ class NixlChannel(Channel):
         except ProtocolError as exc:
             raise ChannelClosed(f"malformed response: {exc}") from exc
         if header.status != Status.OK:
-            raise RemoteError(header.status, read_message(self.answer_buffer[PAYLOAD_OFFSET:], header))
+            raise RemoteError(header.status, read_message(message, header))
         return read_response(self.answer_payload, header)
 
     # --- lifecycle -------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ restarted server or client is never taken for its previous life (NIXL refuses to
 agent under a known name with other connection details).
 
 Notifications are the slot flags. Each is 17 bytes, ``kind | slot (u32) | generation (u32) | seq
-(u64)``; the generation counts the slot's attachments, so a late notice about a slot's previous
-holder is never taken for one about its current holder:
+(u64)``, then a *tail* where the frames are split (below); the generation counts the slot's
+attachments, so a late notice about a slot's previous holder is never taken for one about its
+current holder:
 
 | kind | sent by | meaning |
 |---|---|---|
@@ -18,8 +19,17 @@ holder is never taken for one about its current holder:
 | ``O`` | server | the slot was released (``OFFLINE``) |
 
 NIXL sends a transfer's notification only after its data is visible at the target, so the flag is
-never seen before the bytes it covers. Notifications of one agent arrive for every slot at once:
-``collect`` sorts them into per-(peer, slot) mailboxes.
+never seen before the bytes it covers.
+
+Frames: in host memory (``DRAM``) a request or answer is one WRITE of the slot's header and
+payload, which are contiguous. A server whose slots are GPU memory (``VRAM``, when it computes on
+a GPU) *splits* them: the WRITE carries the payload only, and the 48-byte header rides in the
+notification's tail (an error answer's message after it, with no WRITE at all). Its CPU then reads
+every header without a copy from the GPU, and its GPU reads the payload where UCX put it (on one
+host through CUDA IPC; across nodes through GPUDirect RDMA where the NIC and driver allow it).
+
+Notifications of one agent arrive for every slot at once: ``collect`` sorts them into
+per-(peer, slot) mailboxes.
 
 Progress: by default nobody runs NIXL's progress thread (it polls a core with zero delay); the
 server loop and a waiting client make progress themselves, each time they look for notifications
@@ -65,7 +75,7 @@ from enum import Enum
 from types import ModuleType
 from typing import Any
 
-from eaas.runtime.protocol import HEADER_OFFSET, PAYLOAD_OFFSET
+from eaas.runtime.protocol import HEADER_OFFSET, HEADER_SIZE, MAX_MESSAGE_BYTES, PAYLOAD_OFFSET
 from eaas.runtime.transport.base import OfferRefused
 
 # The wheel's module names, newest CUDA major first (the `nixl` meta package pulls in both).
@@ -74,11 +84,37 @@ PROGRESS_THREAD_ENV = "EAAS_NIXL_PROGRESS_THREAD"
 MAX_METADATA_BYTES = 64 << 10  # an agent's metadata for a few regions is ~0.5 KB
 AGENT_NAME = re.compile(r"^eaas-[a-z]+-[0-9]+-[0-9a-f]{12}$")
 
+
+@dataclass(frozen=True)
+class Memory:
+    """Where an area is, as NIXL names it: ``DRAM`` (device 0) or ``VRAM`` with its CUDA device."""
+
+    kind: str
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("DRAM", "VRAM") or type(self.device) is not int or self.device < 0:
+            raise ValueError(f"memory: DRAM or VRAM on a device >= 0, got {self.kind!r} on {self.device!r}")
+
+    @classmethod
+    def read(cls, kind: object, device: object, field: str) -> Memory:
+        """The memory a peer's handshake names; ``OfferRefused`` naming ``field`` otherwise."""
+        if kind not in ("DRAM", "VRAM") or type(device) is not int or not 0 <= device < 1024:
+            raise OfferRefused(
+                f"{field}: DRAM or VRAM, with a device index from 0 to 1023, is required; "
+                f"got {kind!r} on device {device!r}"
+            )
+        return cls(str(kind), device)
+
+
+HOST = Memory("DRAM")
+
 # UCX settings of our own, put into the environment (unless it has them) before each agent
 # starts: UCX reads these when it is loaded, with the process's first agent.
 UCX_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
 
 NOTICE = struct.Struct("<cIIQ")
+MAX_NOTICE_BYTES = NOTICE.size + HEADER_SIZE + MAX_MESSAGE_BYTES  # a split error answer's
 PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write may land there
 RETIRE_CHECK_S = 0.01  # how often retiring WRITEs are looked at (from ``collect``)
 
@@ -101,17 +137,17 @@ class Notice(Enum):
     OFFLINE = b"O"
 
 
-def notice(kind: Notice, slot: int, generation: int, seq: int = 0) -> bytes:
-    return NOTICE.pack(kind.value, slot, generation & 0xFFFFFFFF, seq)
+def notice(kind: Notice, slot: int, generation: int, seq: int = 0, tail: bytes = b"") -> bytes:
+    return NOTICE.pack(kind.value, slot, generation & 0xFFFFFFFF, seq) + tail
 
 
-def parse_notice(message: bytes) -> tuple[Notice, int, int, int] | None:
-    """(kind, slot, generation, seq), or None for a message that is not one of ours."""
-    if len(message) != NOTICE.size:
+def parse_notice(message: bytes) -> tuple[Notice, int, int, int, bytes] | None:
+    """(kind, slot, generation, seq, tail), or None for a message that is not one of ours."""
+    if not NOTICE.size <= len(message) <= MAX_NOTICE_BYTES:
         return None
-    kind, slot, generation, seq = NOTICE.unpack(message)
+    kind, slot, generation, seq = NOTICE.unpack_from(message)
     try:
-        return Notice(kind), slot, generation, seq
+        return Notice(kind), slot, generation, seq, message[NOTICE.size :]
     except ValueError:
         return None
 
@@ -246,17 +282,17 @@ class Endpoint:
                 f"{', '.join(self.agent.plugin_list) or 'none'})"
             )
         self.lock = threading.RLock()
-        self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int]]] = defaultdict(deque)
+        self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int, bytes]]] = defaultdict(deque)
         self._peer_holds: dict[str, int] = {}
         self._retiring: list[_Retiring] = []  # WRITEs let go of, until nothing of theirs is in flight
         self._kept: list[Any] = []  # memory that must outlive WRITEs still in flight (``keep_alive``)
         self._check_at = 0.0
 
     # --- memory --------------------------------------------------------------------------------
-    def register(self, address: int, num_bytes: int) -> Any:
-        """Registers host memory ``[address, +num_bytes)``; returns its registration list."""
+    def register(self, address: int, num_bytes: int, memory: Memory = HOST) -> Any:
+        """Registers ``[address, +num_bytes)`` of ``memory``; returns its registration list."""
         with self.lock:
-            return self.agent.register_memory([(address, num_bytes, 0, "")], "DRAM")
+            return self.agent.register_memory([(address, num_bytes, memory.device, "")], memory.kind)
 
     def deregister(self, registration: Any) -> None:
         with self.lock:
@@ -299,12 +335,15 @@ class Endpoint:
         with self.lock:
             return list(self._peer_holds)
 
-    def prepare(self, peer: str | None, base: int, lengths: list[int]) -> Any:
-        """A prepared descriptor list: ``[base, +PING_BYTES)`` then ``[base + HEADER_OFFSET, +length)``
-        for each of ``lengths``, in this agent's memory (``peer`` None) or in ``peer``'s."""
-        descriptors = [(base, PING_BYTES, 0)] + [(base + HEADER_OFFSET, n, 0) for n in lengths]
+    def prepare(
+        self, peer: str | None, base: int, offset: int, lengths: list[int], memory: Memory = HOST
+    ) -> Any:
+        """A prepared descriptor list: ``[base, +PING_BYTES)`` then ``[base + offset, +length)`` for
+        each of ``lengths``, in this agent's ``memory`` (``peer`` None) or in ``peer``'s."""
+        dev = memory.device
+        descriptors = [(base, PING_BYTES, dev)] + [(base + offset, n, dev) for n in lengths]
         with self.lock:
-            return self.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descriptors, "DRAM")
+            return self.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descriptors, memory.kind)
 
     def writer(self, local: Any, remote: Any, index: int) -> Any:
         """A prepared WRITE of descriptor ``index`` of ``local`` onto the same of ``remote``."""
@@ -330,8 +369,8 @@ class Endpoint:
             self.agent.send_notif(peer, message)
 
     # --- notifications -------------------------------------------------------------------------
-    def collect(self) -> list[tuple[str, Notice, int, int, int]]:
-        """Makes progress and returns the new notifications as (peer, kind, slot, generation, seq)
+    def collect(self) -> list[tuple[str, Notice, int, int, int, bytes]]:
+        """Makes progress and returns the new notifications as (peer, kind, slot, generation, seq, tail)
         (and finishes retiring WRITEs that settled: ``retire``)."""
         with self.lock:
             received = self.agent.get_new_notifs()
@@ -353,8 +392,8 @@ class Endpoint:
     def deliver(self) -> None:
         """``collect`` into the mailboxes (clients: each channel then ``take``s its own)."""
         with self.lock:
-            for peer, kind, slot, generation, seq in self.collect():
-                self._mail[(peer, slot, generation)].append((kind, seq))
+            for peer, kind, slot, generation, seq, tail in self.collect():
+                self._mail[(peer, slot, generation)].append((kind, seq, tail))
 
     # --- letting go ----------------------------------------------------------------------------
     def retire(self, writes: TransferSet, then: Callable[[], None] | None = None) -> None:
@@ -422,7 +461,7 @@ class Endpoint:
                 with contextlib.suppress(Exception):
                     prepped.release()
 
-    def take(self, peer: str, slot: int, generation: int) -> tuple[Notice, int] | None:
+    def take(self, peer: str, slot: int, generation: int) -> tuple[Notice, int, bytes] | None:
         """The oldest notification from ``peer`` about ``slot`` in its ``generation``, if any
         (after ``deliver``)."""
         with self.lock:
@@ -436,17 +475,33 @@ class Endpoint:
 
 class TransferSet:
     """The prepared WRITEs from one local area onto one peer area of the same layout (a slot):
-    the ping (4 bytes of the flag word) and one frame per transfer length, each made on first use."""
+    the ping (4 bytes of the flag word) and one frame per transfer length, each made on first use.
 
-    def __init__(self, endpoint: Endpoint, peer: str, local_base: int, remote_base: int, limit: int) -> None:
+    ``capacity_bytes`` is the slot's payload; ``split`` frames carry the payload only (the header
+    goes in the notification: see the module docstring), whole ones header and payload."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        peer: str,
+        local_base: int,
+        remote_base: int,
+        capacity_bytes: int,
+        *,
+        split: bool = False,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
+    ) -> None:
         self.endpoint = endpoint
         self.peer = peer
-        self.lengths = transfer_lengths(limit)
+        self.split = split
+        self.limit = capacity_bytes if split else frame_length(capacity_bytes)
+        self.lengths = transfer_lengths(self.limit)
         self._index = {length: 1 + i for i, length in enumerate(self.lengths)}  # 0 is the ping
-        self.limit = limit
-        self.local = endpoint.prepare(None, local_base, self.lengths)
+        offset = PAYLOAD_OFFSET if split else HEADER_OFFSET
+        self.local = endpoint.prepare(None, local_base, offset, self.lengths, local_memory)
         try:
-            self.remote = endpoint.prepare(peer, remote_base, self.lengths)
+            self.remote = endpoint.prepare(peer, remote_base, offset, self.lengths, remote_memory)
         except BaseException:
             self._release_lists(remote=False)
             raise
@@ -474,13 +529,17 @@ class TransferSet:
         return self.settle() and self._ping is None
 
     def write_frame(self, payload_bytes: int, message: bytes) -> None:
-        """WRITEs header and ``payload_bytes`` of payload, then notifies ``message``.
+        """WRITEs header and ``payload_bytes`` of payload (split: the payload only, the header being
+        in ``message``), then notifies ``message``; a split frame without payload is the notice alone.
 
         The previous frame is complete by then: the peer answered it, and NIXL notifies only after
         a WRITE completed. ``RuntimeError`` if it is not."""
         if not self.settle():
             raise RuntimeError("the previous NIXL write of this slot has not completed")
-        length = transfer_length(frame_length(payload_bytes), self.limit)
+        if self.split and payload_bytes == 0:
+            self.endpoint.notify(self.peer, message)
+            return
+        length = transfer_length(payload_bytes if self.split else frame_length(payload_bytes), self.limit)
         handle = self.handle(self._index[length])
         if not self.endpoint.post(handle, message):
             self._frame = handle

@@ -21,8 +21,17 @@ client (a 4-byte WRITE into its answer area's flag word): UCX reports the broken
 slot is released. A slot the server releases is announced with ``O``, so a waiting client fails
 over at once.
 
-Memory: host memory (a GPU server copies requests to its device, as with ``tcp``). GPU-memory
-arenas (UCX ``cuda_ipc`` and GPUDirect RDMA) are not written yet: they were never measured on a GPU.
+Memory: a slot's payload is where the client's areas are, as far as this server can. A client in
+host memory gets a slot in host memory, with whole frames (a GPU server copies the request to
+its device, as with ``tcp``). A client in GPU memory gets, from a server computing on a GPU, a slot
+whose payload is GPU memory, registered as ``VRAM``, with split frames (``nixl_endpoint``): each
+request's header arrives in its notification and is kept in a small host-memory *control* slot
+(flag, header, an error message), while x, ids and weights stay on the GPU where the client's
+WRITE put them (UCX ``cuda_ipc`` between processes of one node, GPUDirect RDMA across nodes).
+Before such an answer's WRITE the server waits for its compute stream: a NIXL transfer is posted by
+the CPU and is not ordered after GPU work. A client puts its areas in GPU memory when the server
+computes on a GPU and it has one itself (``nixl_client.area_memory``); a server on a CPU refuses
+an offer of GPU memory.
 """
 
 from __future__ import annotations
@@ -34,8 +43,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from eaas.runtime.protocol import HEADER_OFFSET, SlotHeader, SlotState, slot_stride
+from eaas.runtime.protocol import (
+    HEADER_OFFSET,
+    HEADER_SIZE,
+    MAX_MESSAGE_BYTES,
+    PAYLOAD_OFFSET,
+    SlotHeader,
+    SlotState,
+    Status,
+    slot_stride,
+)
 from eaas.runtime.transport.base import (
     OfferRefused,
     Request,
@@ -45,13 +64,14 @@ from eaas.runtime.transport.base import (
 )
 from eaas.runtime.transport.nixl_endpoint import (
     AGENT_NAME,
+    HOST,
     Endpoint,
+    Memory,
     Notice,
     TransferSet,
     address,
     decode,
     encode,
-    frame_length,
     notice,
 )
 from eaas.runtime.transport.polling import PollingWaiter
@@ -62,6 +82,7 @@ SPIN_S = 1e-3  # keep polling without sleeping this long after a request or an a
 MIN_SLEEP_S = 20e-6  # then sleep between polls, from this...
 MAX_SLEEP_S = 1e-3  # ...doubling up to this (an idle server wakes ~1,000 times a second)
 CLOSE_NOTICE_S = 0.05  # on close, how long the OFFLINE notices get to leave
+CONTROL_STRIDE = PAYLOAD_OFFSET + MAX_MESSAGE_BYTES  # split frames: a slot's host-memory part
 
 
 @dataclass
@@ -70,26 +91,52 @@ class _Slot:
     peer: str  # the client's NIXL agent
     generation: int
     writes: TransferSet  # slot -> the client's answer area
+    memory: Memory  # where the slot's payload is: host memory, or GPU memory for a client in GPU memory
     requests: int = 0
     state: SlotState = SlotState.IDLE
+
+    @property
+    def split(self) -> bool:
+        return self.writes.split
 
 
 class NixlServerTransport(ServerTransport):
     name = "nixl"
 
+    # True: slots in host memory split their frames too (tests: a GPU slot's framing, checked on a
+    # machine without a GPU). Slots in GPU memory always split them.
+    split_host_frames = False
+
     def __init__(self, options: TransportOptions) -> None:
         self.options = options
         self.capacity_bytes = options.capacity_bytes
         self.stride = slot_stride(options.capacity_bytes)
-        self.frame_limit = frame_length(options.capacity_bytes)
+        # On a GPU every slot exists twice: in GPU memory for a client whose areas are GPU memory,
+        # in host memory for one whose areas are host memory (UCX between the host memory of one
+        # process and the GPU memory of another stages the bytes: on one H200 node ~190x slower
+        # than GPU to GPU at 512 tokens, docs/benchmarks.md). Host memory is cheap; the GPU's is
+        # not doubled.
+        self.host_arena = np.zeros(options.max_clients * self.stride, dtype=np.uint8)
+        self.gpu: Memory | None = None
+        self.gpu_arena: torch.Tensor | None = None
+        device = torch.device(options.device)
+        if device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            self.gpu = Memory("VRAM", index)
+            self.gpu_arena = torch.zeros(
+                options.max_clients * self.stride, dtype=torch.uint8, device=torch.device("cuda", index)
+            )
+        # Split frames: a host-memory control slot each (flag, header, an error message).
+        self.control = np.zeros(options.max_clients * CONTROL_STRIDE, dtype=np.uint8)
         self.endpoint = Endpoint("server")
-        self.arena = np.zeros(options.max_clients * self.stride, dtype=np.uint8)
-        self.base = int(self.arena.ctypes.data)
-        self._view = self.arena.data
-        self._registrations = []
+        self._registrations: dict[tuple[str, int], Any] = {}  # (memory kind, slot) -> registration
         try:
             for slot in range(options.max_clients):
-                self._registrations.append(self.endpoint.register(self._address(slot), self.stride))
+                for memory in (HOST, self.gpu):
+                    if memory is not None:
+                        self._registrations[(memory.kind, slot)] = self.endpoint.register(
+                            self._address(slot, memory), self.stride, memory
+                        )
         except BaseException:
             self._deregister()
             raise
@@ -100,18 +147,53 @@ class NixlServerTransport(ServerTransport):
         self._released: dict[int, str] = {}  # slot -> last client, shown as OFFLINE until re-attached
         self._ready: list[int] = []  # slots whose request notification arrived
         self._lost: list[int] = []  # slots released since the last reap (client gone or said goodbye)
-        self.refused_notices = 0  # notifications about a slot the sender does not hold
+        self.refused_notices = 0  # notifications about a slot the sender does not hold, or malformed
         self._waiter = PollingWaiter(SPIN_S, MIN_SLEEP_S, MAX_SLEEP_S)
 
-    def _address(self, slot: int) -> int:
-        return self.base + slot * self.stride
+    def _address(self, slot: int, memory: Memory) -> int:
+        if memory.kind == "VRAM":
+            assert self.gpu_arena is not None
+            return int(self.gpu_arena.data_ptr()) + slot * self.stride
+        return int(self.host_arena.ctypes.data) + slot * self.stride
 
-    def _slot_buffer(self, slot: int) -> memoryview:
-        return self._view[slot * self.stride : (slot + 1) * self.stride]
+    def _slot_buffer(self, slot: int, split: bool) -> memoryview:
+        """The slot's host-memory part: the whole slot (whole frames) or its control slot (split)."""
+        if split:
+            return self.control.data[slot * CONTROL_STRIDE : (slot + 1) * CONTROL_STRIDE]
+        return self.host_arena.data[slot * self.stride : (slot + 1) * self.stride]
+
+    def _payload(self, slot: int, info: _Slot) -> memoryview | torch.Tensor | None:
+        """Where a split slot's request is read and its answer written (``Request.payload``); None
+        for whole frames (the slot buffer's payload, the default)."""
+        start = slot * self.stride + PAYLOAD_OFFSET
+        if info.memory.kind == "VRAM":
+            assert self.gpu_arena is not None
+            return self.gpu_arena[start : start + self.capacity_bytes]
+        if info.split:
+            return self.host_arena.data[start : start + self.capacity_bytes]
+        return None
+
+    def _clear(self, slot: int, memory: Memory) -> None:
+        """Zeroes a slot for its next holder (on the GPU: done, with whatever the loop's stream still
+        had queued, before a client may write)."""
+        self.host_arena[slot * self.stride : (slot + 1) * self.stride] = 0
+        self.control[slot * CONTROL_STRIDE : (slot + 1) * CONTROL_STRIDE] = 0
+        if memory.kind == "VRAM" and self.gpu_arena is not None:
+            self.gpu_arena[slot * self.stride : (slot + 1) * self.stride].zero_()
+            torch.cuda.synchronize(self.gpu_arena.device)
 
     # --- handshake (control thread) --------------------------------------------------------------
     def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
-        metadata, answer_address, answer_bytes = self._read_offer(offer)
+        metadata, answer_address, answer_bytes, answer_memory = self._read_offer(offer)
+        memory = HOST  # the slot's payload: with the client's areas, where this server has them
+        if answer_memory.kind == "VRAM":
+            if self.gpu is None:
+                raise OfferRefused(
+                    "offer.answer_memory: VRAM, but this server computes on the CPU: its slots are host "
+                    "memory, which a client offers host memory for"
+                )
+            memory = self.gpu
+        split = memory.kind == "VRAM" or self.split_host_frames
         with self._lock:
             taken = self._slots.keys() | self._reserved
             free = [s for s in range(self.options.max_clients) if s not in taken]
@@ -125,12 +207,19 @@ class NixlServerTransport(ServerTransport):
             peer = self._load_peer(metadata)
             try:
                 writes = TransferSet(
-                    self.endpoint, peer, self._address(slot), answer_address, self.frame_limit
+                    self.endpoint,
+                    peer,
+                    self._address(slot, memory),
+                    answer_address,
+                    self.capacity_bytes,
+                    split=split,
+                    local_memory=memory,
+                    remote_memory=answer_memory,
                 )
             except Exception as exc:
                 raise OfferRefused(
                     f"offer.answer_address: [{answer_address:#x}, +{answer_bytes}) is not memory the "
-                    f"client's agent registered ({type(exc).__name__}: {exc})"
+                    f"client's agent registered (as {answer_memory.kind}; {type(exc).__name__}: {exc})"
                 ) from exc
             self.endpoint.connect(peer)
         except BaseException:
@@ -144,22 +233,25 @@ class NixlServerTransport(ServerTransport):
         with self._lock:
             self._reserved.discard(slot)
             self._generations[slot] += 1
-            self._slot_buffer(slot)[:] = bytes(self.stride)
-            self._slots[slot] = _Slot(client_id, peer, self._generations[slot], writes)
+            self._clear(slot, memory)
+            self._slots[slot] = _Slot(client_id, peer, self._generations[slot], writes, memory)
             self._released.pop(slot, None)
             self._ready = [s for s in self._ready if s != slot]
-        registration = self._registrations[slot]
+        registration = self._registrations[(memory.kind, slot)]
         return {
             "transport": self.name,
             "slot": slot,
             "agent": self.endpoint.name,
             "agent_metadata": encode(self.endpoint.metadata(registration)),
             "generation": self._generations[slot],
-            "slot_address": self._address(slot),
+            "slot_address": self._address(slot, memory),
             "capacity_bytes": self.capacity_bytes,
+            "memory": memory.kind,
+            "device_id": memory.device,
+            "split_frames": split,
         }
 
-    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int]:
+    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int, Memory]:
         if not isinstance(offer, dict):
             raise OfferRefused(
                 "offer: transport nixl needs the client's NIXL agent metadata and answer area "
@@ -173,7 +265,11 @@ class NixlServerTransport(ServerTransport):
                 f"offer.answer_bytes: this server's answers need {self.stride} bytes "
                 f"(slots of {self.capacity_bytes} payload bytes), got {answer_bytes!r}"
             )
-        return metadata, answer_address, answer_bytes
+        memory = HOST  # (a client that names none offers host memory)
+        if "answer_memory" in offer:
+            kind, device = offer.get("answer_memory"), offer.get("answer_device")
+            memory = Memory.read(kind, device, "offer.answer_memory")
+        return metadata, answer_address, answer_bytes, memory
 
     def _load_peer(self, metadata: bytes) -> str:
         try:
@@ -217,12 +313,17 @@ class NixlServerTransport(ServerTransport):
         """Takes new notifications and progresses answers in flight; True if a request is ready."""
         notices = self.endpoint.collect()
         with self._lock:
-            for peer, kind, slot, generation, _seq in notices:
+            for peer, kind, slot, generation, _seq, tail in notices:
                 info = self._slots.get(slot)
                 if info is None or info.peer != peer or info.generation & 0xFFFFFFFF != generation:
                     self.refused_notices += 1  # not this sender's slot (or released): never served
                     continue
                 if kind is Notice.REQUEST and info.state is not SlotState.REQUEST_READY:
+                    if len(tail) != (HEADER_SIZE if info.split else 0):
+                        self.refused_notices += 1  # a request without its header (or with one too many)
+                        continue
+                    if info.split:
+                        self._slot_buffer(slot, True)[HEADER_OFFSET : HEADER_OFFSET + HEADER_SIZE] = tail
                     info.state = SlotState.REQUEST_READY
                     self._ready.append(slot)
                 elif kind is Notice.BYE:
@@ -247,9 +348,10 @@ class NixlServerTransport(ServerTransport):
                 if info is None:
                     continue
                 info.requests += 1
-                buffer = self._slot_buffer(slot)
+                buffer = self._slot_buffer(slot, info.split)
                 header = SlotHeader.unpack_from(buffer, HEADER_OFFSET)
-                requests.append(Request(self.name, slot, info.generation, header, buffer))
+                payload = self._payload(slot, info)
+                requests.append(Request(self.name, slot, info.generation, header, buffer, payload))
         return requests
 
     def wait(self, timeout_s: float) -> None:
@@ -266,8 +368,16 @@ class NixlServerTransport(ServerTransport):
                 return  # the client left while we computed
             header.pack_into(request.slot_buffer, HEADER_OFFSET)
             try:
-                answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq)
-                info.writes.write_frame(header.payload_bytes, answer)
+                tail, payload_bytes = b"", header.payload_bytes
+                if info.split:  # the header in the notice; an error's message too, with no WRITE
+                    tail = header.pack()
+                    if header.status != Status.OK:
+                        message = request.slot_buffer[PAYLOAD_OFFSET : PAYLOAD_OFFSET + payload_bytes]
+                        tail, payload_bytes = tail + bytes(message), 0
+                    elif info.memory.kind == "VRAM" and self.gpu_arena is not None:  # once y is written
+                        torch.cuda.current_stream(self.gpu_arena.device).synchronize()
+                answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq, tail)
+                info.writes.write_frame(payload_bytes, answer)
             except Exception as exc:
                 self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
                 return
@@ -313,14 +423,16 @@ class NixlServerTransport(ServerTransport):
             log.info(
                 "nixl: %d client(s) did not take the last notices; their connections stay open", len(held)
             )
-            self.endpoint.keep_alive(self.arena)
+            self.endpoint.keep_alive(self.host_arena)
+            if self.gpu_arena is not None:
+                self.endpoint.keep_alive(self.gpu_arena)
             return
         self._deregister()
 
     def _deregister(self) -> None:
-        for registration in self._registrations:
+        for registration in self._registrations.values():
             try:
                 self.endpoint.deregister(registration)
             except Exception as exc:
                 log.debug("deregistering a nixl slot: %s", exc)
-        self._registrations = []
+        self._registrations = {}

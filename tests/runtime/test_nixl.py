@@ -26,7 +26,7 @@ from eaas.runtime.client.connection import ServerConnection, http_json
 from eaas.runtime.client.errors import HandshakeError
 from eaas.runtime.model import CheckpointReader
 from eaas.runtime.placement import Placement, round_robin
-from eaas.runtime.protocol import HEADER_OFFSET, SlotHeader, Status
+from eaas.runtime.protocol import HEADER_OFFSET, FrameKind, SlotHeader, Status, dtype_code
 from eaas.runtime.server import ExpertServer
 from eaas.runtime.transport import ChannelClosed, RemoteError
 from eaas.runtime.transport.nixl_client import (
@@ -51,16 +51,23 @@ from eaas.runtime.transport.nixl_server import NixlServerTransport
 TOKEN = "tok-" + "n" * 40
 
 
-@pytest.fixture(scope="module")
-def served(tiny_checkpoints: dict[str, Path]) -> Iterator[tuple[Placement, ExpertServer]]:
-    """One mixtral server offering nixl (and tcp), with a data token."""
+@pytest.fixture(scope="module", params=["whole", "split"])
+def served(
+    request: pytest.FixtureRequest, tiny_checkpoints: dict[str, Path]
+) -> Iterator[tuple[Placement, ExpertServer]]:
+    """One mixtral server offering nixl (and tcp), with a data token. Every test runs against both
+    framings: ``whole`` (host memory) and ``split`` (a GPU-memory arena's: headers in the
+    notifications, payloads alone in the WRITEs; in host memory here)."""
     checkpoint = tiny_checkpoints["mixtral"]
     config = CheckpointReader(checkpoint).config
     placement = round_robin(config.moe_layers, config.num_experts, 1)
-    with in_process_servers(
-        checkpoint, placement, transports=("nixl", "tcp"), data_tokens=Tokens((TOKEN,)), max_tokens=64
-    ) as servers:
-        yield placement, servers[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NixlServerTransport, "split_host_frames", request.param == "split")
+        with in_process_servers(
+            checkpoint, placement, transports=("nixl", "tcp"), data_tokens=Tokens((TOKEN,)), max_tokens=64
+        ) as servers:
+            assert nixl_of(servers[0]).split_host_frames is (request.param == "split")
+            yield placement, servers[0]
 
 
 def connection(server: ExpertServer, client_id: str = "c", token: str | None = TOKEN) -> ServerConnection:
@@ -257,18 +264,51 @@ def test_a_corrupt_header_is_answered_with_an_error_status(served: tuple[Placeme
         layer, x, ids, weights = request_for(placement, 2)
         channel.send(layer, x, ids, weights)
         channel.receive(time.monotonic() + 10)
-        # A header whose payload size is far beyond the slot, written straight into the slot: the
-        # server must refuse it, not read past the slot.
-        bad = SlotHeader.unpack_from(channel.send_buffer, HEADER_OFFSET)
-        forged = SlotHeader(
-            bad.kind, bad.dtype, bad.layer, bad.num_tokens, bad.top_k, bad.hidden, 99, 1 << 31
-        )
-        forged.pack_into(channel.send_buffer, HEADER_OFFSET)
+        # A header whose payload size is far beyond the slot, written straight into the slot (split
+        # frames: sent in the notice): the server must refuse it, not read past the slot.
+        bad = SlotHeader(FrameKind.REQUEST, dtype_code(x.dtype), layer, 2, 2, x.shape[1], 99, 1 << 31)
+        tail = b""
+        if channel.split:
+            tail = bad.pack()
+        else:
+            assert channel.send_buffer is not None
+            bad.pack_into(channel.send_buffer, HEADER_OFFSET)
         channel._expect = (99, bad.num_tokens, bad.hidden, bad.dtype)  # what a reply must echo
-        channel.writes.write_frame(0, notice(Notice.REQUEST, channel.slot, channel.generation, 99))
+        channel.writes.write_frame(0, notice(Notice.REQUEST, channel.slot, channel.generation, 99, tail))
         with pytest.raises(RemoteError) as error:
             channel.receive(time.monotonic() + 10)
         assert error.value.status == Status.TOO_LARGE
+        channel.send(layer, x, ids, weights)  # and the slot serves the next request
+        assert channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        conn.close()
+
+
+def test_a_request_notice_without_its_header_or_with_one_too_many_is_never_served(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    """Split frames need the header in the request's notice; whole frames carry it in the slot and
+    take a notice with a tail for a forgery. Either kind of wrong notice is dropped and counted,
+    and the slot serves the next request."""
+    placement, server = served
+    transport = nixl_of(server)
+    conn = connection(server, "headless")
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel) and channel.split is transport.split_host_frames
+        layer, x, ids, weights = request_for(placement, 2)
+        channel.send(layer, x, ids, weights)
+        channel.receive(time.monotonic() + 10)
+        wrong_tail = b"" if channel.split else bytes(48)
+        refused = transport.refused_notices
+        channel.writes.write_frame(0, notice(Notice.REQUEST, channel.slot, channel.generation, 5, wrong_tail))
+        deadline = time.monotonic() + 5
+        while transport.refused_notices == refused:
+            assert time.monotonic() < deadline, "the wrong notice was never seen"
+            channel.writes.settle()
+            time.sleep(0.01)
+        assert [r["requests"] for r in attached(server) if r["client_id"] == "headless"] == [1]
         channel.send(layer, x, ids, weights)  # and the slot serves the next request
         assert channel.receive(time.monotonic() + 10).shape == x.shape
     finally:
@@ -296,6 +336,9 @@ def post_slot(server: ExpertServer, body: dict, token: str | None = TOKEN) -> tu
         ({"offer.answer_address": "shift"}, TOKEN, 400, "offer.answer_address"),
         ({"offer.answer_bytes": 16}, TOKEN, 400, "offer.answer_bytes"),
         ({"offer.answer_shift": 1 << 30}, TOKEN, 400, "is not memory the client's agent registered"),
+        ({"offer.answer_memory": "GPU"}, TOKEN, 400, "offer.answer_memory: DRAM or VRAM"),
+        ({"offer.answer_device": -1}, TOKEN, 400, "offer.answer_memory: DRAM or VRAM"),
+        ({"offer.answer_memory": "VRAM"}, TOKEN, 400, "offer.answer_memory: VRAM, but this server computes"),
     ],
 )
 def test_a_bad_handshake_is_refused_and_allocates_nothing(
@@ -346,7 +389,8 @@ def test_metadata_claiming_an_attached_clients_agent_is_refused(
         area = numpy.zeros(1 << 20, numpy.uint8)
         registration = endpoint.register(int(area.ctypes.data), area.nbytes)
         print(json.dumps({"agent_metadata": encode(endpoint.metadata(registration)),
-                          "answer_address": int(area.ctypes.data), "answer_bytes": area.nbytes}))
+                          "answer_address": int(area.ctypes.data), "answer_bytes": area.nbytes,
+                          "answer_memory": "DRAM", "answer_device": 0}))
         """
     )
     try:
