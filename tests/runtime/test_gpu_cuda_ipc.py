@@ -20,55 +20,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from datapath_helpers import MAX_NEW_TOKENS, PROMPTS
+from datapath_helpers import generation_survives_a_kill, gpu_cluster, gpu_local_experts, gpu_random_inputs
 
-from eaas.runtime.client import AttentionClient, ClientOptions
+from eaas.runtime.client import ClientOptions
 from eaas.runtime.client.captured import CapturedExperts, CapturedStepFailed
 from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.local.cluster import LocalCluster
-from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts
-from eaas.runtime.placement import round_robin
+from eaas.runtime.model import CheckpointReader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FAMILY = "deepseek_v3"
 
 
-def gpu_cluster(checkpoint: Path, workdir: Path, num_servers: int = 3, replication: int = 2) -> LocalCluster:
-    config = CheckpointReader(checkpoint).config
-    placement = round_robin(config.moe_layers, config.num_experts, num_servers, replication=replication)
-    return LocalCluster(
-        checkpoint,
-        placement,
-        workdir,
-        transports=("cuda_ipc",),
-        kernel_backend="triton",
-        max_tokens=16,
-        extra_args=("--device", "cuda"),
-    )
-
-
 @pytest.fixture
 def cluster(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[LocalCluster]:
-    with gpu_cluster(tiny_checkpoints[FAMILY], tmp_path) as cluster:
+    with gpu_cluster(tiny_checkpoints[FAMILY], tmp_path, "cuda_ipc") as cluster:
         yield cluster
-
-
-def local_experts(checkpoint: Path) -> LocalExperts:
-    reader = CheckpointReader(checkpoint)
-    config = reader.config
-    pairs = [(layer, e) for layer in config.moe_layers for e in range(config.num_experts)]
-    return LocalExperts(ExpertStack.load(reader, pairs).to("cuda"), backend="torch")
-
-
-def random_inputs(
-    num_tokens: int, hidden: int, num_experts: int, top_k: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=generator)
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
-    weights, ids = scores.topk(top_k, dim=-1)
-    return x.cuda(), ids.to(torch.int32).cuda(), weights.cuda()
 
 
 def capture_layer(
@@ -86,12 +54,12 @@ def capture_layer(
 def test_layer_equals_local_experts_eager(cluster: LocalCluster, tiny_checkpoints: dict[str, Path]) -> None:
     checkpoint = tiny_checkpoints[FAMILY]
     config = CheckpointReader(checkpoint).config
-    local = local_experts(checkpoint)
+    local = gpu_local_experts(checkpoint)
     options = ClientOptions(transport="cuda_ipc", request_timeout_s=20.0)
     with RemoteExperts(config, cluster.placement, cluster.urls, options) as remote:
         for num_tokens in (1, 7, 40):  # 40 > max_tokens: split into several round trips
             for layer in config.moe_layers:
-                x, ids, weights = random_inputs(
+                x, ids, weights = gpu_random_inputs(
                     num_tokens, config.hidden_size, config.num_experts, config.top_k, layer
                 )
                 got = remote(layer, x, ids, weights)
@@ -103,15 +71,15 @@ def test_layer_equals_local_experts_eager(cluster: LocalCluster, tiny_checkpoint
 def test_captured_layer_replays_new_inputs(cluster: LocalCluster, tiny_checkpoints: dict[str, Path]) -> None:
     checkpoint = tiny_checkpoints[FAMILY]
     config = CheckpointReader(checkpoint).config
-    local = local_experts(checkpoint)
+    local = gpu_local_experts(checkpoint)
     layer = config.moe_layers[-1]
     options = ClientOptions(transport="cuda_ipc", request_timeout_s=20.0)
     with RemoteExperts(config, cluster.placement, cluster.urls, options) as remote:
-        x, ids, weights = random_inputs(8, config.hidden_size, config.num_experts, config.top_k, seed=1)
+        x, ids, weights = gpu_random_inputs(8, config.hidden_size, config.num_experts, config.top_k, seed=1)
         captured = CapturedExperts(remote)
         graph, out = capture_layer(captured, layer, x, ids, weights)
         for seed in (2, 3, 4):
-            new = random_inputs(8, config.hidden_size, config.num_experts, config.top_k, seed=seed)
+            new = gpu_random_inputs(8, config.hidden_size, config.num_experts, config.top_k, seed=seed)
             for static, value in zip((x, ids, weights), new, strict=True):
                 static.copy_(value)
             out.fill_(float("nan"))
@@ -127,11 +95,11 @@ def test_server_killed_between_replays_is_reported_and_redone(
 ) -> None:
     checkpoint = tiny_checkpoints[FAMILY]
     config = CheckpointReader(checkpoint).config
-    local = local_experts(checkpoint)
+    local = gpu_local_experts(checkpoint)
     layer = config.moe_layers[0]
     options = ClientOptions(transport="cuda_ipc", request_timeout_s=20.0)
     with RemoteExperts(config, cluster.placement, cluster.urls, options) as remote:
-        x, ids, weights = random_inputs(8, config.hidden_size, config.num_experts, config.top_k, seed=5)
+        x, ids, weights = gpu_random_inputs(8, config.hidden_size, config.num_experts, config.top_k, seed=5)
         captured = CapturedExperts(remote)
         graph, _ = capture_layer(captured, layer, x, ids, weights)
         cluster.kill(1, signal.SIGKILL)
@@ -156,26 +124,5 @@ def test_generation_equals_reference_and_survives_a_kill(
     tmp_path: Path,
 ) -> None:
     checkpoint = tiny_checkpoints[FAMILY]
-    want_tokens, want_logits = reference_outputs[FAMILY]
-    with gpu_cluster(checkpoint, tmp_path) as cluster:
-        options = ClientOptions(transport="cuda_ipc", request_timeout_s=20.0)
-        with AttentionClient(checkpoint, cluster.placement, cluster.urls, options) as client:
-            tokens, logits = client.generate(PROMPTS, MAX_NEW_TOKENS)
-            assert tokens == want_tokens
-            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
-            calls = 0
-            original = client.experts.__call__
-
-            def kill_mid_generation(layer: int, *args: torch.Tensor) -> torch.Tensor:
-                nonlocal calls
-                calls += 1
-                if calls == 6:
-                    cluster.kill(0, signal.SIGKILL)
-                return original(layer, *args)
-
-            client.decoder.experts = kill_mid_generation
-            tokens, logits = client.generate(PROMPTS, MAX_NEW_TOKENS)
-            assert calls > 6
-            assert tokens == want_tokens
-            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
-            assert client.experts.counters.failovers == 1
+    with gpu_cluster(checkpoint, tmp_path, "cuda_ipc") as cluster:
+        generation_survives_a_kill(cluster, checkpoint, reference_outputs[FAMILY], "cuda_ipc")
