@@ -3,7 +3,9 @@
 # but not this project installed (no network needed): `eaas` is made importable from the source
 # tree through a link tree, then each step runs with its log under $OUT (default: ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh STEP...   steps: env probe tests kernels kernels-quick autotune rtt nixl warmup
+#   bash benchmarks/gpu_session.sh STEP...
+#   steps: env probe tests kernels kernels-quick autotune rtt nixl nixl-tests nixl-mem-events warmup
+#   (NIXL_ROWS: the raw NIXL rows of the nixl step, comma-separated; default all three)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -68,7 +70,15 @@ for what in "$@"; do
         done
         echo "--- nixl preflight chose: $chosen"
         [ "$chosen" = none ] || step nixl ${NIXL_TIMEOUT:-240} env "$chosen" $PY benchmarks/nixl_gpu_rtt.py \
-            --json-out "$OUT/nixl_gpu_rtt.json"
+            --rows "${NIXL_ROWS:-vram,vram-staged,dram}" --json-out "$OUT/nixl_gpu_rtt.json"
+        ;;
+    nixl-tests)  # the nixl GPU tests alone (``tests`` runs them with the others)
+        step nixl-tests 200 $PY -m pytest -q -p no:cacheprovider -o addopts="" --timeout 90 -rA \
+            tests/runtime/test_gpu_nixl.py
+        ;;
+    nixl-mem-events)  # the nixl GPU tests with UCX's memory hooks on (our default turns them off)
+        step nixl-mem-events 200 env UCX_MEM_EVENTS=yes $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+            --timeout 90 -rA tests/runtime/test_gpu_nixl.py
         ;;
     warmup)
         step warmup ${WARMUP_TIMEOUT:-300} $PY benchmarks/warm_up.py --json-out "$OUT/warm_up.json"

@@ -173,14 +173,17 @@ def echo_server(ready_path: Path, max_tokens: int, hidden: int) -> None:
             t.close()
 
 
-def nixl_echo_server(offer_path: Path, handle_path: Path, max_tokens: int, hidden: int) -> None:
+def nixl_echo_server(
+    offer_path: Path, handle_path: Path, max_tokens: int, hidden: int, device: str = "cpu"
+) -> None:
     """Serves one ``nixl`` slot as the expert server's loop does: ``poll``, else ``wait``.
 
-    The client's offer comes first (``offer_path``); the handle goes back through ``handle_path``."""
+    The client's offer comes first (``offer_path``); the handle goes back through ``handle_path``.
+    ``device`` cuda: the slot's payload is GPU memory (``benchmarks/nixl_gpu_rtt.py``)."""
     reduce_timer_slack()
     capacity = slot_capacity_bytes(max_tokens, TOP_K, hidden)
     transport = get_transport("nixl").server(
-        TransportOptions(max_clients=1, capacity_bytes=capacity, tag="bench")
+        TransportOptions(max_clients=1, capacity_bytes=capacity, tag="bench", device=device)
     )
     parent = os.getppid()
     try:
@@ -444,16 +447,17 @@ class Pending:
 
 
 def start_nixl_echo(
-    started: Echoes, tag: str, max_tokens: int, hidden: int, progress_thread: bool
+    started: Echoes, tag: str, max_tokens: int, hidden: int, progress_thread: bool, device: str = "cpu"
 ) -> Pending:
     env = {PROGRESS_THREAD_ENV: "1" if progress_thread else "0"}
-    return Pending(started, tag, "--nixl-echo", (max_tokens, hidden), env)
+    return Pending(started, tag, "--nixl-echo", (max_tokens, hidden, device), env)
 
 
-def connect_nixl(pending: Pending, capacity: int) -> Any:
-    """Connects a ``nixl`` channel to an echo process: our offer goes first, its handle comes back."""
+def connect_nixl(pending: Pending, capacity: int, server_device: str = "cpu") -> Any:
+    """Connects a ``nixl`` channel to an echo process: our offer goes first, its handle comes back.
+    (``server_device`` cuda: the channel's areas go to GPU memory, where this process has a GPU.)"""
     channel_type = get_transport("nixl").channel
-    offer = channel_type.offer(capacity)  # type: ignore[attr-defined]
+    offer = channel_type.offer(capacity, server_device=server_device)
     return channel_type.connect(pending.exchange(offer.body), "127.0.0.1", 10.0, offer)
 
 
@@ -771,7 +775,9 @@ if __name__ == "__main__":
         echo_server(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     elif mode == "--nixl-echo":
         torch.set_num_threads(1)
-        nixl_echo_server(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        nixl_echo_server(
+            Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+        )
     elif mode == "--nixl-raw-echo":
         nixl_raw_echo(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     else:
