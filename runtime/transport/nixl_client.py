@@ -21,10 +21,12 @@ process died (its endpoint broke) at once, as a NIXL error, and the channel fail
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -102,7 +104,65 @@ def client_endpoint() -> Endpoint:
         if _shared is None or _shared_pid != os.getpid():
             _shared = Endpoint("client")
             _shared_pid = os.getpid()
+            _spare.clear()  # (a forked child's areas are registered with its parent's agent)
         return _shared
+
+
+@dataclass
+class _Areas:
+    """A channel's send and answer areas, ``[send | answer]``, registered with the client agent."""
+
+    memory: Memory
+    stride: int
+    buffer: np.ndarray | torch.Tensor
+    registrations: list[Any]
+    metadata: bytes  # the agent's metadata for the answer area
+
+    @property
+    def send_address(self) -> int:
+        if isinstance(self.buffer, torch.Tensor):
+            return int(self.buffer.data_ptr())
+        return int(self.buffer.ctypes.data)
+
+
+# Areas of closed channels, still registered, by (memory, stride): the next channel's offer takes
+# them. A server keeps a client agent's regions as long as it holds that agent (another slot of
+# the same client, a slot still retiring), and NIXL refuses metadata that describes a region it
+# knows at the same address with another key (NIXL_ERR_NOT_ALLOWED). New areas at a freed area's
+# address (the CUDA caching allocator hands a freed block out again at once) would carry a new key;
+# the same areas carry the same metadata, and save a registration.
+_spare: dict[tuple[Memory, int], list[_Areas]] = {}
+
+
+def _take_areas(endpoint: Endpoint, memory: Memory, stride: int) -> _Areas:
+    with _shared_lock:
+        spare = _spare.get((memory, stride))
+        if spare:
+            return spare.pop()
+    buffer: np.ndarray | torch.Tensor
+    if memory.kind == "VRAM":
+        buffer = torch.zeros(2 * stride, dtype=torch.uint8, device=f"cuda:{memory.device}")
+        base = int(buffer.data_ptr())
+    else:
+        buffer = np.zeros(2 * stride, dtype=np.uint8)
+        base = int(buffer.ctypes.data)
+    registrations = [endpoint.register(base, stride, memory)]
+    try:
+        registrations.append(endpoint.register(base + stride, stride, memory))
+        metadata = endpoint.metadata(registrations[1])
+    except BaseException:
+        for registration in registrations:
+            with contextlib.suppress(Exception):
+                endpoint.deregister(registration)
+        raise
+    return _Areas(memory, stride, buffer, registrations, metadata)
+
+
+def _give_back(endpoint: Endpoint, areas: _Areas) -> None:
+    """Keeps ``areas`` for the next offer (nothing of theirs is in flight any more)."""
+    with _shared_lock:
+        if endpoint is _shared:  # (not areas of an agent a fork replaced)
+            _spare.setdefault((areas.memory, areas.stride), []).append(areas)
 
 
 def area_memory(server_device: str) -> Memory:
@@ -123,23 +183,12 @@ class NixlOffer(Offer):
         self.capacity_bytes = capacity_bytes
         self.stride = slot_stride(capacity_bytes)
         self.memory = memory
-        self.areas: np.ndarray | torch.Tensor  # [send area | answer area]
-        if memory.kind == "VRAM":
-            self.areas = torch.zeros(2 * self.stride, dtype=torch.uint8, device=f"cuda:{memory.device}")
-            self.send_address = int(self.areas.data_ptr())
-        else:
-            self.areas = np.zeros(2 * self.stride, dtype=np.uint8)
-            self.send_address = int(self.areas.ctypes.data)
+        self._areas: _Areas | None = _take_areas(self.endpoint, memory, self.stride)
+        self.areas = self._areas.buffer  # [send area | answer area]
+        self.send_address = self._areas.send_address
         self.answer_address = self.send_address + self.stride
-        self._registrations = [self.endpoint.register(self.send_address, self.stride, memory)]
-        try:
-            self._registrations.append(self.endpoint.register(self.answer_address, self.stride, memory))
-            metadata = self.endpoint.metadata(self._registrations[1])
-        except BaseException:
-            self.close()
-            raise
         self.body = {
-            "agent_metadata": encode(metadata),
+            "agent_metadata": encode(self._areas.metadata),
             "answer_address": self.answer_address,
             "answer_bytes": self.stride,
             "answer_memory": memory.kind,
@@ -160,12 +209,10 @@ class NixlOffer(Offer):
         return torch.frombuffer(self.areas.data, dtype=torch.uint8, offset=start, count=self.capacity_bytes)
 
     def close(self) -> None:
-        for registration in self._registrations:
-            try:
-                self.endpoint.deregister(registration)
-            except Exception as exc:
-                log.debug("deregistering a nixl channel area: %s", exc)
-        self._registrations = []
+        """Gives the areas back for the next offer (called once nothing of them is in flight)."""
+        areas, self._areas = self._areas, None
+        if areas is not None:
+            _give_back(self.endpoint, areas)
 
 
 class NixlChannel(Channel):

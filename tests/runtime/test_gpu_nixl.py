@@ -7,6 +7,7 @@ notifications; UCX ``cuda_ipc`` between the processes) or host memory.
   there), at 1, 7 and 40 tokens (40 > max_tokens: several round trips);
 - a request the server refuses comes back as a ``RemoteError`` with its message (carried in the
   notification: no WRITE), and the slot serves the next request;
+- channels opened and closed while another holds the server's view of this client's agent;
 - whole generations of an attention client equal the monolithic reference, and SIGKILL of a
   server mid-generation loses nothing (R = 2): the same tokens.
 
@@ -102,6 +103,38 @@ def test_a_refused_request_comes_back_with_its_message(
         torch.testing.assert_close(got.float(), local(layer, x, one, weights[:, :1]), rtol=2e-4, atol=2e-4)
     finally:
         conn.close()
+
+
+def test_channels_reopened_while_another_holds_the_server(
+    cluster: LocalCluster, tiny_checkpoints: dict[str, Path]
+) -> None:
+    """While one channel holds the server's view of this process's agent, others open and close:
+    each new offer must not describe GPU memory the server knows at the same address under another
+    key (NIXL refuses it: seen here when a freed area's block came back from the CUDA caching
+    allocator). Closed channels' areas serve the next offers instead."""
+    checkpoint = tiny_checkpoints[FAMILY]
+    config = CheckpointReader(checkpoint).config
+    local = gpu_local_experts(checkpoint)
+    layer, expert = cluster.placement.experts_of(0)[0]
+    x, ids, weights = gpu_random_inputs(5, config.hidden_size, config.num_experts, config.top_k, 11)
+    one = torch.full_like(ids[:, :1], expert)
+    want = local(layer, x, one, weights[:, :1])
+    holder = ServerConnection(0, cluster.urls[0], "nixl", "holder", 20.0, 5.0)
+    holder.connect()
+    try:
+        for i in range(6):
+            conn = ServerConnection(0, cluster.urls[0], "nixl", f"again-{i}", 20.0, 5.0)
+            conn.connect()
+            try:
+                channel = conn.channel
+                assert isinstance(channel, NixlChannel) and channel.on_gpu
+                channel.send(layer, x, one, weights[:, :1])
+                got = channel.receive(time.monotonic() + 20).clone()
+                torch.testing.assert_close(got.float(), want, rtol=2e-4, atol=2e-4)
+            finally:
+                conn.close()
+    finally:
+        holder.close()
 
 
 def test_generation_equals_reference_and_survives_a_kill(

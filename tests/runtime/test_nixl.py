@@ -235,6 +235,42 @@ def test_channels_opened_and_closed_on_one_thread_while_another_decodes(
     wait_for(lambda: not attached(server), 5, "every slot released")
 
 
+def test_a_closed_channels_areas_serve_the_next_channel(served: tuple[Placement, ExpertServer]) -> None:
+    """The server still knows a closed channel's areas under this process's agent while another
+    channel holds that agent. The next channel's offer takes the same areas, registered once, so
+    its metadata repeats what the server knows; new areas at a freed one's address would carry a
+    new key, which NIXL refuses (seen with GPU memory: the CUDA caching allocator hands a freed
+    block out again at once)."""
+    placement, server = served
+    layer, x, ids, weights = request_for(placement, 3)
+    holder = connection(server, "holder")
+    holder.connect()
+    try:
+        assert isinstance(holder.channel, NixlChannel)
+        held = holder.channel.offer_made.send_address
+        addresses = []
+        for i in range(3):
+            conn = connection(server, f"again-{i}")
+            conn.connect()
+            channel = conn.channel
+            assert isinstance(channel, NixlChannel)
+            addresses.append(channel.offer_made.send_address)
+            channel.send(layer, x, ids, weights)
+            assert channel.receive(time.monotonic() + 10).shape == x.shape
+            conn.close()
+
+            def retired() -> bool:
+                client_endpoint().deliver()  # progress: the closed channel's last ping completes
+                return client_endpoint().retiring() == 0
+
+            wait_for(retired, 5, "the closed channel's writes retired")
+        assert len(set(addresses)) == 1 and held not in addresses, (held, addresses)
+        holder.channel.send(layer, x, ids, weights)  # and the holder is unaffected
+        assert holder.channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        holder.close()
+
+
 def test_a_refused_request_comes_back_as_a_remote_error_and_the_slot_stays_usable(
     served: tuple[Placement, ExpertServer],
 ) -> None:
