@@ -457,7 +457,8 @@ def connect_nixl(pending: Pending, capacity: int, server_device: str = "cpu") ->
     """Connects a ``nixl`` channel to an echo process: our offer goes first, its handle comes back.
     (``server_device`` cuda: the channel's areas go to GPU memory, where this process has a GPU.)"""
     channel_type = get_transport("nixl").channel
-    offer = channel_type.offer(capacity, server_device=server_device)
+    memory = ["DRAM", "VRAM"] if server_device.startswith("cuda") else ["DRAM"]  # its /v1/info says so
+    offer = channel_type.offer(capacity, {"memory": memory})
     return channel_type.connect(pending.exchange(offer.body), "127.0.0.1", 10.0, offer)
 
 

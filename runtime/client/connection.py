@@ -151,7 +151,9 @@ class ServerConnection:
             capacity = info.get("capacity_bytes") if isinstance(info, dict) else None
             if type(capacity) is not int or capacity < 1:
                 raise HandshakeError(f"server {self.ordinal}: /v1/info gave no capacity_bytes ({capacity!r})")
-            offer = spec.channel.offer(capacity, server_device=str(info.get("device", "cpu")))
+            described = info.get("transports") if isinstance(info, dict) else None
+            server = described.get(self.transport) if isinstance(described, dict) else None
+            offer = spec.channel.offer(capacity, server if isinstance(server, dict) else None)
             body["offer"] = offer.body
         try:
             handle = http_json(

@@ -339,7 +339,7 @@ class ExpertServer:
 
     def info(self) -> dict[str, Any]:
         m = self.model
-        transports: dict[str, Any] = {name: {} for name in self.transports}
+        transports: dict[str, Any] = {name: t.describe() for name, t in self.transports.items()}
         if "tcp" in transports:
             transports["tcp"]["port"] = self.tcp_port
         stack = self.stack

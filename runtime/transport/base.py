@@ -115,6 +115,11 @@ class ServerTransport(ABC):
     def wait(self, timeout_s: float) -> None:
         """Blocks up to ``timeout_s``, or until a request may be ready (then ``poll``)."""
 
+    def describe(self) -> dict[str, Any]:
+        """What the server's ``/v1/info`` says of this transport under ``transports``, for a client
+        preparing its ``Offer`` (none by default)."""
+        return {}
+
     @property
     def wakeup_fd(self) -> int | None:
         """A descriptor that turns readable when a request may be ready, for another transport to
@@ -159,9 +164,9 @@ class Channel(ABC):
     needs_offer: ClassVar[bool] = False  # True: call ``offer`` before the handshake
 
     @classmethod
-    def offer(cls, capacity_bytes: int, server_device: str = "cpu") -> Offer:
-        """The client's side prepared for a server whose slots hold ``capacity_bytes`` of payload
-        and which computes on ``server_device`` (its ``/v1/info`` ``device``: ``cpu``, ``cuda:0``)."""
+    def offer(cls, capacity_bytes: int, server: dict[str, Any] | None = None) -> Offer:
+        """The client's side prepared for a server whose slots hold ``capacity_bytes`` of payload;
+        ``server`` is what its ``/v1/info`` says of this transport (``ServerTransport.describe``)."""
         raise NotImplementedError(f"transport {cls.name} makes no offer")
 
     @classmethod

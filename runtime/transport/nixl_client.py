@@ -4,7 +4,7 @@ See ``nixl_server`` for the exchange. Every channel of a process shares one NIXL
 (``client_endpoint``). A channel owns two slot-sized areas, both registered with that agent: the
 *send area*, where a request is laid out as in a slot before one WRITE carries header and payload
 to the server's slot, and the *answer area*, which the server WRITEs into. Both are GPU memory when
-the server computes on a GPU and this process has one (``area_memory``): the server then gives a
+the server has slots in GPU memory and this process has a GPU (``area_memory``): the server then gives a
 slot in GPU memory and splits the frames (the WRITEs carry payloads, the notifications headers:
 ``nixl_endpoint``); else host memory, and a slot in host memory. Before the handshake
 the client makes an ``NixlOffer`` (the agent's metadata for the answer area only, and its
@@ -165,10 +165,12 @@ def _give_back(endpoint: Endpoint, areas: _Areas) -> None:
             _spare.setdefault((areas.memory, areas.stride), []).append(areas)
 
 
-def area_memory(server_device: str) -> Memory:
-    """Where a channel's areas go: GPU memory when the server computes on a GPU and this process has
-    a GPU too, else host memory. The server gives the channel a slot in the same memory."""
-    if server_device.startswith("cuda") and torch.cuda.is_available():
+def area_memory(server: dict[str, Any]) -> Memory:
+    """Where a channel's areas go: GPU memory when the server has slots there (its ``/v1/info``
+    lists ``VRAM`` under ``transports.nixl.memory``: it computes on a GPU) and this process has a
+    GPU too, else host memory. The server gives the channel a slot in the same memory."""
+    memories = server.get("memory")
+    if isinstance(memories, list) and "VRAM" in memories and torch.cuda.is_available():
         return Memory("VRAM", torch.cuda.current_device())
     return HOST
 
@@ -247,8 +249,8 @@ class NixlChannel(Channel):
         self._spin_s = SPIN_S
 
     @classmethod
-    def offer(cls, capacity_bytes: int, server_device: str = "cpu") -> NixlOffer:
-        return NixlOffer(capacity_bytes, area_memory(server_device))
+    def offer(cls, capacity_bytes: int, server: dict[str, Any] | None = None) -> NixlOffer:
+        return NixlOffer(capacity_bytes, area_memory(server or {}))
 
     @classmethod
     def connect(

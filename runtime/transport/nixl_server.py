@@ -150,6 +150,11 @@ class NixlServerTransport(ServerTransport):
         self.refused_notices = 0  # notifications about a slot the sender does not hold, or malformed
         self._waiter = PollingWaiter(SPIN_S, MIN_SLEEP_S, MAX_SLEEP_S)
 
+    def describe(self) -> dict[str, Any]:
+        """The memories its slots can be in (``/v1/info``): a client offers GPU memory only where
+        ``VRAM`` is listed (a server of an earlier version lists nothing: host memory only)."""
+        return {"memory": [m.kind for m in (HOST, self.gpu) if m is not None]}
+
     def _address(self, slot: int, memory: Memory) -> int:
         if memory.kind == "VRAM":
             assert self.gpu_arena is not None
@@ -189,8 +194,8 @@ class NixlServerTransport(ServerTransport):
         if answer_memory.kind == "VRAM":
             if self.gpu is None:
                 raise OfferRefused(
-                    "offer.answer_memory: VRAM, but this server computes on the CPU: its slots are host "
-                    "memory, which a client offers host memory for"
+                    "offer.answer_memory: VRAM, but this server computes on the CPU and has no slots "
+                    "in GPU memory (its /v1/info lists transports.nixl.memory); offer DRAM"
                 )
             memory = self.gpu
         split = memory.kind == "VRAM" or self.split_host_frames
@@ -362,6 +367,9 @@ class NixlServerTransport(ServerTransport):
         return True
 
     def respond(self, request: Request, header: SlotHeader) -> None:
+        payload = request.payload
+        if header.status == Status.OK and isinstance(payload, torch.Tensor) and payload.is_cuda:
+            torch.cuda.current_stream(payload.device).synchronize()  # y written: NIXL may read it
         with self._lock:
             info = self._slots.get(request.slot)
             if info is None or info.generation != request.generation:
@@ -374,8 +382,6 @@ class NixlServerTransport(ServerTransport):
                     if header.status != Status.OK:
                         message = request.slot_buffer[PAYLOAD_OFFSET : PAYLOAD_OFFSET + payload_bytes]
                         tail, payload_bytes = tail + bytes(message), 0
-                    elif info.memory.kind == "VRAM" and self.gpu_arena is not None:  # once y is written
-                        torch.cuda.current_stream(self.gpu_arena.device).synchronize()
                 answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq, tail)
                 info.writes.write_frame(payload_bytes, answer)
             except Exception as exc:

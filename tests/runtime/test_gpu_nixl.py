@@ -58,7 +58,7 @@ def test_layer_equals_local_experts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if client_memory == "DRAM":  # a client without a GPU of its own: UCX moves host <-> GPU memory
-        monkeypatch.setattr(nixl_client, "area_memory", lambda server_device: HOST)
+        monkeypatch.setattr(nixl_client, "area_memory", lambda server: HOST)
     checkpoint = tiny_checkpoints[FAMILY]
     config = CheckpointReader(checkpoint).config
     local = gpu_local_experts(checkpoint)

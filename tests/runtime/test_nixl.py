@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,18 +29,20 @@ from eaas.runtime.model import CheckpointReader
 from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.protocol import HEADER_OFFSET, FrameKind, SlotHeader, Status, dtype_code
 from eaas.runtime.server import ExpertServer
-from eaas.runtime.transport import ChannelClosed, RemoteError
+from eaas.runtime.transport import ChannelClosed, RemoteError, nixl_client
 from eaas.runtime.transport.nixl_client import (
     MAX_SPIN_S,
     SPIN_FACTOR,
     SPIN_S,
     USUAL_RISE,
     NixlChannel,
+    area_memory,
     client_endpoint,
     spin_for,
 )
 from eaas.runtime.transport.nixl_endpoint import (
     UCX_DEFAULTS,
+    Memory,
     Notice,
     encode,
     notice,
@@ -235,6 +238,36 @@ def test_channels_opened_and_closed_on_one_thread_while_another_decodes(
     wait_for(lambda: not attached(server), 5, "every slot released")
 
 
+def test_a_cpu_server_lists_host_memory_only_and_is_offered_host_memory(
+    served: tuple[Placement, ExpertServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client offers GPU memory only to a server whose ``/v1/info`` lists ``VRAM`` for nixl (and
+    only with a GPU of its own); a server of an earlier version lists nothing. What the server lists
+    is what the client's choice is made from."""
+    _, server = served
+    info = http_json("GET", f"{server.url}/v1/info", timeout_s=5.0)
+    assert info["transports"]["nixl"] == {"memory": ["DRAM"]}
+    asked: list[dict] = []  # type: ignore[type-arg]
+
+    def choose(described: dict) -> Memory:  # type: ignore[type-arg]
+        asked.append(described)
+        return area_memory(described)
+
+    monkeypatch.setattr(nixl_client, "area_memory", choose)
+    conn = connection(server, "listed")
+    conn.connect()
+    try:
+        assert asked == [{"memory": ["DRAM"]}]
+        assert isinstance(conn.channel, NixlChannel)
+        assert conn.channel.offer_made.memory.kind == "DRAM" and conn.handle["memory"] == "DRAM"
+    finally:
+        conn.close()
+    gpu = torch.cuda.is_available()
+    assert area_memory({"memory": ["DRAM", "VRAM"]}).kind == ("VRAM" if gpu else "DRAM")
+    for described in ({}, {"memory": ["DRAM"]}, {"memory": "VRAM"}, {"memory": None}):
+        assert area_memory(described).kind == "DRAM", described
+
+
 def test_a_closed_channels_areas_serve_the_next_channel(served: tuple[Placement, ExpertServer]) -> None:
     """The server still knows a closed channel's areas under this process's agent while another
     channel holds that agent. The next channel's offer takes the same areas, registered once, so
@@ -387,7 +420,7 @@ def test_a_bad_handshake_is_refused_and_allocates_nothing(
     _, server = served
     offer = NixlChannel.offer(server.limits.capacity_bytes)
     try:
-        body = {"client_id": "rogue", "transport": "nixl", "offer": dict(offer.body)}
+        body: dict[str, Any] = {"client_id": "rogue", "transport": "nixl", "offer": dict(offer.body)}
         for key, value in change.items():
             if key == "offer.answer_shift":
                 body["offer"]["answer_address"] += value
