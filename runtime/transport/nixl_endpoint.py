@@ -22,11 +22,12 @@ NIXL sends a transfer's notification only after its data is visible at the targe
 never seen before the bytes it covers.
 
 Frames: in host memory (``DRAM``) a request or answer is one WRITE of the slot's header and
-payload, which are contiguous. A server whose slots are GPU memory (``VRAM``, when it computes on
-a GPU) *splits* them: the WRITE carries the payload only, and the 48-byte header rides in the
-notification's tail (an error answer's message after it, with no WRITE at all). Its CPU then reads
-every header without a copy from the GPU, and its GPU reads the payload where UCX put it (on one
-host through CUDA IPC; across nodes through GPUDirect RDMA where the NIC and driver allow it).
+payload, which are contiguous. A slot in GPU memory (``VRAM``: a client in GPU memory, a server
+computing on a GPU) has them *split*: the WRITE carries the payload only, and the 48-byte header
+rides in the notification's tail (an error answer's message after it, with no WRITE at all). The
+server's CPU then reads every header without a copy from the GPU, and its GPU reads the payload
+where UCX put it (on one host through CUDA IPC; across nodes through GPUDirect RDMA where the NIC
+and driver allow it).
 
 Notifications of one agent arrive for every slot at once: ``collect`` sorts them into
 per-(peer, slot) mailboxes.
