@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
-import kopf
 from pydantic import ValidationError
 
+from eaas.operator import naming
 from eaas.operator.autoscaler import Autoscaler
 from eaas.operator.builders.common import merge_patch
 from eaas.operator.collector import Probe, Rebalancer, ServerUrls, pod_control_urls, probe
 from eaas.operator.conditions import Observation, merge
-from eaas.operator.kube import Kube
+from eaas.operator.kube import Kube, KubeError
 from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.renewals import RenewalClock
@@ -27,9 +29,38 @@ EventPoster = Callable[[Mapping[str, Any], str, str, str], None]  # (object, typ
 logger = logging.getLogger("eaas.operator")
 
 
-def kopf_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """Post a Kubernetes Event about `obj` through kopf's event queue."""
-    kopf.event(dict(obj), type=type_, reason=reason, message=message)  # type: ignore[arg-type]
+MAX_EVENT_MESSAGE = 1024  # the API server refuses longer Event messages
+
+
+def event_object(obj: Mapping[str, Any], type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
+    """A core/v1 Event about `obj`, named as client-go names them (object name + unique suffix)."""
+    metadata = obj["metadata"]
+    if len(message) > MAX_EVENT_MESSAGE:
+        half = (MAX_EVENT_MESSAGE - 3) // 2
+        message = f"{message[:half]}...{message[-half:]}"
+    stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{metadata['name']}.{secrets.token_hex(8)}",
+            "namespace": metadata["namespace"],
+        },
+        "involvedObject": {
+            "apiVersion": obj.get("apiVersion"),
+            "kind": obj.get("kind"),
+            "name": metadata["name"],
+            "namespace": metadata["namespace"],
+            "uid": metadata.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message,
+        "source": {"component": naming.FIELD_MANAGER},
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
 
 
 @dataclass
@@ -38,7 +69,8 @@ class Context:
 
     kube: Kube
     metrics: OperatorMetrics
-    post_event: EventPoster = kopf_event
+    # Where Events go; None: the API server, at once (:meth:`event`). Tests pass a recorder.
+    post_event: EventPoster | None = None
     autoscalers: dict[tuple[str, str], Autoscaler] = field(default_factory=dict)
     # ExpertPools whose replicas an HPA also targets while the operator owns them (reported once).
     rival_writers: set[tuple[str, str]] = field(default_factory=set)
@@ -61,6 +93,19 @@ class Context:
         self.leases = LeaseWatch(self.renewals)
         if self.rebalancer is None:
             self.rebalancer = Rebalancer(self.metrics)
+
+    def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """Post an Event about `obj` before returning (an operator stopped right after the change
+        it tells of, as by a drain of its own node, must not lose the Event with kopf's queue).
+        Events are auxiliary: a failure to post one is logged, never raised."""
+        if self.post_event is not None:
+            self.post_event(obj, type_, reason, message)
+            return
+        try:
+            self.kube.create(event_object(obj, type_, reason, message, time.time()))
+        except KubeError as error:
+            name = obj["metadata"]["name"]
+            logger.warning("could not post Event %s (%s) about %s: %s", reason, message, name, error)
 
     def lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         """One lock per object: a timer and an event handler never reconcile it at the same time."""

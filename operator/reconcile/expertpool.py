@@ -110,7 +110,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
     for event in step.events:
         if not acted and (reported.get("reason"), reported.get("message")) == (event.reason, event.message):
             continue  # a standing problem (e.g. PlacementFailed) is reported once, not every resync
-        ctx.post_event(body, event.type, event.reason, event.message)
+        ctx.event(body, event.type, event.reason, event.message)
         log.log(
             logging.WARNING if event.type == "Warning" else logging.INFO,
             "ExpertPool %s/%s: %s: %s",
@@ -213,7 +213,7 @@ def release(ctx: Context, body: Mapping[str, Any], ordinal: int, committed: Plac
         if error.status != 404:  # gone already: nothing to tell
             raise
         return
-    ctx.post_event(
+    ctx.event(
         body,
         "Normal",
         "ServerReleased",

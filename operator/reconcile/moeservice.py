@@ -100,7 +100,7 @@ def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
     if ctx.kube.create(data_token_secret(body)) is not None:
         made.append(f"Secret {name}-data-token")
     if made:
-        ctx.post_event(body, "Normal", "Created", "created " + ", ".join(made))
+        ctx.event(body, "Normal", "Created", "created " + ", ".join(made))
 
 
 def apply_network_policies(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec) -> None:
@@ -127,7 +127,7 @@ def set_expert_replicas(
         # Two writers would fight over the pool's size: leave it to the HPA and say so (once).
         if key not in ctx.rival_writers:
             ctx.rival_writers.add(key)
-            ctx.post_event(
+            ctx.event(
                 body,
                 "Warning",
                 "ConflictingAutoscaler",
@@ -138,7 +138,7 @@ def set_expert_replicas(
         return
     if key in ctx.rival_writers:
         ctx.rival_writers.discard(key)
-        ctx.post_event(body, "Normal", "AutoscalerConflictResolved", f"the operator scales {key[1]} again")
+        ctx.event(body, "Normal", "AutoscalerConflictResolved", f"the operator scales {key[1]} again")
     reading = ""
     if writer == "moeservice":
         desired = spec.expert_pool.replicas
@@ -162,7 +162,7 @@ def set_expert_replicas(
     ctx.metrics.scale_writes.labels(writer).inc()
     pool.setdefault("spec", {})["replicas"] = desired
     reason = "ScaledUp" if desired > current else "ScaledDown"
-    ctx.post_event(
+    ctx.event(
         body,
         "Normal",
         reason,

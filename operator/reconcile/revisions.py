@@ -104,7 +104,7 @@ def advance(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, deletin
     ]
     if waiting:
         return coming("; ".join(waiting))
-    ctx.post_event(
+    ctx.event(
         body,
         "Normal",
         "RevisionSwitched",
@@ -191,7 +191,7 @@ def delete_pool(ctx: Context, body: Mapping[str, Any], pool: Mapping[str, Any]) 
     if is_deleting(pool):
         return
     if ctx.kube.delete(pool["kind"], metadata["namespace"], metadata["name"], metadata.get("uid")):
-        ctx.post_event(body, "Normal", "Deleted", f"deleted {pool['kind']} {metadata['name']}")
+        ctx.event(body, "Normal", "Deleted", f"deleted {pool['kind']} {metadata['name']}")
 
 
 def ensure_child(
@@ -203,7 +203,7 @@ def ensure_child(
     if current is None:
         created = ctx.kube.create(desired)
         if created is not None:
-            ctx.post_event(owner, "Normal", "Created", f"created {kind} {name}")
+            ctx.event(owner, "Normal", "Created", f"created {kind} {name}")
             return created
         current = ctx.kube.get(kind, namespace, name) or desired
     check_owner(owner, current)

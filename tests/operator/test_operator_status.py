@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import pytest
+from memory_kube import MemoryKube
 from prometheus_client import CollectorRegistry
 
 from eaas.operator.api import AutoscalingSpec, Condition, MoEServiceSpec
@@ -538,3 +539,40 @@ def test_the_learned_capacity_outlives_an_operator_restart(moes_body: dict[str, 
         fresh = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
         moes_body["status"] = {"learnedCapacity": status}
         assert _learned_pass(kube, moes_body, fresh) == []  # not taken: learning afresh
+
+
+def test_events_are_posted_to_the_api_before_the_reconcile_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """An Event is created through the API client at once (not queued: an operator stopped right
+    after a placement change, as by a drain of its own node, must still have told of it), names
+    its object, and a failure to post one is logged, never raised."""
+    kube = MemoryKube()
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    pool = {
+        "apiVersion": "eaas.io/v1alpha1",
+        "kind": "ExpertPool",
+        "metadata": {"name": "m-experts", "namespace": "models", "uid": "u-1"},
+    }
+    context.event(pool, "Normal", "ServerLeaving", "x" * 5000)
+    context.event(pool, "Warning", "PlacementFailed", "no room")
+    events = [obj for (kind, _), obj in kube.objects.items() if kind == "Event"]
+    assert len(events) == 2  # two Events about one object get distinct names
+    leaving = next(e for e in events if e["reason"] == "ServerLeaving")
+    assert leaving["metadata"]["name"].startswith("m-experts.")
+    assert leaving["metadata"]["namespace"] == "models"
+    assert leaving["involvedObject"] == {
+        "apiVersion": "eaas.io/v1alpha1",
+        "kind": "ExpertPool",
+        "name": "m-experts",
+        "namespace": "models",
+        "uid": "u-1",
+    }
+    assert leaving["type"] == "Normal" and len(leaving["message"]) <= 1024 and "..." in leaving["message"]
+    assert leaving["firstTimestamp"] == leaving["lastTimestamp"] and leaving["count"] == 1
+
+    def refuse(obj: dict[str, Any]) -> None:
+        raise KubeError(503, "ServiceUnavailable", "etcd is down", "POST events")
+
+    kube.create = refuse  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="eaas.operator"):
+        context.event(pool, "Normal", "ScalingUp", "adding m-experts-3")
+    assert "could not post Event ScalingUp" in caplog.text and "etcd is down" in caplog.text
