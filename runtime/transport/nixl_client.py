@@ -6,7 +6,9 @@ See ``nixl_server`` for the exchange. Every channel of a process shares one NIXL
 to the server's slot, and the *answer area*, which the server WRITEs into. Both are GPU memory when
 the server has slots in GPU memory and this process has a GPU (``area_memory``): the server then gives a
 slot in GPU memory and splits the frames (the WRITEs carry payloads, the notifications headers:
-``nixl_endpoint``); else host memory, and a slot in host memory. Before the handshake
+``nixl_endpoint``); else host memory, and a slot in host memory, where a frame of at most
+``INLINE_BYTES`` travels in its notification instead of a WRITE, both ways, when the server agrees
+(``inline_bytes`` in the offer and the handle). Before the handshake
 the client makes an ``NixlOffer`` (the agent's metadata for the answer area only, and its
 address); the handshake's answer carries the server agent's metadata for the granted slot only.
 
@@ -53,6 +55,7 @@ from eaas.runtime.transport.backoff import reduce_timer_slack_once
 from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
 from eaas.runtime.transport.nixl_endpoint import (
     HOST,
+    INLINE_BYTES,
     Endpoint,
     Memory,
     Notice,
@@ -61,6 +64,7 @@ from eaas.runtime.transport.nixl_endpoint import (
     address,
     decode,
     encode,
+    frame_length,
     notice,
 )
 
@@ -189,12 +193,15 @@ class NixlOffer(Offer):
         self.areas = self._areas.buffer  # [send area | answer area]
         self.send_address = self._areas.send_address
         self.answer_address = self.send_address + self.stride
+        # Small frames in the notifications, both ways (host memory only: nixl_endpoint).
+        self.inline_bytes = 0 if memory.kind == "VRAM" else INLINE_BYTES
         self.body = {
             "agent_metadata": encode(self._areas.metadata),
             "answer_address": self.answer_address,
             "answer_bytes": self.stride,
             "answer_memory": memory.kind,
             "answer_device": memory.device,
+            "inline_bytes": self.inline_bytes,
         }
 
     def area(self, which: int) -> memoryview | None:
@@ -221,7 +228,15 @@ class NixlChannel(Channel):
     name = "nixl"
     needs_offer = True
 
-    def __init__(self, offer: NixlOffer, slot: int, generation: int, peer: str, writes: TransferSet) -> None:
+    def __init__(
+        self,
+        offer: NixlOffer,
+        slot: int,
+        generation: int,
+        peer: str,
+        writes: TransferSet,
+        inline_bytes: int = 0,
+    ) -> None:
         self.offer_made = offer
         self.endpoint = offer.endpoint
         self.capacity_bytes = offer.capacity_bytes
@@ -230,6 +245,7 @@ class NixlChannel(Channel):
         self.peer = peer
         self.writes = writes
         self.split = writes.split  # the server's choice: headers in the notices (nixl_endpoint)
+        self.inline_bytes = inline_bytes  # frames up to this size travel in the notices, both ways
         self.on_gpu = offer.memory.kind == "VRAM"
         # Host bytes of the areas (whole frames: the headers are there); None in GPU memory.
         self.send_buffer = offer.area(0)
@@ -278,6 +294,12 @@ class NixlChannel(Channel):
                 raise ValueError(f"split_frames: true or false, got {split!r}")
             if not split and offer.memory.kind == "VRAM":
                 raise ValueError("the server sends whole frames, which a channel in GPU memory cannot read")
+            inline = handle.get("inline_bytes", 0)  # (a server of an earlier version sends none)
+            if type(inline) is not int or not 0 <= inline <= offer.inline_bytes or (inline and split):
+                raise ValueError(
+                    f"inline_bytes: at most the {offer.inline_bytes} offered, and none with split frames, "
+                    f"got {inline!r}"
+                )
             memory = HOST
             if "memory" in handle:
                 memory = Memory(handle["memory"], handle.get("device_id", 0))
@@ -301,7 +323,7 @@ class NixlChannel(Channel):
                 f"cannot open nixl slot {handle.get('slot')} on {host}: {type(exc).__name__}: {exc}"
             ) from exc
         offer.endpoint.forget(peer, slot, generation)
-        return cls(offer, slot, generation, peer, writes)
+        return cls(offer, slot, generation, peer, writes, inline)
 
     @staticmethod
     def _undo(offer: NixlOffer, peer: str | None, writes: TransferSet | None) -> None:
@@ -340,7 +362,15 @@ class NixlChannel(Channel):
         self._expect = (self._seq, num_tokens, hidden, dtype)
         self._answer = False
         try:
-            self.writes.write_frame(size, notice(Notice.REQUEST, self.slot, self.generation, self._seq, tail))
+            inline = size > 0 and frame_length(size) <= self.inline_bytes  # the whole frame in the notice
+            if inline:
+                assert self.send_buffer is not None
+                tail = bytes(self.send_buffer[HEADER_OFFSET : PAYLOAD_OFFSET + size])
+            request = notice(Notice.REQUEST, self.slot, self.generation, self._seq, tail)
+            if inline:
+                self.endpoint.notify(self.peer, request)
+            else:
+                self.writes.write_frame(size, request)
         except Exception as exc:
             self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
             raise ChannelClosed(self._gone) from exc
@@ -417,9 +447,15 @@ class NixlChannel(Channel):
         self._expect = None
         self._answer = False
         tail, self._answer_tail = self._answer_tail, b""
-        if self.split and len(tail) < HEADER_SIZE:
+        inline = bool(tail) and not self.split  # the whole answer in its notice
+        if (self.split or inline) and len(tail) < HEADER_SIZE:
             raise ChannelClosed(f"malformed response: a notice of {len(tail)} bytes where a header belongs")
-        if self.split:
+        if inline and len(tail) > self.inline_bytes:
+            raise ChannelClosed(
+                f"malformed response: a frame of {len(tail)} bytes in a notice, where this channel "
+                f"takes at most {self.inline_bytes}"
+            )
+        if self.split or inline:
             header = SlotHeader.unpack_from(tail, 0)
             message = memoryview(tail)[HEADER_SIZE:]
         else:
@@ -434,6 +470,19 @@ class NixlChannel(Channel):
             raise ChannelClosed(f"malformed response: {exc}") from exc
         if header.status != Status.OK:
             raise RemoteError(header.status, read_message(message, header))
+        if self.split and len(message):
+            raise ChannelClosed(
+                f"malformed response: {len(message)} bytes after the header in a split frame's notice "
+                "(its payload comes by WRITE)"
+            )
+        if inline:  # into the answer area, where a WRITE would have put it
+            if len(message) != header.payload_bytes:
+                raise ChannelClosed(
+                    f"malformed response: {len(message)} payload bytes in the notice, the header says "
+                    f"{header.payload_bytes}"
+                )
+            assert self.answer_buffer is not None
+            self.answer_buffer[PAYLOAD_OFFSET : PAYLOAD_OFFSET + len(message)] = message
         return read_response(self.answer_payload, header)
 
     # --- lifecycle -------------------------------------------------------------------------------

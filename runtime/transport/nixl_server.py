@@ -10,9 +10,14 @@ nothing else (with RDMA the NIC enforces this: a region's key opens that region 
 One exchange: the client WRITEs header and payload into its slot with the notification
 ``R|slot|generation|seq``; the server loop sees it (``poll``), computes, writes the answer into the
 slot and WRITEs it into the client's answer area with ``A|slot|generation|seq``. The notification
-arrives only once the bytes are there. Over RDMA the NIC places the bytes and the server's CPU
-only reads the notification; over UCX's TCP transport (a plain pod network) UCX receives them
-inside the server's own progress calls, without a thread of its own.
+arrives only once the bytes are there. A small frame (at most the ``inline_bytes`` both agreed in
+the handshake: host-memory slots only) travels whole in its notification instead, with no WRITE:
+the server copies a request's frame into the slot, the client an answer's into its answer area
+(``nixl_endpoint``, "Small frames"). A request's frame in a notice that is larger than agreed,
+or whose payload is not the size its header says, is dropped and counted like a stolen slot's.
+Over RDMA the NIC places a WRITE's bytes and the server's CPU only reads the notification; over
+UCX's TCP transport (a plain pod network) UCX receives them inside the server's own progress
+calls, without a thread of its own.
 
 Notifications carry the sender's agent name: one about a slot that agent does not hold (a stolen
 slot), or about a generation of the slot that has ended, is dropped. A client that leaves says
@@ -65,6 +70,7 @@ from eaas.runtime.transport.base import (
 from eaas.runtime.transport.nixl_endpoint import (
     AGENT_NAME,
     HOST,
+    INLINE_BYTES,
     Endpoint,
     Memory,
     Notice,
@@ -72,6 +78,7 @@ from eaas.runtime.transport.nixl_endpoint import (
     address,
     decode,
     encode,
+    frame_length,
     notice,
 )
 from eaas.runtime.transport.polling import PollingWaiter
@@ -92,6 +99,7 @@ class _Slot:
     generation: int
     writes: TransferSet  # slot -> the client's answer area
     memory: Memory  # where the slot's payload is: host memory, or GPU memory for a client in GPU memory
+    inline_bytes: int = 0  # frames up to this size travel in the notices, both ways (nixl_endpoint)
     requests: int = 0
     state: SlotState = SlotState.IDLE
 
@@ -106,6 +114,8 @@ class NixlServerTransport(ServerTransport):
     # True: slots in host memory split their frames too (tests: a GPU slot's framing, checked on a
     # machine without a GPU). Slots in GPU memory always split them.
     split_host_frames = False
+    # The largest frame a slot takes and sends in a notification (0: every frame by WRITE; tests).
+    inline_bytes = INLINE_BYTES
 
     def __init__(self, options: TransportOptions) -> None:
         self.options = options
@@ -189,7 +199,7 @@ class NixlServerTransport(ServerTransport):
 
     # --- handshake (control thread) --------------------------------------------------------------
     def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
-        metadata, answer_address, answer_bytes, answer_memory = self._read_offer(offer)
+        metadata, answer_address, answer_bytes, answer_memory, offered_inline = self._read_offer(offer)
         memory = HOST  # the slot's payload: with the client's areas, where this server has them
         if answer_memory.kind == "VRAM":
             if self.gpu is None:
@@ -199,6 +209,7 @@ class NixlServerTransport(ServerTransport):
                 )
             memory = self.gpu
         split = memory.kind == "VRAM" or self.split_host_frames
+        inline = 0 if split else min(offered_inline, self.inline_bytes, frame_length(self.capacity_bytes))
         with self._lock:
             taken = self._slots.keys() | self._reserved
             free = [s for s in range(self.options.max_clients) if s not in taken]
@@ -239,7 +250,7 @@ class NixlServerTransport(ServerTransport):
             self._reserved.discard(slot)
             self._generations[slot] += 1
             self._clear(slot, memory)
-            self._slots[slot] = _Slot(client_id, peer, self._generations[slot], writes, memory)
+            self._slots[slot] = _Slot(client_id, peer, self._generations[slot], writes, memory, inline)
             self._released.pop(slot, None)
             self._ready = [s for s in self._ready if s != slot]
         registration = self._registrations[(memory.kind, slot)]
@@ -254,9 +265,10 @@ class NixlServerTransport(ServerTransport):
             "memory": memory.kind,
             "device_id": memory.device,
             "split_frames": split,
+            "inline_bytes": inline,
         }
 
-    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int, Memory]:
+    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int, Memory, int]:
         if not isinstance(offer, dict):
             raise OfferRefused(
                 "offer: transport nixl needs the client's NIXL agent metadata and answer area "
@@ -274,7 +286,10 @@ class NixlServerTransport(ServerTransport):
         if "answer_memory" in offer:
             kind, device = offer.get("answer_memory"), offer.get("answer_device")
             memory = Memory.read(kind, device, "offer.answer_memory")
-        return metadata, answer_address, answer_bytes, memory
+        inline = offer.get("inline_bytes", 0)  # (a client of an earlier version offers none)
+        if type(inline) is not int or inline < 0:
+            raise OfferRefused(f"offer.inline_bytes: a non-negative integer is required, got {inline!r}")
+        return metadata, answer_address, answer_bytes, memory, inline
 
     def _load_peer(self, metadata: bytes) -> str:
         try:
@@ -324,10 +339,15 @@ class NixlServerTransport(ServerTransport):
                     self.refused_notices += 1  # not this sender's slot (or released): never served
                     continue
                 if kind is Notice.REQUEST and info.state is not SlotState.REQUEST_READY:
-                    if len(tail) != (HEADER_SIZE if info.split else 0):
+                    if len(tail) > HEADER_SIZE and not info.split:  # the whole frame in the notice
+                        if not self._inline_fits(info, tail):
+                            self.refused_notices += 1
+                            continue
+                        self._slot_buffer(slot, False)[HEADER_OFFSET : HEADER_OFFSET + len(tail)] = tail
+                    elif len(tail) != (HEADER_SIZE if info.split else 0):
                         self.refused_notices += 1  # a request without its header (or with one too many)
                         continue
-                    if info.split:
+                    elif info.split:
                         self._slot_buffer(slot, True)[HEADER_OFFSET : HEADER_OFFSET + HEADER_SIZE] = tail
                     info.state = SlotState.REQUEST_READY
                     self._ready.append(slot)
@@ -341,6 +361,14 @@ class NixlServerTransport(ServerTransport):
             if self._ready:
                 self._waiter.activity()
             return bool(self._ready)
+
+    @staticmethod
+    def _inline_fits(info: _Slot, tail: bytes) -> bool:
+        """A frame in a request's notice: no larger than the slot agreed to, and exactly the header's
+        payload after the header (the request's checks then read it in the slot as usual)."""
+        if len(tail) > info.inline_bytes:
+            return False
+        return SlotHeader.unpack_from(tail, 0).payload_bytes == len(tail) - HEADER_SIZE
 
     def poll(self) -> list[Request]:
         if not self._ready:  # (``wait`` just pumped the ones it returned for)
@@ -382,8 +410,13 @@ class NixlServerTransport(ServerTransport):
                     if header.status != Status.OK:
                         message = request.slot_buffer[PAYLOAD_OFFSET : PAYLOAD_OFFSET + payload_bytes]
                         tail, payload_bytes = tail + bytes(message), 0
+                elif payload_bytes > 0 and HEADER_SIZE + payload_bytes <= info.inline_bytes:
+                    tail = bytes(request.slot_buffer[HEADER_OFFSET : PAYLOAD_OFFSET + payload_bytes])
                 answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq, tail)
-                info.writes.write_frame(payload_bytes, answer)
+                if tail and not info.split:  # the whole frame is in the notice
+                    self.endpoint.notify(info.peer, answer)
+                else:
+                    info.writes.write_frame(payload_bytes, answer)
             except Exception as exc:
                 self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
                 return

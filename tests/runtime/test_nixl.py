@@ -41,10 +41,12 @@ from eaas.runtime.transport.nixl_client import (
     spin_for,
 )
 from eaas.runtime.transport.nixl_endpoint import (
+    INLINE_BYTES,
     UCX_DEFAULTS,
     Memory,
     Notice,
     encode,
+    frame_length,
     notice,
     transfer_length,
     transfer_lengths,
@@ -54,18 +56,22 @@ from eaas.runtime.transport.nixl_server import NixlServerTransport
 TOKEN = "tok-" + "n" * 40
 
 
-@pytest.fixture(scope="module", params=["whole", "split"])
+@pytest.fixture(scope="module", params=["inline", "whole", "split"])
 def served(
     request: pytest.FixtureRequest, tiny_checkpoints: dict[str, Path]
 ) -> Iterator[tuple[Placement, ExpertServer]]:
-    """One mixtral server offering nixl (and tcp), with a data token. Every test runs against both
-    framings: ``whole`` (host memory) and ``split`` (a GPU-memory arena's: headers in the
-    notifications, payloads alone in the WRITEs; in host memory here)."""
+    """One mixtral server offering nixl (and tcp), with a data token. Every test runs against the
+    three framings: ``inline`` (host memory, as served: frames of at most ``INLINE_BYTES`` in the
+    notifications, larger ones by WRITE), ``whole`` (host memory, every frame by WRITE) and
+    ``split`` (a GPU-memory arena's: headers in the notifications, payloads alone in the WRITEs;
+    in host memory here)."""
     checkpoint = tiny_checkpoints["mixtral"]
     config = CheckpointReader(checkpoint).config
     placement = round_robin(config.moe_layers, config.num_experts, 1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(NixlServerTransport, "split_host_frames", request.param == "split")
+        if request.param == "whole":
+            patch.setattr(NixlServerTransport, "inline_bytes", 0)
         with in_process_servers(
             checkpoint, placement, transports=("nixl", "tcp"), data_tokens=Tokens((TOKEN,)), max_tokens=64
         ) as servers:
@@ -94,6 +100,20 @@ def request_for(placement: Placement, num_tokens: int, hidden: int = 64) -> tupl
     x = torch.randn(num_tokens, hidden, generator=generator)
     ids = torch.tensor([[expert, -1]] * num_tokens)
     return layer, x, ids, torch.ones(num_tokens, 2)
+
+
+def counted_writes(channel: NixlChannel) -> list[int]:
+    """The payload sizes of the frames ``channel`` sends by WRITE from now on (a frame that travels
+    in its notice is not among them)."""
+    sizes: list[int] = []
+    write_frame = channel.writes.write_frame
+
+    def counting(size: int, message: bytes) -> None:
+        sizes.append(size)
+        write_frame(size, message)
+
+    channel.writes.write_frame = counting  # type: ignore[method-assign]
+    return sizes
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -175,6 +195,13 @@ def test_requests_of_every_size_round_trip_and_match_the_local_experts(
     try:
         channel = conn.channel
         assert isinstance(channel, NixlChannel) and conn.handle["transport"] == "nixl"
+        inline = nixl_of(server).inline_bytes and not channel.split
+        # As served, a frame of at most INLINE_BYTES (the slot's whole frame, if smaller) travels in
+        # its notice: 64 tokens of 64 float32 (17 KB) by WRITE, the rest inline.
+        assert channel.inline_bytes == (
+            min(INLINE_BYTES, frame_length(server.limits.capacity_bytes)) if inline else 0
+        )
+        writes = counted_writes(channel)
         stack = server.stack
         for num_tokens in (1, 2, 7, 33, 64):  # 64: the slot's whole capacity
             layer, x, ids, weights = request_for(placement, num_tokens)
@@ -187,6 +214,7 @@ def test_requests_of_every_size_round_trip_and_match_the_local_experts(
             torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
         [row] = [r for r in attached(server) if r["client_id"] == "c"]
         assert row["requests"] == 5
+        assert len(writes) == (1 if inline else 5), writes
     finally:
         conn.close()
     wait_for(lambda: not attached(server), 5, "the slot released after close")
@@ -384,6 +412,124 @@ def test_a_request_notice_without_its_header_or_with_one_too_many_is_never_serve
         conn.close()
 
 
+def test_a_frame_in_a_notice_that_does_not_add_up_is_never_served(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    """A request's frame in its notice must hold exactly the payload its header declares, within
+    what the slot agreed to take (nothing, for a slot that takes frames by WRITE only): else the
+    notice is dropped and counted, and the slot serves the next request."""
+    placement, server = served
+    transport = nixl_of(server)
+    conn = connection(server, "inline-forger")
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel)
+        layer, x, ids, weights = request_for(placement, 2)
+        channel.send(layer, x, ids, weights)
+        channel.receive(time.monotonic() + 10)
+        header = SlotHeader(FrameKind.REQUEST, dtype_code(x.dtype), layer, 2, 2, x.shape[1], 7, 100)
+        for seq, payload in ((7, bytes(99)), (8, bytes(101))):  # a byte short, a byte over
+            refused = transport.refused_notices
+            tail = header.pack() + payload
+            client_endpoint().notify(
+                channel.peer, notice(Notice.REQUEST, channel.slot, channel.generation, seq, tail)
+            )
+            deadline = time.monotonic() + 5
+            while transport.refused_notices == refused:
+                assert time.monotonic() < deadline, (
+                    f"the notice with {len(payload)} payload bytes was never seen"
+                )
+                client_endpoint().deliver()
+                time.sleep(0.01)
+        assert [r["requests"] for r in attached(server) if r["client_id"] == "inline-forger"] == [1]
+        channel.send(layer, x, ids, weights)  # and the slot serves the next request
+        assert channel.receive(time.monotonic() + 10).shape == x.shape
+    finally:
+        conn.close()
+
+
+def test_an_answer_whose_notice_does_not_add_up_fails_the_channel(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    """An answer's notice with a frame the channel did not agree to, or with a payload other than
+    its header declares, is a malformed response: the channel fails (its client fails over) and
+    nothing of it is taken for y."""
+    placement, server = served
+    conn = connection(server, "misanswered")
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel)
+        layer, x, ids, weights = request_for(placement, 2)
+        channel.send(layer, x, ids, weights)
+        y = channel.receive(time.monotonic() + 10)
+        size = y.numel() * y.element_size()
+        header = SlotHeader(FrameKind.RESPONSE, dtype_code(x.dtype), layer, 2, 2, x.shape[1], 99, size)
+        says = (
+            "bytes after the header in a split frame's notice"
+            if channel.split
+            else (
+                "payload bytes in the notice, the header says" if channel.inline_bytes else "takes at most 0"
+            )
+        )
+        channel._expect = (99, 2, x.shape[1], dtype_code(x.dtype))
+        channel._answer_tail = header.pack() + bytes(size - 1)
+        with pytest.raises(ChannelClosed, match=says):
+            channel._take_response()
+    finally:
+        conn.close()
+
+
+def test_a_client_or_server_of_an_earlier_version_exchanges_every_frame_by_write(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    """``inline_bytes`` is agreed in the handshake: a client that offers none (an earlier version)
+    gets none, and a handle that names none (an earlier server) makes a channel that sends every
+    frame by WRITE; the exchange works both ways."""
+    placement, server = served
+    layer, x, ids, weights = request_for(placement, 1)
+    offer = NixlChannel.offer(server.limits.capacity_bytes)
+    offer.inline_bytes = 0  # as a client of an earlier version offers
+    del offer.body["inline_bytes"]
+    body = {"client_id": "earlier", "transport": "nixl", "offer": offer.body}
+    status, text = post_slot(server, body)
+    assert status == 201, text
+    handle = json.loads(text)
+    assert handle["inline_bytes"] == 0
+    del handle["inline_bytes"]
+    channel = NixlChannel.connect(handle, "127.0.0.1", 5.0, offer)
+    try:
+        assert channel.inline_bytes == 0
+        writes = counted_writes(channel)
+        channel.send(layer, x, ids, weights)
+        assert channel._answer_tail == b"" and channel.receive(time.monotonic() + 10).shape == x.shape
+        assert len(writes) == 1
+    finally:
+        channel.close()  # (its goodbye releases the slot)
+    wait_for(lambda: not [r for r in attached(server) if r["client_id"] == "earlier"], 5, "the slot released")
+
+
+@pytest.mark.parametrize("given", [INLINE_BYTES + 1, -1, "16k"])
+def test_a_handle_granting_frames_in_notices_the_client_did_not_offer_is_refused(
+    served: tuple[Placement, ExpertServer], given: object
+) -> None:
+    """The client takes frames in notices only up to what it offered (and none where the server
+    splits its frames); a handle that says otherwise fails the handshake, naming the field."""
+    _, server = served
+    offer = NixlChannel.offer(server.limits.capacity_bytes)
+    status, text = post_slot(server, {"client_id": "overgranted", "transport": "nixl", "offer": offer.body})
+    assert status == 201, text
+    handle = json.loads(text)
+    try:
+        handle["inline_bytes"] = given
+        with pytest.raises(ChannelClosed, match="inline_bytes: at most the 16384 offered"):
+            NixlChannel.connect(handle, "127.0.0.1", 5.0, offer)
+    finally:
+        url = f"{server.url}/v1/slots/nixl/{handle['slot']}?client_id=overgranted"
+        http_json("DELETE", url, timeout_s=5.0, token=TOKEN)
+
+
 def post_slot(server: ExpertServer, body: dict, token: str | None = TOKEN) -> tuple[int, str]:  # type: ignore[type-arg]
     try:
         return 201, json.dumps(http_json("POST", f"{server.url}/v1/slots", body, timeout_s=5.0, token=token))
@@ -408,6 +554,8 @@ def post_slot(server: ExpertServer, body: dict, token: str | None = TOKEN) -> tu
         ({"offer.answer_memory": "GPU"}, TOKEN, 400, "offer.answer_memory: DRAM or VRAM"),
         ({"offer.answer_device": -1}, TOKEN, 400, "offer.answer_memory: DRAM or VRAM"),
         ({"offer.answer_memory": "VRAM"}, TOKEN, 400, "offer.answer_memory: VRAM, but this server computes"),
+        ({"offer.inline_bytes": -1}, TOKEN, 400, "offer.inline_bytes: a non-negative integer"),
+        ({"offer.inline_bytes": "16k"}, TOKEN, 400, "offer.inline_bytes: a non-negative integer"),
     ],
 )
 def test_a_bad_handshake_is_refused_and_allocates_nothing(
