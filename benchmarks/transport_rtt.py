@@ -20,6 +20,9 @@ same run:
   backend, no progress thread), x's bytes WRITTEN from registered memory with a notification,
   and WRITTEN back with a notification, both sides busy-polling their agent; prepared transfers;
   no slot protocol, no header, no copies in or out of registered memory;
+- ``raw notify`` (in place only, for x of at most 64 KiB): the same two bare agents exchanging
+  x's bytes as a notification each way, with no WRITE (what ``nixl``'s small frames do: a frame of
+  at most ``INLINE_BYTES`` travels in its notification, so at 1 x 7168 this is the floor it gives);
 - ``nixl raw, UCX_TLS=tcp``: the same with UCX restricted to TCP in both agents (on one host the
   default puts go over ``cma``, a kernel copy between processes; across hosts there is no
   ``cma``, so this is the cross-host stand-in when no RDMA NIC is at hand);
@@ -102,6 +105,8 @@ NIXL_HIDDEN = 7168  # the nixl targets and the progress-thread comparison
 # spin while the other methods are timed.
 RAW_SPIN_S = 1e-3
 RAW_SLEEP_S = (20e-6, 1e-3)
+RAW_NOTIFY_MAX_BYTES = 64 << 10  # "raw notify" is timed for x up to this size
+NOTIFY_MARK = b"n"  # a raw notification that is echoed back as it came (not a WRITE's size)
 START_TIMEOUT_S = 60.0
 
 
@@ -221,6 +226,7 @@ def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int, memory: s
 
     A notification ``<n>`` says n bytes arrived at the start of this agent's buffer (in
     ``memory``); they are WRITTEN back to the client's answer area with the notification ``a``.
+    One that starts with ``NOTIFY_MARK`` is sent back as it came, as a notification.
     Busy-polls for ``RAW_SPIN_S`` after each message, then sleeps between polls (``RAW_SLEEP_S``)."""
     agent = bare_agent("echo")
     buffer = raw_area(memory, max_bytes)
@@ -244,6 +250,9 @@ def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int, memory: s
         notes = agent.get_new_notifs()
         for messages in notes.values():
             for message in messages:
+                if bytes(message[:1]) == NOTIFY_MARK:
+                    agent.send_notif(peer, bytes(message))
+                    continue
                 size = int(message)
                 write = writes.get(size)
                 if write is None:
@@ -327,6 +336,14 @@ class RawNixl:
 
     def answer(self, num_bytes: int) -> torch.Tensor:
         return self.area[self.max_bytes : self.max_bytes + num_bytes]
+
+    def notify_round_trip(self, message: bytes) -> bytes:
+        """``message`` to the echo as a notification, and back the same way (no WRITE)."""
+        agent = self.agent
+        agent.send_notif(self.peer, message)
+        while not (received := agent.get_new_notifs()):
+            pass
+        return bytes(next(iter(received.values()))[0])
 
 
 def raw_echo(listener: socket.socket) -> None:
@@ -628,6 +645,10 @@ def run(
                 raw_methods[f"{name}_us"]()
                 echoed = pair.answer(expected.numel())
                 assert torch.equal(echoed, expected), f"{name} echo returned different bytes"
+            if expected.numel() <= RAW_NOTIFY_MAX_BYTES:
+                message = NOTIFY_MARK + expected.numpy().tobytes()
+                assert raws["nixl_raw"].notify_round_trip(message) == message, "raw notify echo differs"
+                raw_methods["nixl_raw_notify_us"] = partial(raws["nixl_raw"].notify_round_trip, message)
             methods = {
                 f"{name}_us": partial(round_trip, channel, x, ids, weights, out)
                 for name, channel in channels.items()
@@ -719,13 +740,14 @@ def report(results: list[dict[str, Any]], args: Any) -> None:
     print()
     print("the same round trips as the attention client drives them: x gathered into the channel's "
           "staging area (shm, nixl), the answer used where it landed (no copy out)")  # fmt: skip
-    print(f"{'T':>5} {'H':>5} | {'shm':>9} {'tcp':>9} {'nixl':>9} {'fixed spin':>10} | {'nixl raw':>9} | "
-          f"{'nixl/raw':>8} {'nixl/tcp':>8} {'fixed/tcp':>9}")  # fmt: skip
+    print(f"{'T':>5} {'H':>5} | {'shm':>9} {'tcp':>9} {'nixl':>9} {'fixed spin':>10} | {'nixl raw':>9} "
+          f"{'raw notify':>10} | {'nixl/raw':>8} {'nixl/tcp':>8} {'fixed/tcp':>9}")  # fmt: skip
     for r in results:
+        notify = f"{r['nixl_raw_notify_us']:>10.1f}" if "nixl_raw_notify_us" in r else f"{'-':>10}"
         print(
             f"{r['tokens']:>5} {r['hidden']:>5} | {r['shm_in_place_us']:>9.1f} {r['tcp_in_place_us']:>9.1f} "
             f"{r['nixl_in_place_us']:>9.1f} {r['nixl_fixed_spin_in_place_us']:>10.1f} | "
-            f"{r['nixl_raw_us']:>9.1f} | "
+            f"{r['nixl_raw_us']:>9.1f} {notify} | "
             f"{r['nixl_in_place_over_raw']:>8.2f} {r['nixl_in_place_over_tcp_in_place']:>8.2f} "
             f"{r['nixl_fixed_spin_over_tcp_in_place']:>9.2f}"
         )
