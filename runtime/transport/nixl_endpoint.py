@@ -34,8 +34,9 @@ with whole frames), a request or answer of at most ``INLINE_BYTES`` (header and 
 whole in its notification's tail, with no WRITE: the receiver copies it into the slot or answer
 area and goes on as if a WRITE had put it there. NIXL's WRITE is a put, a flush that waits for
 the put to complete, then the notification: three steps where one eager message does. Measured
-between two bare agents on one host (docs/benchmarks.md), the notification alone took 91 µs for
-16 KiB against 156 µs for the WRITE and its notification, and lost from 32 KiB up. Over RDMA the
+between two bare agents on one host (``benchmarks/transport_rtt.py``'s raw notify), a notification
+each way took 84–103 µs for 14 KiB against 116–148 µs for the WRITE and its notification, and
+lost from 32 KiB up. Over RDMA the
 flush waits for the remote NIC's acknowledgement, so small frames gain there too. A decode step's
 request for one token of 7,168 bf16 values is a 14.5 KB frame.
 
