@@ -102,6 +102,24 @@ def request_for(placement: Placement, num_tokens: int, hidden: int = 64) -> tupl
     return layer, x, ids, torch.ones(num_tokens, 2)
 
 
+@contextlib.contextmanager
+def after_one_request(
+    server: ExpertServer, placement: Placement, client_id: str
+) -> Iterator[tuple[NixlChannel, tuple, torch.Tensor]]:  # type: ignore[type-arg]
+    """A channel of ``client_id`` that has served one 2-token request: the channel, that request
+    (layer, x, ids, weights) and its answer; closed on exit."""
+    conn = connection(server, client_id)
+    conn.connect()
+    try:
+        channel = conn.channel
+        assert isinstance(channel, NixlChannel)
+        request = request_for(placement, 2)
+        channel.send(*request)
+        yield channel, request, channel.receive(time.monotonic() + 10).clone()
+    finally:
+        conn.close()
+
+
 def counted_writes(channel: NixlChannel) -> list[int]:
     """The payload sizes of the frames ``channel`` sends by WRITE from now on (a frame that travels
     in its notice is not among them)."""
@@ -353,14 +371,8 @@ def test_a_refused_request_comes_back_as_a_remote_error_and_the_slot_stays_usabl
 
 def test_a_corrupt_header_is_answered_with_an_error_status(served: tuple[Placement, ExpertServer]) -> None:
     placement, server = served
-    conn = connection(server, "corrupt")
-    conn.connect()
-    try:
-        channel = conn.channel
-        assert isinstance(channel, NixlChannel)
-        layer, x, ids, weights = request_for(placement, 2)
-        channel.send(layer, x, ids, weights)
-        channel.receive(time.monotonic() + 10)
+    with after_one_request(server, placement, "corrupt") as (channel, request, _):
+        layer, x, ids, weights = request
         # A header whose payload size is far beyond the slot, written straight into the slot (split
         # frames: sent in the notice): the server must refuse it, not read past the slot.
         bad = SlotHeader(FrameKind.REQUEST, dtype_code(x.dtype), layer, 2, 2, x.shape[1], 99, 1 << 31)
@@ -377,8 +389,6 @@ def test_a_corrupt_header_is_answered_with_an_error_status(served: tuple[Placeme
         assert error.value.status == Status.TOO_LARGE
         channel.send(layer, x, ids, weights)  # and the slot serves the next request
         assert channel.receive(time.monotonic() + 10).shape == x.shape
-    finally:
-        conn.close()
 
 
 def test_a_request_notice_with_a_wrong_tail_is_never_served(served: tuple[Placement, ExpertServer]) -> None:
@@ -388,14 +398,9 @@ def test_a_request_notice_with_a_wrong_tail_is_never_served(served: tuple[Placem
     by WRITE only). Every such notice is dropped and counted, and the slot serves the next request."""
     placement, server = served
     transport = nixl_of(server)
-    conn = connection(server, "headless")
-    conn.connect()
-    try:
-        channel = conn.channel
-        assert isinstance(channel, NixlChannel) and channel.split is transport.split_host_frames
-        layer, x, ids, weights = request_for(placement, 2)
-        channel.send(layer, x, ids, weights)
-        channel.receive(time.monotonic() + 10)
+    with after_one_request(server, placement, "headless") as (channel, request, _):
+        assert channel.split is transport.split_host_frames
+        layer, x, ids, weights = request
         header = SlotHeader(FrameKind.REQUEST, dtype_code(x.dtype), layer, 2, 2, x.shape[1], 7, 100)
         wrong_tails = [
             b"" if channel.split else bytes(48),  # no header, or one too many
@@ -415,8 +420,6 @@ def test_a_request_notice_with_a_wrong_tail_is_never_served(served: tuple[Placem
         assert [r["requests"] for r in attached(server) if r["client_id"] == "headless"] == [1]
         channel.send(layer, x, ids, weights)  # and the slot serves the next request
         assert channel.receive(time.monotonic() + 10).shape == x.shape
-    finally:
-        conn.close()
 
 
 def test_an_answer_whose_notice_does_not_add_up_fails_the_channel(
@@ -426,14 +429,8 @@ def test_an_answer_whose_notice_does_not_add_up_fails_the_channel(
     its header declares, is a malformed response: the channel fails (its client fails over) and
     nothing of it is taken for y."""
     placement, server = served
-    conn = connection(server, "misanswered")
-    conn.connect()
-    try:
-        channel = conn.channel
-        assert isinstance(channel, NixlChannel)
-        layer, x, ids, weights = request_for(placement, 2)
-        channel.send(layer, x, ids, weights)
-        y = channel.receive(time.monotonic() + 10)
+    with after_one_request(server, placement, "misanswered") as (channel, request, y):
+        layer, x, _, _ = request
         size = y.numel() * y.element_size()
         header = SlotHeader(FrameKind.RESPONSE, dtype_code(x.dtype), layer, 2, 2, x.shape[1], 99, size)
         says = (
@@ -447,8 +444,6 @@ def test_an_answer_whose_notice_does_not_add_up_fails_the_channel(
         channel._answer_tail = header.pack() + bytes(size - 1)
         with pytest.raises(ChannelClosed, match=says):
             channel._take_response()
-    finally:
-        conn.close()
 
 
 def test_a_client_or_server_of_an_earlier_version_exchanges_every_frame_by_write(
