@@ -44,6 +44,7 @@ from eaas.runtime.client.routing import RoutingTable, Share
 from eaas.runtime.model import MoEConfig
 from eaas.runtime.placement import Placement
 from eaas.runtime.transport import Channel, ChannelError, RemoteError
+from eaas.runtime.transport.polling import pause
 
 log = logging.getLogger("eaas.client")
 
@@ -422,7 +423,7 @@ class RemoteExperts:
         waits = [(channel, channel.wakeup_fd()) for channel in channels if channel is not None]
         fds = [fd for _, fd in waits if fd is not None]
         if len(fds) < len(waits):  # a channel that cannot be waited on (GPU flags, NIXL): poll
-            time.sleep(min(channel.poll_interval_s() for channel, fd in waits if fd is None))
+            pause(min(channel.poll_interval_s() for channel, fd in waits if fd is None))
             return
         timeout = min(max(deadline - time.monotonic(), 0.0), WAIT_SLICE_S)
         ready = set(select.select(fds, [], [], timeout)[0])

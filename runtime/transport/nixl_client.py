@@ -67,6 +67,7 @@ from eaas.runtime.transport.nixl_endpoint import (
     frame_length,
     notice,
 )
+from eaas.runtime.transport.polling import pause
 
 log = logging.getLogger("eaas.transport")
 
@@ -439,7 +440,7 @@ class NixlChannel(Channel):
             now = time.monotonic()
             if now >= deadline:
                 raise ChannelTimeout(f"no response within the deadline (nixl slot {self.slot})")
-            time.sleep(min(self.poll_interval_s(), deadline - now))
+            pause(min(self.poll_interval_s(), deadline - now))
 
     def _take_response(self) -> torch.Tensor:
         assert self._expect is not None
