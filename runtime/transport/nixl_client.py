@@ -14,8 +14,9 @@ address); the handshake's answer carries the server agent's metadata for the gra
 
 Waiting for an answer polls the agent (that is what makes NIXL progress; no progress thread runs):
 without sleeping right after the send (longer for a channel whose answers come fast), then with
-sleeps that grow with the wait. Every
-``LIVENESS_CHECK_S`` it also pings the server with a 4-byte WRITE: UCX reports a server whose
+sleeps, but awake again shortly before the channel's answers usually come, and polling without
+sleeping from then on for a while (``poll_interval_s``); past that, sleeps that grow with the wait.
+Every ``LIVENESS_CHECK_S`` it also pings the server with a 4-byte WRITE: UCX reports a server whose
 process died (its endpoint broke) at once, as a NIXL error, and the channel fails with
 ``ChannelClosed``. A server that hangs raises nothing: the client's round-trip probe covers it
 (``RemoteExperts``).
@@ -78,13 +79,19 @@ LIVENESS_CHECK_S = 0.02  # how often a waiting client pings the server
 # (a small round trip's worth), or SPIN_FACTOR times the channel's usual round trip when that is
 # short (at most MAX_SPIN_S): a fast server's answers are then caught without the wake-up of a
 # sleep, which on a busy host costs as much as the round trip itself. A channel whose server takes
-# longer (a decode step's compute) spins only SPIN_S: its wait leaves the cores to the servers.
+# longer (a decode step's compute, a large frame's WRITEs) spins only SPIN_S, then sleeps, but not
+# past WAKE_S before its usual round trip: from then it spins again, until DUE_SPIN_FACTOR of the
+# usual round trip (at least SPIN_S, at most MAX_SPIN_S) after it, so an answer that comes when it
+# usually does is seen at once, not up to a quarter late; one that comes later is slept for again.
 SPIN_S = 150e-6
 SPIN_FACTOR = 1.5
 MAX_SPIN_S = 1e-3
+WAKE_S = 150e-6  # a sleep ends ~50-120 µs late on the 2-core VM (docs/benchmarks.md)
+DUE_SPIN_FACTOR = 0.25
 # The usual round trip follows a faster answer at once and a slower one by USUAL_RISE of the
-# difference: answers that came late (a server that was asleep, a waiter that slept past the
-# answer) do not talk it out of spinning, while a server that now computes for long does.
+# difference: answers that came late (a server that was asleep) do not talk it out of spinning,
+# while a server that now computes for long does. An answer counts from the last look that did not
+# see it (a waiter that slept past it does not learn that it came late).
 USUAL_RISE = 0.1
 MIN_SLEEP_S = 20e-6
 MAX_SLEEP_S = 500e-6
@@ -262,8 +269,9 @@ class NixlChannel(Channel):
         self._closed = False
         self._next_ping = 0.0
         self._sent_at = 0.0
-        self._usual_s: float | None = None  # the usual round trip (send to answer seen)
+        self._usual_s: float | None = None  # the usual round trip (``_learn``)
         self._spin_s = SPIN_S
+        self._missed_s = 0.0  # since the send, when the last look saw no answer
 
     @classmethod
     def offer(cls, capacity_bytes: int, server: dict[str, Any] | None = None) -> NixlOffer:
@@ -376,6 +384,7 @@ class NixlChannel(Channel):
             self._gone = f"the server is gone ({type(exc).__name__}: {exc})"
             raise ChannelClosed(self._gone) from exc
         self._sent_at = time.monotonic()
+        self._missed_s = 0.0
         self._next_ping = self._sent_at + LIVENESS_CHECK_S
 
     def staging(
@@ -400,8 +409,10 @@ class NixlChannel(Channel):
                 elif kind is Notice.ANSWER and self._expect is not None and seq == self._expect[0]:
                     self._answer = True
                     self._answer_tail = tail
-                    self._learn(time.monotonic() - self._sent_at)
+                    self._learn(self._missed_s)  # it came after the last look that missed it
             now = time.monotonic()
+            if not self._answer:
+                self._missed_s = now - self._sent_at
             if self._gone is None and not self._answer and now >= self._next_ping:
                 self._next_ping = now + LIVENESS_CHECK_S
                 self.writes.ping()
@@ -423,7 +434,16 @@ class NixlChannel(Channel):
         waited = time.monotonic() - self._sent_at
         if waited < self._spin_s:
             return 0.0
-        return min(MAX_SLEEP_S, max(MIN_SLEEP_S, waited / 4))
+        sleep = min(MAX_SLEEP_S, max(MIN_SLEEP_S, waited / 4))
+        usual = self._usual_s
+        if usual is None:
+            return sleep
+        wake = usual - WAKE_S
+        if waited < wake:  # not past the time to be awake for the answer
+            return min(sleep, max(MIN_SLEEP_S, wake - waited))
+        if waited < usual + min(MAX_SPIN_S, max(SPIN_S, DUE_SPIN_FACTOR * usual)):
+            return 0.0  # the answer is due
+        return sleep
 
     def receive(self, deadline: float) -> torch.Tensor:
         if self._expect is None:
