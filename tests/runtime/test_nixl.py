@@ -270,22 +270,47 @@ def test_requests_of_every_size_round_trip_and_match_the_local_experts(
             min(INLINE_BYTES, frame_length(server.limits.capacity_bytes)) if inline else 0
         )
         writes = counted_writes(channel)
-        stack = server.stack
         for num_tokens in (1, 2, 7, 33, 64):  # 64: the slot's whole capacity
             layer, x, ids, weights = request_for(placement, num_tokens)
             channel.send(layer, x, ids, weights)
             y = channel.receive(time.monotonic() + 10).clone()
-            group = stack.group_table[layer, int(ids[0, 0])]
-            w13, w2 = stack.w13[group], stack.w2[group]
-            gate, up = (x @ w13.T).chunk(2, dim=-1)
-            want = (torch.nn.functional.silu(gate) * up) @ w2.T
-            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(y, expert_answer(server, layer, x, ids), rtol=1e-4, atol=1e-4)
         [row] = [r for r in attached(server) if r["client_id"] == "c"]
         assert row["requests"] == 5
         assert len(writes) == (1 if inline else 5), writes
     finally:
         conn.close()
     wait_for(lambda: not attached(server), 5, "the slot released after close")
+
+
+def expert_answer(server: ExpertServer, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """What the server's one expert of ``request_for`` answers for x, computed here."""
+    stack = server.stack
+    group = stack.group_table[layer, int(ids[0, 0])]
+    gate, up = (x @ stack.w13[group].T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ stack.w2[group].T  # type: ignore[no-any-return]
+
+
+def test_answers_of_one_shape_come_in_one_view_that_holds_the_latest(
+    served: tuple[Placement, ExpertServer],
+) -> None:
+    placement, server = served
+    with contextlib.closing(connection(server, "views")) as conn:
+        conn.connect()
+        channel = conn.channel
+        layer, x, ids, weights = request_for(placement, 7)
+        channel.send(layer, x, ids, weights)
+        first = channel.receive(time.monotonic() + 10)
+        torch.testing.assert_close(first, expert_answer(server, layer, x, ids), rtol=1e-4, atol=1e-4)
+        channel.send(layer, -2 * x, ids, weights)
+        again = channel.receive(time.monotonic() + 10)
+        assert again is first  # the same shape: the view made for the first answer
+        torch.testing.assert_close(again, expert_answer(server, layer, -2 * x, ids), rtol=1e-4, atol=1e-4)
+        layer, x, ids, weights = request_for(placement, 3)
+        channel.send(layer, x, ids, weights)
+        other = channel.receive(time.monotonic() + 10)
+        assert other.shape == (3, 64)
+        torch.testing.assert_close(other, expert_answer(server, layer, x, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_channels_opened_and_closed_on_one_thread_while_another_decodes(
