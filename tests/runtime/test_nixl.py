@@ -397,6 +397,14 @@ def test_a_closed_channels_areas_serve_the_next_channel(served: tuple[Placement,
     block out again at once)."""
     placement, server = served
     layer, x, ids, weights = request_for(placement, 3)
+
+    def retired() -> bool:
+        client_endpoint().deliver()  # progress: a closed channel's last ping completes
+        return client_endpoint().retiring() == 0
+
+    # Earlier tests' channels first: areas whose retiring ends between two of ours would be the
+    # spare the next offer takes.
+    wait_for(retired, 5, "earlier channels' writes retired")
     holder = connection(server, "holder")
     holder.connect()
     try:
@@ -412,11 +420,6 @@ def test_a_closed_channels_areas_serve_the_next_channel(served: tuple[Placement,
             channel.send(layer, x, ids, weights)
             assert channel.receive(time.monotonic() + 10).shape == x.shape
             conn.close()
-
-            def retired() -> bool:
-                client_endpoint().deliver()  # progress: the closed channel's last ping completes
-                return client_endpoint().retiring() == 0
-
             wait_for(retired, 5, "the closed channel's writes retired")
         assert len(set(addresses)) == 1 and held not in addresses, (held, addresses)
         holder.channel.send(layer, x, ids, weights)  # and the holder is unaffected
