@@ -134,7 +134,8 @@ class Completions:
             self._count_failed(start, exc)
             raise
         finally:
-            for request in unfinished:
+            for request in unfinished:  # a client that went away: its first token's time still counts
+                self._observe(request)
                 self.worker.cancel(request)
 
     def collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
