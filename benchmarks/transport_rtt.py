@@ -43,8 +43,8 @@ process used during its turns. That echo process is started only for this part a
 side runs without the thread in both: in the benchmark process it would spin beside every method.
 
 Sizes: T in 1, 8, 16, 32, 128, 512 (the ``nixl`` targets' 1, 8, 32, 128, 512, and 16 as in
-earlier runs), H in 2048 and 7168, every method at every size (cheap: the whole run takes ~20 s
-here); the ``nixl`` targets read H = 7168 only.
+earlier runs), H in 2048 and 7168, every method at every size, 100 round trips each (the whole
+run takes about a minute on the 2-core CPU machine); the ``nixl`` targets read H = 7168 only.
 
 Targets (issue 4): shm within 3x of the copy floor at 512 x 7168; tcp at least 5x faster than the
 naive baseline at 512 x 7168 (both on the copying round trips). ``nixl`` (issue 35, on the in-place
@@ -110,10 +110,12 @@ NOTIFY_MARK = b"n"  # a raw notification that is echoed back as it came (not a W
 START_TIMEOUT_S = 60.0
 
 
-def repetitions(num_tokens: int, hidden: int, quick: bool) -> int:
-    size = num_tokens * hidden * 2
-    base = 100 if size < (1 << 20) else 30
-    return max(8, base // (4 if quick else 1))
+def repetitions(quick: bool) -> int:
+    """100 round trips of every method at every size (25 with ``--quick``). The 128- and 512-token
+    rows once had 30: their medians then moved by up to a third from run to run (NIXL's own round
+    trip at 128 x 7168 read 527 to 1,157 µs in six runs of 2026-11-28), and the 1.3x targets there
+    read that noise."""
+    return 25 if quick else 100
 
 
 # --- exchanging handles through files ------------------------------------------------------------
@@ -622,7 +624,7 @@ def run(
         for num_tokens in TOKENS:
             x, ids, weights = inputs(num_tokens, hidden)
             out = torch.empty_like(x)
-            reps = repetitions(num_tokens, hidden, quick)
+            reps = repetitions(quick)
             row: dict[str, Any] = {
                 "tokens": num_tokens,
                 "hidden": hidden,
@@ -704,7 +706,7 @@ def compare_progress_thread(
             busy = dict.fromkeys(turns, 0.0)
             spent = dict.fromkeys(turns, 0.0)
             block = 4
-            for _ in range(-(-repetitions(row["tokens"], row["hidden"], quick) // block)):
+            for _ in range(-(-repetitions(quick) // block)):
                 for name, (channel, echo_pid, sig) in turns.items():
                     os.kill(thread_pid, sig)
                     cpu, begin = cpu_seconds(echo_pid), time.perf_counter()
