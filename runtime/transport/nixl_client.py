@@ -410,7 +410,8 @@ class NixlChannel(Channel):
                 elif kind is Notice.ANSWER and self._expect is not None and seq == self._expect[0]:
                     self._answer = True
                     self._answer_tail = tail
-                    self._learn(self._missed_s)  # it came after the last look that missed it
+                    if self._missed_s > 0:  # it came after the last look that missed it
+                        self._learn(self._missed_s)  # (seen at the first look: nothing to learn)
             now = time.monotonic()
             if not self._answer:
                 self._missed_s = now - self._sent_at
@@ -432,7 +433,10 @@ class NixlChannel(Channel):
         self._spin_s = spin_for(self._usual_s)
 
     def poll_interval_s(self) -> float:
-        waited = time.monotonic() - self._sent_at
+        return self._interval_after(time.monotonic() - self._sent_at)
+
+    def _interval_after(self, waited: float) -> float:
+        """How long to sleep before the next look, ``waited`` seconds after the send (0: look now)."""
         if waited < self._spin_s:
             return 0.0
         sleep = min(MAX_SLEEP_S, max(MIN_SLEEP_S, waited / 4))
