@@ -133,9 +133,12 @@ class Completions:
         except ApiError as exc:
             self._count_failed(start, exc)
             raise
-        finally:
-            for request in unfinished:  # a client that went away: its first token's time still counts
+        except GeneratorExit:  # the client went away: its times so far still count
+            for request in unfinished:
                 self._observe(request)
+            raise
+        finally:
+            for request in unfinished:
                 self.worker.cancel(request)
 
     def collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
