@@ -233,26 +233,27 @@ def test_an_answer_seen_after_a_sleep_counts_from_the_last_look_that_missed_it(
     served: tuple[Placement, ExpertServer],
 ) -> None:
     placement, server = served
-    with contextlib.closing(connection(server, "missed")) as conn:
-        conn.connect()
-        channel = conn.channel
-        assert isinstance(channel, NixlChannel)
+    with after_one_request(server, placement, "missed") as (channel, request, _):
         if channel.inline_bytes == 0:
             pytest.skip("a WRITE completes (and its notice leaves) only as its waiter makes progress")
-        layer, x, ids, weights = request_for(placement, 1)
-        channel.send(layer, x, ids, weights)  # (the first exchange also sets up UCX's connection)
-        channel.receive(time.monotonic() + 10)
+
+        def server_answered(requests: int) -> bool:
+            """The server answered its ``requests``-th request (read on its side: the waiter is not
+            looking meanwhile)."""
+            [row] = [r for r in attached(server) if r["client_id"] == "missed"]
+            return bool(row["requests"] == requests and row["state"] == "IDLE")
+
         channel._usual_s = None  # (what the first exchange taught, out of the way)
-        channel.send(layer, x, ids, weights)
+        channel.send(*request)
         assert not channel.answered()  # looked at once: no server answers that fast
         missed = channel._missed_s
-        time.sleep(0.2)  # the answer comes meanwhile; a waiter that slept sees it late
-        assert channel.answered()
-        assert missed > 0 and channel._usual_s == pytest.approx(missed)  # not the 200 ms slept
+        wait_for(lambda: server_answered(2), 10, "the server's second answer")
+        assert channel.answered()  # seen late, after the waiter's sleep
+        assert missed > 0 and channel._usual_s == pytest.approx(missed)  # not the time it slept
         channel.receive(time.monotonic() + 10)
         channel._usual_s = None
-        channel.send(layer, x, ids, weights)
-        time.sleep(0.2)
+        channel.send(*request)
+        wait_for(lambda: server_answered(3), 10, "the server's third answer")
         assert channel.answered()  # seen at the first look: no bound on when it came, nothing learned
         assert channel._usual_s is None
         channel.receive(time.monotonic() + 10)
@@ -292,24 +293,22 @@ def expert_answer(server: ExpertServer, layer: int, x: torch.Tensor, ids: torch.
     stack = server.stack
     group = stack.group_table[layer, int(ids[0, 0])]
     gate, up = (x @ stack.w13[group].T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ stack.w2[group].T  # type: ignore[no-any-return]
+    return (torch.nn.functional.silu(gate) * up) @ stack.w2[group].T
 
 
 def test_answers_of_one_shape_come_in_one_view_that_holds_the_latest(
     served: tuple[Placement, ExpertServer],
 ) -> None:
     placement, server = served
-    with contextlib.closing(connection(server, "views")) as conn:
-        conn.connect()
-        channel = conn.channel
-        layer, x, ids, weights = request_for(placement, 7)
-        channel.send(layer, x, ids, weights)
-        first = channel.receive(time.monotonic() + 10)
-        torch.testing.assert_close(first, expert_answer(server, layer, x, ids), rtol=1e-4, atol=1e-4)
+    with after_one_request(server, placement, "views") as (channel, (layer, x, ids, weights), y):
+        torch.testing.assert_close(y, expert_answer(server, layer, x, ids), rtol=1e-4, atol=1e-4)
         channel.send(layer, -2 * x, ids, weights)
         again = channel.receive(time.monotonic() + 10)
-        assert again is first  # the same shape: the view made for the first answer
         torch.testing.assert_close(again, expert_answer(server, layer, -2 * x, ids), rtol=1e-4, atol=1e-4)
+        channel.send(layer, x, ids, weights)
+        latest = channel.receive(time.monotonic() + 10)
+        assert latest is again  # the same shape: the view made for the earlier answer
+        torch.testing.assert_close(latest, expert_answer(server, layer, x, ids), rtol=1e-4, atol=1e-4)
         layer, x, ids, weights = request_for(placement, 3)
         channel.send(layer, x, ids, weights)
         other = channel.receive(time.monotonic() + 10)
