@@ -19,6 +19,7 @@ from eaas.runtime.protocol.header import (
 from eaas.runtime.protocol.payload import (
     MAX_MESSAGE_BYTES,
     RequestLayout,
+    RequestWriter,
     is_staged,
     read_message,
     read_request,
@@ -52,6 +53,7 @@ __all__ = [
     "FrameKind",
     "ProtocolError",
     "RequestLayout",
+    "RequestWriter",
     "ServerLimits",
     "SlotHeader",
     "SlotState",

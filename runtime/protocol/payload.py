@@ -117,30 +117,77 @@ def write_request(
     weights: torch.Tensor,  # [T, K]
     include_x: bool = True,
 ) -> int:
-    """Writes a request payload; returns its size in bytes.
+    """Writes a request payload; returns its size in bytes (``RequestWriter.write``, once).
 
     With ``include_x=False`` the hidden-states section is left alone (a stream transport sends x
     from the tensor itself, scatter-gather, instead of copying it into the slot first).
     """
-    t, h = x.shape
-    k = ids.shape[1]
-    layout = request_layout(t, k, h, dtype_code(x.dtype))
-    if layout.total > payload_size(payload):
-        size = payload_size(payload)
-        raise ValueError(f"request of {t} tokens needs {layout.total} payload bytes, the slot holds {size}")
-    if t:
-        if include_x:
-            _view(payload, x.dtype, layout.x_offset, t * h).copy_(x.reshape(-1))
-        host = _host_bytes(payload) if _numpy_ready(ids) and _numpy_ready(weights) else None
-        if host is not None:  # numpy fills a few small sections in a fifth of torch's time
+    return RequestWriter(payload).write(x, ids, weights, include_x)
+
+
+class RequestWriter:
+    """Writes requests into one payload (a channel's send area), keeping the views of the sections
+    made for the last request's shape: a decode step's layers repeat it. Right after a large frame
+    went through the caches, making the views cost a request ~50 µs on the 2-core VM, and filling
+    them ~10 (docs/benchmarks.md)."""
+
+    def __init__(self, payload: Payload) -> None:
+        self.payload = payload
+        self._key: tuple[int, int, int, torch.dtype] | None = None
+        self._total = 0
+        self._x: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None  # [T, K] int32 in the payload
+        self._weights: torch.Tensor | None = None  # [T, K] float32 in the payload
+        self._host: tuple[np.ndarray, np.ndarray] | None = None  # numpy's views of the same, host memory
+
+    def write(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, include_x: bool = True) -> int:
+        """Writes x [T, H], ids [T, K] (int, -1 = not here) and weights [T, K]; returns the payload's
+        size in bytes. ``ValueError`` when the request does not fit the payload or the shapes disagree."""
+        t, h = x.shape
+        k = ids.shape[1]
+        key = (t, k, h, x.dtype)
+        if key != self._key:
+            self._views(key)
+        if ids.shape != weights.shape or ids.shape[0] != t:
+            shapes = f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)}"
+            raise ValueError(f"{shapes}: both [{t}, K] are needed for {t} tokens")
+        if t:
+            if include_x:
+                assert self._x is not None
+                self._x.copy_(x)
+            if self._host is not None and _numpy_ready(ids) and _numpy_ready(weights):
+                self._host[0][:] = ids.numpy()  # numpy fills small sections in a fifth of torch's time
+                self._host[1][:] = weights.numpy()
+            else:
+                assert self._ids is not None and self._weights is not None
+                self._ids.copy_(ids)
+                self._weights.copy_(weights)
+        return self._total
+
+    def _views(self, key: tuple[int, int, int, torch.dtype]) -> None:
+        t, k, h, dtype = key
+        layout = request_layout(t, k, h, dtype_code(dtype))
+        size = payload_size(self.payload)
+        if layout.total > size:
+            raise ValueError(
+                f"request of {t} tokens needs {layout.total} payload bytes, the slot holds {size}"
+            )
+        self._key = None  # (until every view is made)
+        self._x = _view(self.payload, dtype, layout.x_offset, t * h).view(t, h)
+        self._ids = _view(self.payload, torch.int32, layout.ids_offset, t * k).view(t, k)
+        self._weights = _view(self.payload, torch.float32, layout.weights_offset, t * k).view(t, k)
+        host = _host_bytes(self.payload)
+        self._host = None
+        if host is not None:
             entries = 4 * t * k
-            host[layout.ids_offset : layout.ids_offset + entries].view(np.int32)[:] = ids.reshape(-1).numpy()
+            ids_section = host[layout.ids_offset : layout.ids_offset + entries]
             weights_section = host[layout.weights_offset : layout.weights_offset + entries]
-            weights_section.view(np.float32)[:] = weights.reshape(-1).numpy()
-        else:
-            _view(payload, torch.int32, layout.ids_offset, t * k).copy_(ids.reshape(-1))
-            _view(payload, torch.float32, layout.weights_offset, t * k).copy_(weights.reshape(-1))
-    return layout.total
+            self._host = (
+                ids_section.view(np.int32).reshape(t, k),
+                weights_section.view(np.float32).reshape(t, k),
+            )
+        self._total = layout.total
+        self._key = key
 
 
 def _host_bytes(payload: Payload) -> np.ndarray | None:

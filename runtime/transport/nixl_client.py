@@ -41,6 +41,7 @@ from eaas.runtime.protocol import (
     PAYLOAD_OFFSET,
     FrameKind,
     ProtocolError,
+    RequestWriter,
     SlotHeader,
     Status,
     check_response,
@@ -50,7 +51,6 @@ from eaas.runtime.protocol import (
     read_response,
     slot_stride,
     staged_x,
-    write_request,
 )
 from eaas.runtime.transport.backoff import reduce_timer_slack_once
 from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
@@ -261,6 +261,7 @@ class NixlChannel(Channel):
         # The payloads as bytes, where they are: x is built in the send area in place (``staging``).
         self.send_payload = offer.payload(0)
         self.answer_payload = offer.payload(1)
+        self._writer = RequestWriter(self.send_payload)
         self._answer_tail = b""  # split frames: the answer's header (and an error's message)
         self._seq = 0
         self._expect: tuple[int, int, int, int] | None = None  # seq, tokens, hidden, dtype
@@ -358,7 +359,7 @@ class NixlChannel(Channel):
         num_tokens, hidden = x.shape
         dtype = dtype_code(x.dtype)
         staged = is_staged(x, self.send_payload)  # built in place: nothing to copy
-        size = write_request(self.send_payload, x, ids, weights, include_x=not staged)
+        size = self._writer.write(x, ids, weights, include_x=not staged)
         top_k = ids.shape[1]
         header = SlotHeader(FrameKind.REQUEST, dtype, layer, num_tokens, top_k, hidden, self._seq, size)
         if self.split:
@@ -532,7 +533,7 @@ class NixlChannel(Channel):
             except Exception:
                 pass
         endpoint.forget(self.peer, self.slot, self.generation)
-        del self.send_buffer, self.answer_buffer, self.send_payload, self.answer_payload
+        del self.send_buffer, self.answer_buffer, self.send_payload, self.answer_payload, self._writer
         self._last_view = None
         # The areas stay registered, and the peer connected, until nothing of ours is in flight to
         # it (a hung server: until it answers or dies; nixl_endpoint's "Letting go").

@@ -13,12 +13,12 @@ from eaas.runtime.protocol import (
     HEADER_OFFSET,
     PAYLOAD_OFFSET,
     FrameKind,
+    RequestWriter,
     SlotHeader,
     SlotState,
     dtype_code,
     is_staged,
     staged_x,
-    write_request,
 )
 from eaas.runtime.transport import liveness
 from eaas.runtime.transport.base import ChannelClosed, Offer
@@ -37,6 +37,7 @@ class ShmChannel(SegmentChannel):
         self.capacity_bytes = segment.capacity_bytes
         # The payload as bytes: x is built there in place (``staging``).
         self.payload_bytes = torch.frombuffer(self.payload, dtype=torch.uint8, count=self.capacity_bytes)
+        self._writer = RequestWriter(self.payload_bytes)
 
     @classmethod
     def connect(
@@ -73,7 +74,7 @@ class ShmChannel(SegmentChannel):
         num_tokens, hidden = x.shape
         dtype = dtype_code(x.dtype)
         staged = is_staged(x, self.payload_bytes)  # built in place: nothing to copy
-        size = write_request(self.payload_bytes, x, ids, weights, include_x=not staged)
+        size = self._writer.write(x, ids, weights, include_x=not staged)
         header = SlotHeader(
             FrameKind.REQUEST, dtype, layer, num_tokens, ids.shape[1], hidden, self._seq, size
         )
@@ -105,7 +106,7 @@ class ShmChannel(SegmentChannel):
         try:
             self._say_goodbye()
         finally:
-            del self.payload, self.payload_bytes
+            del self.payload, self.payload_bytes, self._writer  # (views of the segment)
             del self.buffer
             self.request_bell.close()
             self.response_bell.close()

@@ -21,13 +21,13 @@ from eaas.runtime.protocol import (
     PAYLOAD_OFFSET,
     FrameKind,
     ProtocolError,
+    RequestWriter,
     SlotHeader,
     Status,
     check_response,
     dtype_code,
     read_message,
     read_response,
-    write_request,
 )
 from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
 from eaas.runtime.transport.tcp_socket import (
@@ -50,6 +50,7 @@ class TcpChannel(Channel):
         self.timeout_s = timeout_s
         self._send_buffer = memoryview(bytearray(PAYLOAD_OFFSET + capacity_bytes))
         self._recv_buffer = memoryview(bytearray(PAYLOAD_OFFSET + capacity_bytes))
+        self._writer = RequestWriter(self._send_buffer[PAYLOAD_OFFSET:])
         self._seq = 0
         self._expect: tuple[int, int, int, int] | None = None
         self._closed = False
@@ -79,7 +80,7 @@ class TcpChannel(Channel):
         x_bytes = x.numel() * x.element_size()
         gather = x_bytes >= SCATTER_GATHER_MIN_BYTES
         x = x.contiguous()
-        size = write_request(self._send_buffer[PAYLOAD_OFFSET:], x, ids, weights, include_x=not gather)
+        size = self._writer.write(x, ids, weights, include_x=not gather)
         header = SlotHeader(
             FrameKind.REQUEST, dtype, layer, num_tokens, ids.shape[1], hidden, self._seq, size
         )

@@ -18,6 +18,7 @@ from eaas.runtime.protocol import (
     DType,
     FrameKind,
     ProtocolError,
+    RequestWriter,
     ServerLimits,
     SlotHeader,
     SlotState,
@@ -131,6 +132,49 @@ def test_ids_and_weights_of_any_dtype_are_written_as_int32_and_float32(
     _, got_ids, got_weights = read_request(buffer, request_header(num_tokens=4, payload_bytes=size))
     assert got_ids.dtype == torch.int32 and torch.equal(got_ids, ids.to(torch.int32))
     assert torch.equal(got_weights, weights.detach().to(torch.float32))
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["memoryview", "uint8 tensor"])
+def test_a_request_writer_rewrites_its_views_only_for_a_new_shape(as_tensor: bool) -> None:
+    # A channel keeps one writer for its send area: the views of the last shape are reused.
+    buffer: memoryview | torch.Tensor = (
+        torch.zeros(LIMITS.capacity_bytes, dtype=torch.uint8)
+        if as_tensor
+        else memoryview(bytearray(LIMITS.capacity_bytes))
+    )
+    writer = RequestWriter(buffer)
+    shapes = [(5, 2, torch.float32), (5, 2, torch.float32), (3, 1, torch.bfloat16), (5, 2, torch.float32)]
+    made = []
+    for step, (tokens, top_k, dtype) in enumerate(shapes):
+        x = torch.randn(tokens, 64).to(dtype)
+        ids = torch.randint(-1, 8, (tokens, top_k))
+        weights = torch.rand(tokens, top_k)
+        size = writer.write(x, ids, weights)
+        made.append(writer._x)
+        header = request_header(
+            num_tokens=tokens, top_k=top_k, dtype=int(DType[str(dtype).removeprefix("torch.").upper()]),
+            payload_bytes=size, seq=step,
+        )  # fmt: skip
+        got_x, got_ids, got_weights = read_request(buffer, header)
+        assert torch.equal(got_x, x) and torch.equal(got_ids, ids.to(torch.int32))
+        assert torch.equal(got_weights, weights)
+    assert made[1] is made[0] and made[2] is not made[1] and made[3] is not made[2]
+
+
+def test_a_request_writer_refuses_what_does_not_fit_or_disagrees() -> None:
+    writer = RequestWriter(memoryview(bytearray(LIMITS.capacity_bytes)))
+    too_many = LIMITS.capacity_bytes // (64 * 4) + 1
+    with pytest.raises(ValueError, match=f"request of {too_many} tokens needs .* the slot holds"):
+        writer.write(
+            torch.zeros(too_many, 64), torch.zeros(too_many, 2, dtype=torch.int64), torch.ones(too_many, 2)
+        )
+    x = torch.randn(4, 64)
+    writer.write(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2))  # views for 4 tokens, top-2
+    # ids of one token would broadcast over four in a numpy assignment: refused instead
+    with pytest.raises(ValueError, match=r"ids \(1, 2\) and weights \(4, 2\): both \[4, K\]"):
+        writer.write(x, torch.zeros(1, 2, dtype=torch.int64), torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"ids \(4, 2\) and weights \(4, 1\)"):
+        writer.write(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 1))
 
 
 def test_staged_x_is_the_x_section_and_send_recognises_it() -> None:
