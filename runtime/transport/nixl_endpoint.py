@@ -135,11 +135,13 @@ PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write m
 RETIRE_CHECK_S = 0.01  # how often retiring WRITEs are looked at (from ``collect``)
 
 # Transfer sizes: a request or answer goes out as one prepared descriptor whose length is the
-# frame's rounded up to a multiple of SIZE_STEP_BYTES below FINE_LIMIT_BYTES, and to 1/16 of its
-# power of two above (at most 6.25% more bytes than needed, ~16 sizes per doubling).
+# frame's rounded up to a multiple of SIZE_STEP_BYTES below FINE_LIMIT_BYTES, and to 1/64 of its
+# power of two above (at most 1.6% more bytes than needed, 64 sizes per doubling). Preparing every
+# length of a 512-token slot (513) took 0.6 ms here, against 0.2 ms at 1/16, whose rounding put 57 KB
+# on a 128-token frame of 1.84 MB: one WRITE in 32 was bytes nobody reads.
 SIZE_STEP_BYTES = 4096
 FINE_LIMIT_BYTES = 64 << 10
-STEPS_PER_DOUBLING = 16
+STEPS_PER_DOUBLING = 64
 
 
 class TransportUnavailable(RuntimeError):
