@@ -3,7 +3,6 @@ and real sockets get an error status or a clean disconnect, and the server keeps
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import struct
 import time
@@ -65,6 +64,7 @@ def headers() -> st.SearchStrategy[SlotHeader]:
         magic=st.sampled_from([MAGIC, MAGIC, 0x12345678]),
         version=st.sampled_from([VERSION, VERSION, 0, 7]),
         status=st.integers(0, 2**16 - 1),
+        reserved=st.sampled_from([0, 0, 1, 2**32 - 1]),
     )
 
 
@@ -72,7 +72,7 @@ def consistent(header: SlotHeader) -> SlotHeader:
     """The same header with payload_bytes matching its shape (so deeper checks are exercised)."""
     if header.dtype in (1, 2, 3) and header.num_tokens <= 64 and header.top_k <= 64:
         size = request_layout(header.num_tokens, header.top_k, header.hidden % 4096, header.dtype).total
-        return dataclasses.replace(header, payload_bytes=size)
+        return header._replace(payload_bytes=size)
     return header
 
 
