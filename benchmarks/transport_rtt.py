@@ -17,12 +17,17 @@ same run:
 - ``socket floor``: x alone, length-prefixed, echoed over a plain blocking socket (what any TCP
   transport costs on this machine; no header, ids or weights, no framing, no non-blocking server);
 - ``nixl raw``: NIXL's own round trip, the floor the library gives: two bare NIXL agents (UCX
-  backend, no progress thread), x's bytes WRITTEN from registered memory with a notification,
+  backend, no progress thread), x's bytes WRITTEN from registered memory (host memory as the
+  transport allocates it, ``host_memory``: on huge pages) with a notification,
   and WRITTEN back with a notification, both sides busy-polling their agent; prepared transfers;
   no slot protocol, no header, no copies in or out of registered memory;
 - ``raw notify`` (in place only, for x of at most 64 KiB): the same two bare agents exchanging
   x's bytes as a notification each way, with no WRITE (what ``nixl``'s small frames do: a frame of
   at most ``INLINE_BYTES`` travels in its notification, so at 1 x 7168 this is the floor it gives);
+- ``raw 4K`` (in place only): NIXL's own round trip again, its areas on plain 4 KiB pages where
+  ``nixl raw`` has the transport's host memory (``host_memory``: transparent huge pages where the
+  kernel gives them); ``raw/4K`` is what the pages give the library, ``nixl/4K`` what the
+  transport gives against the library on plain memory;
 - ``nixl raw, UCX_TLS=tcp``: the same with UCX restricted to TCP in both agents (on one host the
   default puts go over ``cma``, a kernel copy between processes; across hosts there is no
   ``cma``, so this is the cross-host stand-in when no RDMA NIC is at hand);
@@ -91,6 +96,7 @@ from eaas.runtime.transport.nixl_endpoint import (
     PROGRESS_THREAD_ENV,
     TransportUnavailable,
     apply_ucx_defaults,
+    host_memory,
     load_library,
 )
 
@@ -217,13 +223,20 @@ def bare_agent(role: str) -> Any:
     return lib.nixl_agent(f"bench-raw-{role}-{os.getpid()}-{time.monotonic_ns()}", config)
 
 
-def raw_area(memory: str, num_bytes: int) -> torch.Tensor:
+def raw_area(memory: str, num_bytes: int, pages: str = "huge") -> torch.Tensor:
     """Zeroed bytes where a raw NIXL agent registers them: host memory (``DRAM``) or the GPU's
-    (``VRAM``: ``benchmarks/nixl_gpu_rtt.py``)."""
-    return torch.zeros(num_bytes, dtype=torch.uint8, device="cuda" if memory == "VRAM" else "cpu")
+    (``VRAM``: ``benchmarks/nixl_gpu_rtt.py``). Host memory is the transport's own
+    (``host_memory``: on huge pages where the kernel gives them), or ``pages`` "4k": plain pages."""
+    if memory == "VRAM":
+        return torch.zeros(num_bytes, dtype=torch.uint8, device="cuda")
+    if pages == "4k":
+        return torch.zeros(num_bytes, dtype=torch.uint8)
+    return torch.from_numpy(host_memory(num_bytes))
 
 
-def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int, memory: str = "DRAM") -> None:
+def nixl_raw_echo(
+    offer_path: Path, handle_path: Path, max_bytes: int, memory: str = "DRAM", pages: str = "huge"
+) -> None:
     """NIXL's own round trip, far side: a bare agent that WRITEs back what it was written.
 
     A notification ``<n>`` says n bytes arrived at the start of this agent's buffer (in
@@ -231,7 +244,7 @@ def nixl_raw_echo(offer_path: Path, handle_path: Path, max_bytes: int, memory: s
     One that starts with ``NOTIFY_MARK`` is sent back as it came, as a notification.
     Busy-polls for ``RAW_SPIN_S`` after each message, then sleeps between polls (``RAW_SLEEP_S``)."""
     agent = bare_agent("echo")
-    buffer = raw_area(memory, max_bytes)
+    buffer = raw_area(memory, max_bytes, pages)
     base = buffer.data_ptr()
     agent.register_memory([(base, max_bytes, 0, "")], memory)
     offer = read_json(offer_path)
@@ -286,10 +299,10 @@ class RawNixl:
     """NIXL's own round trip, near side: a bare agent with a send area and an answer area, both
     in ``memory`` (``DRAM`` or ``VRAM``)."""
 
-    def __init__(self, max_bytes: int, memory: str = "DRAM") -> None:
+    def __init__(self, max_bytes: int, memory: str = "DRAM", pages: str = "huge") -> None:
         self.agent = bare_agent("client")
         self.kind = memory
-        self.area = raw_area(memory, 2 * max_bytes)  # [send area | answer area]
+        self.area = raw_area(memory, 2 * max_bytes, pages)  # [send area | answer area]
         self.send_address = self.area.data_ptr()
         self.answer_address = self.send_address + max_bytes
         self.max_bytes = max_bytes
@@ -482,18 +495,18 @@ def connect_nixl(pending: Pending, capacity: int, server_device: str = "cpu") ->
 
 
 def start_raw_echo(
-    started: Echoes, tag: str, max_bytes: int, ucx_tls: str | None, memory: str = "DRAM"
+    started: Echoes, tag: str, max_bytes: int, ucx_tls: str | None, memory: str = "DRAM", pages: str = "huge"
 ) -> Pending:
     env = {} if ucx_tls is None else {"UCX_TLS": ucx_tls}
-    return Pending(started, tag, "--nixl-raw-echo", (max_bytes, memory), env)
+    return Pending(started, tag, "--nixl-raw-echo", (max_bytes, memory, pages), env)
 
 
-def connect_raw(pending: Pending, max_bytes: int, memory: str = "DRAM") -> RawNixl:
+def connect_raw(pending: Pending, max_bytes: int, memory: str = "DRAM", pages: str = "huge") -> RawNixl:
     """A bare client agent here, made with the echo's ``UCX_*`` settings, connected to it."""
     saved = {key: os.environ.get(key) for key in pending.env}
     os.environ.update(pending.env)  # UCX reads its settings when the agent's context is made
     try:
-        raw = RawNixl(max_bytes, memory)
+        raw = RawNixl(max_bytes, memory, pages)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -532,6 +545,7 @@ def main() -> None:
             pending_raws = {
                 "nixl_raw": start_raw_echo(started, "raw", max_bytes, None),
                 "nixl_raw_ucx_tcp": start_raw_echo(started, "raw-tcp", max_bytes, "tcp"),
+                "nixl_raw_4k": start_raw_echo(started, "raw-4k", max_bytes, None, pages="4k"),
             }
             handles = read_json(ready_path, echo)
             for name in ("shm", "tcp"):
@@ -539,7 +553,10 @@ def main() -> None:
             channels["nixl"] = connect_nixl(pending_nixl, capacity)
             fixed_spin = connect_nixl(pending_fixed, capacity)
             fixed_spin._learn = lambda took_s: None  # never learns its server's pace: spins SPIN_S
-            raws = {name: connect_raw(pending, max_bytes) for name, pending in pending_raws.items()}
+            raws = {
+                name: connect_raw(pending, max_bytes, pages="4k" if name.endswith("_4k") else "huge")
+                for name, pending in pending_raws.items()
+            }
             raw = socket.create_connection(("127.0.0.1", handles["raw_port"]), timeout=30)
             tune(raw)
             results = run(channels, fixed_spin, raws, raw, parent_end, args.quick)
@@ -673,6 +690,8 @@ def run(
             row["nixl_over_raw"] = row["nixl_us"] / row["nixl_raw_us"]
             row["nixl_over_tcp"] = row["nixl_us"] / row["tcp_us"]
             row["nixl_in_place_over_raw"] = row["nixl_in_place_us"] / row["nixl_raw_us"]
+            row["raw_over_raw_4k"] = row["nixl_raw_us"] / row["nixl_raw_4k_us"]
+            row["nixl_in_place_over_raw_4k"] = row["nixl_in_place_us"] / row["nixl_raw_4k_us"]
             row["nixl_in_place_over_tcp_in_place"] = row["nixl_in_place_us"] / row["tcp_in_place_us"]
             row["nixl_fixed_spin_over_tcp_in_place"] = (
                 row["nixl_fixed_spin_in_place_us"] / row["tcp_in_place_us"]
@@ -743,15 +762,17 @@ def report(results: list[dict[str, Any]], args: Any) -> None:
     print("the same round trips as the attention client drives them: x gathered into the channel's "
           "staging area (shm, nixl), the answer used where it landed (no copy out)")  # fmt: skip
     print(f"{'T':>5} {'H':>5} | {'shm':>9} {'tcp':>9} {'nixl':>9} {'fixed spin':>10} | {'nixl raw':>9} "
-          f"{'raw notify':>10} | {'nixl/raw':>8} {'nixl/tcp':>8} {'fixed/tcp':>9}")  # fmt: skip
+          f"{'raw notify':>10} {'raw 4K':>9} | {'nixl/raw':>8} {'nixl/tcp':>8} {'fixed/tcp':>9} "
+          f"{'raw/4K':>6} {'nixl/4K':>7}")  # fmt: skip
     for r in results:
         notify = f"{r['nixl_raw_notify_us']:>10.1f}" if "nixl_raw_notify_us" in r else f"{'-':>10}"
         print(
             f"{r['tokens']:>5} {r['hidden']:>5} | {r['shm_in_place_us']:>9.1f} {r['tcp_in_place_us']:>9.1f} "
             f"{r['nixl_in_place_us']:>9.1f} {r['nixl_fixed_spin_in_place_us']:>10.1f} | "
-            f"{r['nixl_raw_us']:>9.1f} {notify} | "
+            f"{r['nixl_raw_us']:>9.1f} {notify} {r['nixl_raw_4k_us']:>9.1f} | "
             f"{r['nixl_in_place_over_raw']:>8.2f} {r['nixl_in_place_over_tcp_in_place']:>8.2f} "
-            f"{r['nixl_fixed_spin_over_tcp_in_place']:>9.2f}"
+            f"{r['nixl_fixed_spin_over_tcp_in_place']:>9.2f} {r['raw_over_raw_4k']:>6.2f} "
+            f"{r['nixl_in_place_over_raw_4k']:>7.2f}"
         )
     print()
     print(f"nixl at H={NIXL_HIDDEN}, with and without NIXL's progress thread in the echo process "
@@ -804,6 +825,6 @@ if __name__ == "__main__":
             Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
         )
     elif mode == "--nixl-raw-echo":
-        nixl_raw_echo(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        nixl_raw_echo(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
     else:
         main()

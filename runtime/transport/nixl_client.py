@@ -66,6 +66,7 @@ from eaas.runtime.transport.nixl_endpoint import (
     decode,
     encode,
     frame_length,
+    host_memory,
     notice,
 )
 from eaas.runtime.transport.polling import pause
@@ -156,7 +157,7 @@ def _take_areas(endpoint: Endpoint, memory: Memory, stride: int) -> _Areas:
         buffer = torch.zeros(2 * stride, dtype=torch.uint8, device=f"cuda:{memory.device}")
         base = int(buffer.data_ptr())
     else:
-        buffer = np.zeros(2 * stride, dtype=np.uint8)
+        buffer = host_memory(2 * stride)  # (on huge pages)
         base = int(buffer.ctypes.data)
     registrations = [endpoint.register(base, stride, memory)]
     try:

@@ -79,6 +79,7 @@ from eaas.runtime.transport.nixl_endpoint import (
     decode,
     encode,
     frame_length,
+    host_memory,
     notice,
 )
 from eaas.runtime.transport.polling import PollingWaiter
@@ -126,7 +127,7 @@ class NixlServerTransport(ServerTransport):
         # process and the GPU memory of another stages the bytes: on one H200 node ~190x slower
         # than GPU to GPU at 512 tokens, docs/benchmarks.md). Host memory is cheap; the GPU's is
         # not doubled.
-        self.host_arena = np.zeros(options.max_clients * self.stride, dtype=np.uint8)
+        self.host_arena = host_memory(options.max_clients * self.stride)  # (on huge pages)
         self.gpu: Memory | None = None
         self.gpu_arena: torch.Tensor | None = None
         device = torch.device(options.device)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from datapath_helpers import in_process_servers
@@ -44,12 +45,14 @@ from eaas.runtime.transport.nixl_client import (
     spin_for,
 )
 from eaas.runtime.transport.nixl_endpoint import (
+    HUGE_PAGE_BYTES,
     INLINE_BYTES,
     UCX_DEFAULTS,
     Memory,
     Notice,
     encode,
     frame_length,
+    host_memory,
     notice,
     transfer_length,
     transfer_lengths,
@@ -142,6 +145,31 @@ def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def vma_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping of this process that holds ``address``."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(part, 16) for part in head.split("-"))
+            if start <= address < end:
+                flags = next(rest for rest in lines[i + 1 :] if rest.startswith("VmFlags:"))
+                return flags.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_host_memory_is_zeroed_and_starts_on_a_huge_page_that_the_kernel_is_asked_for() -> None:
+    size = 3 * HUGE_PAGE_BYTES + 4096
+    area = host_memory(size)
+    assert area.dtype == np.uint8 and area.size == size and area.flags.writeable and not area.any()
+    assert area.ctypes.data % HUGE_PAGE_BYTES == 0
+    area[-1] = 7  # all of it is ours
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():  # a kernel with huge pages
+        assert "hg" in vma_flags(area.ctypes.data)  # MADV_HUGEPAGE
+    small = host_memory(4096)  # below a huge page: plain memory
+    assert small.size == 4096 and not small.any()
 
 
 def test_transfer_lengths_cover_every_frame_with_little_waste() -> None:
