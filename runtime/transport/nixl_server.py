@@ -100,6 +100,8 @@ class _Slot:
     generation: int
     writes: TransferSet  # slot -> the client's answer area
     memory: Memory  # where the slot's payload is: host memory, or GPU memory for a client in GPU memory
+    buffer: memoryview  # the slot's host-memory part (``_slot_buffer``)
+    payload: memoryview | torch.Tensor | None  # ``Request.payload`` (``_payload``)
     inline_bytes: int = 0  # frames up to this size travel in the notices, both ways (nixl_endpoint)
     requests: int = 0
     state: SlotState = SlotState.IDLE
@@ -178,14 +180,14 @@ class NixlServerTransport(ServerTransport):
             return self.control.data[slot * CONTROL_STRIDE : (slot + 1) * CONTROL_STRIDE]
         return self.host_arena.data[slot * self.stride : (slot + 1) * self.stride]
 
-    def _payload(self, slot: int, info: _Slot) -> memoryview | torch.Tensor | None:
+    def _payload(self, slot: int, split: bool, memory: Memory) -> memoryview | torch.Tensor | None:
         """Where a split slot's request is read and its answer written (``Request.payload``); None
         for whole frames (the slot buffer's payload, the default)."""
         start = slot * self.stride + PAYLOAD_OFFSET
-        if info.memory.kind == "VRAM":
+        if memory.kind == "VRAM":
             assert self.gpu_arena is not None
             return self.gpu_arena[start : start + self.capacity_bytes]
-        if info.split:
+        if split:
             return self.host_arena.data[start : start + self.capacity_bytes]
         return None
 
@@ -251,7 +253,11 @@ class NixlServerTransport(ServerTransport):
             self._reserved.discard(slot)
             self._generations[slot] += 1
             self._clear(slot, memory)
-            self._slots[slot] = _Slot(client_id, peer, self._generations[slot], writes, memory, inline)
+            buffer = self._slot_buffer(slot, split)
+            payload = self._payload(slot, split, memory)
+            self._slots[slot] = _Slot(
+                client_id, peer, self._generations[slot], writes, memory, buffer, payload, inline
+            )
             self._released.pop(slot, None)
             self._ready = [s for s in self._ready if s != slot]
         registration = self._registrations[(memory.kind, slot)]
@@ -344,12 +350,12 @@ class NixlServerTransport(ServerTransport):
                         if not self._inline_fits(info, tail):
                             self.refused_notices += 1
                             continue
-                        self._slot_buffer(slot, False)[HEADER_OFFSET : HEADER_OFFSET + len(tail)] = tail
+                        info.buffer[HEADER_OFFSET : HEADER_OFFSET + len(tail)] = tail
                     elif len(tail) != (HEADER_SIZE if info.split else 0):
                         self.refused_notices += 1  # a request without its header (or with one too many)
                         continue
                     elif info.split:
-                        self._slot_buffer(slot, True)[HEADER_OFFSET : HEADER_OFFSET + HEADER_SIZE] = tail
+                        info.buffer[HEADER_OFFSET : HEADER_OFFSET + HEADER_SIZE] = tail
                     info.state = SlotState.REQUEST_READY
                     self._ready.append(slot)
                 elif kind is Notice.BYE:
@@ -382,10 +388,8 @@ class NixlServerTransport(ServerTransport):
                 if info is None:
                     continue
                 info.requests += 1
-                buffer = self._slot_buffer(slot, info.split)
-                header = SlotHeader.unpack_from(buffer, HEADER_OFFSET)
-                payload = self._payload(slot, info)
-                requests.append(Request(self.name, slot, info.generation, header, buffer, payload))
+                header = SlotHeader.unpack_from(info.buffer, HEADER_OFFSET)
+                requests.append(Request(self.name, slot, info.generation, header, info.buffer, info.payload))
         return requests
 
     def wait(self, timeout_s: float) -> None:
