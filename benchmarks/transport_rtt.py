@@ -226,7 +226,9 @@ def bare_agent(role: str) -> Any:
 def raw_area(memory: str, num_bytes: int, pages: str = "huge") -> torch.Tensor:
     """Zeroed bytes where a raw NIXL agent registers them: host memory (``DRAM``) or the GPU's
     (``VRAM``: ``benchmarks/nixl_gpu_rtt.py``). Host memory is the transport's own
-    (``host_memory``: on huge pages where the kernel gives them), or ``pages`` "4k": plain pages."""
+    (``host_memory``: on huge pages where the kernel gives them), or ``pages`` "4k": ``torch.zeros``,
+    4 KiB pages where the kernel gives huge pages only on request (``madvise``, as here; with
+    ``always`` these may be huge pages too)."""
     if memory == "VRAM":
         return torch.zeros(num_bytes, dtype=torch.uint8, device="cuda")
     if pages == "4k":

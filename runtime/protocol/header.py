@@ -79,8 +79,8 @@ def dtype_code(dtype: torch.dtype) -> DType:
 
 
 class SlotHeader(NamedTuple):
-    """A header's fields. A named tuple: made ~12x faster than a frozen dataclass (0.4 µs against
-    5 µs here, four times a round trip), and as immutable."""
+    """A header's fields. A named tuple, as immutable as a frozen dataclass and cheaper, four times
+    a round trip: made in 0.4 µs against 2.1, unpacked in 1.1 µs against 5.1 (warm, 2-core VM)."""
 
     kind: int
     dtype: int
