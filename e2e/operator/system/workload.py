@@ -386,7 +386,8 @@ def gap_story(outcomes: list[Outcome], start: float, end: float, struck: float) 
     what = "the first chunk" if chunk == 0 else f"chunk {chunk + 1}"
     if chunk == 0 and outcome.connected:  # the TCP connect through the Service, then the answer
         what += f" (connected after {outcome.connected - outcome.started:.2f} s)"
-    return f"{worst:.2f} s for {what} of a request, ending {when - struck:+.1f} s from the strike"
+    by = ", ".join(sorted(str(r) for r in outcome.revisions)) or "no revision yet"
+    return f"{worst:.2f} s for {what} of a request ({by}), ending {when - struck:+.1f} s from the strike"
 
 
 @dataclass
