@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.decoder import Decoder
 from eaas.runtime.serving.blocks import BlockAllocator
 from eaas.runtime.serving.grammar import allowed_tokens, first_line
@@ -66,10 +67,7 @@ class Engine:
         self.decoder = decoder
         self.options = o = options or EngineOptions()
         config = decoder.config
-        per_block = KVPool.bytes_per_block(config, o.block_size, decoder.side.dtype)
-        num_blocks = o.kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={o.kv_cache_bytes} holds no block of {per_block} bytes")
+        num_blocks = self.pool_blocks(config, o, decoder.side.dtype)
         self.pool = KVPool(config, num_blocks, o.block_size, dtype=decoder.side.dtype)
         self.allocator = BlockAllocator(num_blocks, o.block_size, o.prefix_caching)
         self.scheduler = Scheduler(self.allocator, o.max_batch_tokens, o.max_seqs)
@@ -77,6 +75,15 @@ class Engine:
         self._generators: dict[int, torch.Generator] = {}
         self._counts: dict[int, torch.Tensor] = {}
         self.last_step_sequences = 0  # sequences in the most recent step
+
+    @staticmethod
+    def pool_blocks(config: MoEConfig, options: EngineOptions, dtype: torch.dtype) -> int:
+        """The KV blocks ``options.kv_cache_bytes`` holds (ValueError: not one)."""
+        per_block = KVPool.bytes_per_block(config, options.block_size, dtype)
+        num_blocks = options.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={options.kv_cache_bytes} holds no block of {per_block} bytes")
+        return num_blocks
 
     @property
     def max_sequence_tokens(self) -> int:

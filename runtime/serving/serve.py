@@ -59,11 +59,15 @@ from eaas.runtime.serving.http_api import (
     unknown_model,
 )
 from eaas.runtime.serving.metrics import AttentionMetrics
+from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.reasoning import reasoning_style
+from eaas.runtime.serving.sampling import SamplingParams
 from eaas.runtime.serving.tools import parse_tools, tool_format
 from eaas.runtime.transport import RemoteError
 
 log = logging.getLogger("eaas.client.serve")
+
+_WARM_UP_PROMPT = 16  # tokens: a prefill step and a decode step, routed to most experts
 
 Discovery = Callable[[Placement], dict[int, str]]  # placement -> {ordinal: control-port URL}
 
@@ -157,6 +161,7 @@ class AttentionService:
             o.default_max_tokens,
         )
         self.decoder: Decoder | None = None  # owned by the scheduler's worker thread
+        self.engine: Engine | None = None  # continuous batching: the worker's, over the decoder
         self.experts: RemoteExperts | None = None
         self._counts_before = (0, 0)  # failovers and rejoins of the placements swapped out
         self.placement: Placement | None = None
@@ -175,6 +180,8 @@ class AttentionService:
         self.metrics = AttentionMetrics(o.model_name)
         if o.batching not in ("continuous", "static"):
             raise ValueError(f"batching: must be 'continuous' or 'static', got {o.batching!r}")
+        if o.batching == "continuous":  # refused here, not when the first placement makes the engine
+            Engine.pool_blocks(self.config, self._engine_options(o.kv_cache_bytes), self.side.dtype)
         self.worker: EngineWorker | None = None
         self.scheduler: BatchScheduler | None = None
         self.completions: Completions | None = None
@@ -350,7 +357,13 @@ class AttentionService:
             placement, experts = ready
             old = self.experts
             if self.decoder is None:
+                # All a first request would otherwise wait for, made before the placement is
+                # published (so before the pod reports ready): the KV pool, the first forward.
                 self.decoder = Decoder(self.side, experts)
+                if self.worker is not None:
+                    self.engine = Engine(self.decoder, self._engine_options(self.options.kv_cache_bytes))
+                self._warm_up(self.decoder)
+                self._stepped = (experts, experts.counters.expert_seconds)  # the steps' own from here
             else:
                 self.decoder.experts = experts
             with self._lock:  # the counters stay monotonic across the swap (``_failover_counts``)
@@ -367,6 +380,28 @@ class AttentionService:
                 ).start()
         if self.experts is not None:
             self.experts.refresh()
+
+    def _warm_up(self, decoder: Decoder) -> None:
+        """One short generation through a throwaway engine before the first placement is served
+        (so before the pod reports ready): the first forward of a process pays for torch's first
+        calls, the pages of the weights and the expert servers' first requests from this client,
+        and without it the first requests a new pod takes wait for that. Best effort: a failure
+        (an expert server down) is logged, and the requests then pay for it as before."""
+        started = time.monotonic()
+        vocab = self.config.vocab_size
+        prompt = [i % vocab for i in range(_WARM_UP_PROMPT)]
+        try:  # its own engine, so the worker's starts with an empty cache and counters at 0
+            blocks = -(-(len(prompt) + 2) // self.options.block_size)
+            per_block = KVPool.bytes_per_block(self.config, self.options.block_size, decoder.side.dtype)
+            engine = Engine(decoder, self._engine_options(blocks * per_block))
+            engine.add(prompt, SamplingParams(max_tokens=2))
+            while engine.has_work():
+                engine.step()
+        except Exception as exc:
+            log.warning("warm-up failed after %.2f s: %s", time.monotonic() - started, exc)
+            return
+        seconds = time.monotonic() - started
+        log.info("warm-up: %d tokens through the model and its experts in %.2f s", len(prompt) + 1, seconds)
 
     # --- the ApiTarget ---------------------------------------------------------------------------
     @property
@@ -581,19 +616,17 @@ class AttentionService:
         return tokens, self.tokenizer.decode(tokens), False
 
     def _engine_for(self) -> Engine | None:
-        """The engine over the decoder, once the first placement made one (worker thread)."""
-        if self.decoder is None:
-            return None
+        """The worker's engine, once the first placement made one (``_housekeeping``)."""
+        return self.engine
+
+    def _engine_options(self, kv_cache_bytes: int) -> EngineOptions:
         o = self.options
-        return Engine(
-            self.decoder,
-            EngineOptions(
-                kv_cache_bytes=o.kv_cache_bytes,
-                block_size=o.block_size,
-                max_batch_tokens=o.max_batch_tokens,
-                max_seqs=o.max_batch_size,
-                prefix_caching=o.prefix_caching,
-            ),
+        return EngineOptions(
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=o.block_size,
+            max_batch_tokens=o.max_batch_tokens,
+            max_seqs=o.max_batch_size,
+            prefix_caching=o.prefix_caching,
         )
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -454,6 +454,35 @@ def test_static_batching_stays_selectable(
             assert status == 400 and answer["error"]["param"] == field, answer
 
 
+def test_ready_only_once_the_kv_cache_is_made_and_a_forward_went_through(
+    checkpoint: Path, cluster: LocalCluster, tmp_path: Path, reference: Decoder
+) -> None:
+    """A new pod's first requests wait neither for its KV cache's allocation nor for the first
+    forward of its process: both happen before it reports ready, and the warm-up leaves the
+    serving engine's cache and counters as a request would find them on a fresh engine."""
+    options = ServeOptions(
+        host="127.0.0.1", port=0, placement_poll_s=0.05, client=ClientOptions(transport="tcp")
+    )
+    placement_file = tmp_path / "placement.json"  # committed after the start, as by the operator
+    with AttentionService(checkpoint, placement_file, static_discovery(cluster.urls), options) as late:
+        assert http("GET", f"{late.url}/readyz")[0] == 503 and late.engine is None
+        placement_file.write_text(cluster.placement_path.read_text())
+        wait_for(lambda: late.readiness()[0], 30, "the placement to be read")
+        engine, experts = late.engine, late.experts
+        assert engine is not None and experts is not None
+        assert experts.counters.requests > 0  # the warm-up went through the expert servers
+        assert engine.kv_usage == 0 and engine.allocator.queries == 0 and not engine.has_work()
+        status, body = http(
+            "POST", f"{late.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0}
+        )
+        assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
+        assert engine.allocator.queries == 2 and late.worker is not None and late.worker.engine is engine
+    discovery = static_discovery(cluster.urls)
+    with AttentionService(checkpoint, cluster.placement_path, discovery, options) as early:
+        # a placement there at the start: ready as soon as start() returns
+        assert early.readiness()[0] and early.engine is not None and early.engine.allocator.queries == 0
+
+
 def test_readyz_follows_the_expert_servers(
     service: AttentionService, cluster: LocalCluster, reference: Decoder
 ) -> None:
