@@ -489,6 +489,7 @@ class Container:
     backoff_until: float = 0.0
     readiness: Probe | None = None
     liveness: Probe | None = None
+    startup: Probe | None = None  # until it succeeds, the other two wait (the kubelet's rule)
     done: bool = False  # exited and will not be restarted
     exit_code: int | None = None
 
@@ -897,7 +898,8 @@ class PodWorker(threading.Thread):
         container.ready = False
         container.readiness = Probe(spec["readinessProbe"]) if spec.get("readinessProbe") else None
         container.liveness = Probe(spec["livenessProbe"]) if spec.get("livenessProbe") else None
-        for probe in (container.readiness, container.liveness):
+        container.startup = Probe(spec["startupProbe"]) if spec.get("startupProbe") else None
+        for probe in (container.readiness, container.liveness, container.startup):
             if probe is not None:
                 probe.next_at = container.started_mono + float(probe.spec.get("initialDelaySeconds", 0))
         if container.readiness is None:
@@ -982,7 +984,13 @@ class PodWorker(threading.Thread):
 
     def _probe(self, container: Container) -> None:
         moment = time.monotonic()
-        for probe, kind in ((container.liveness, "Liveness"), (container.readiness, "Readiness")):
+        startup = container.startup
+        probes: list[tuple[Probe | None, str]]
+        if startup is not None and not startup.ok:
+            probes = [(startup, "Startup")]
+        else:
+            probes = [(container.liveness, "Liveness"), (container.readiness, "Readiness")]
+        for probe, kind in probes:
             if probe is None or moment < probe.next_at:
                 continue
             period = float(probe.spec.get("periodSeconds", 10))
@@ -1000,9 +1008,13 @@ class PodWorker(threading.Thread):
                     probe.ok = False
             if kind == "Readiness":
                 container.ready = bool(probe.ok)
+            elif kind == "Startup" and probe.ok:  # the others start now, each after its own delay
+                for other in (container.liveness, container.readiness):
+                    if other is not None:
+                        other.next_at = moment + float(other.spec.get("initialDelaySeconds", 0))
             elif probe.ok is False:
                 self.runner.event(
-                    self.pod, "Warning", "Unhealthy", f"Liveness probe failed: {detail}; restarting"
+                    self.pod, "Warning", "Unhealthy", f"{kind} probe failed: {detail}; restarting"
                 )
                 self._dump_stacks(container)
                 grace = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
@@ -1037,6 +1049,7 @@ class PodWorker(threading.Thread):
 
     # status -------------------------------------------------------------------------------------
     def _container_status(self, container: Container) -> dict[str, Any]:
+        startup = container.startup
         state: dict[str, Any]
         if container.process is not None:
             state = {"running": {"startedAt": container.started_at}}
@@ -1050,7 +1063,7 @@ class PodWorker(threading.Thread):
             "image": container.spec.get("image", ""),
             "imageID": "",
             "ready": container.ready and container.process is not None,
-            "started": container.process is not None,
+            "started": container.process is not None and (startup is None or bool(startup.ok)),
             "restartCount": container.restarts,
             "state": state,
         }

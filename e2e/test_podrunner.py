@@ -124,6 +124,43 @@ ALLOCATABLE = {"cpu": "64", "memory": "512Gi"}
 CONTAINER = {"resources": {"requests": {"cpu": "500m", "memory": "1.5Gi"}, "limits": {"cpu": "2100m"}}}
 
 
+def _slow_web_pod(name: str, delay_s: float, startup_failures: int) -> dict[str, Any]:
+    """A web server that listens only after `delay_s` (a process loading its weights), with a
+    liveness probe that would restart it long before that, and a startup probe."""
+    pod = _web_pod(name)
+    container = pod["spec"]["containers"][0]
+    container["command"][-1] = f"import time; time.sleep({delay_s}); " + container["command"][-1]
+    get = {"path": "/", "port": 8080}
+    container["livenessProbe"] = {"httpGet": get, "periodSeconds": 1, "failureThreshold": 2}
+    container["startupProbe"] = {"httpGet": get, "periodSeconds": 1, "failureThreshold": startup_failures}
+    return pod
+
+
+def test_a_startup_probe_holds_the_liveness_probe_until_it_passes(runner_cluster: Cluster) -> None:
+    """As the kubelet does: a slow start within the startup probe's budget is not restarted by
+    the liveness probe, and reports started and Ready once it serves; one past the budget is
+    restarted."""
+    core = runner_cluster.core
+    with runner_cluster.namespace("startup") as namespace:
+        core.create_namespaced_pod(namespace, _slow_web_pod("slow", 6, 30))
+        core.create_namespaced_pod(namespace, _slow_web_pod("stuck", 600, 3))
+
+        def status(name: str) -> Any:
+            return core.read_namespaced_pod(name, namespace).status
+
+        def restarted(name: str) -> bool:
+            statuses = status(name).container_statuses or []
+            return bool(statuses) and statuses[0].restart_count >= 1
+
+        wait_until(lambda: _condition(status("slow").conditions, "Ready") == "True", 60, "the slow pod Ready")
+        container = status("slow").container_statuses[0]
+        assert container.started and container.restart_count == 0, container
+        wait_until(lambda: restarted("stuck"), 60, "the stuck pod restarted by its startup probe")
+        assert not status("stuck").container_statuses[0].ready
+        events = core.list_namespaced_event(namespace).items
+        assert any("Startup probe failed" in (e.message or "") for e in events), [e.message for e in events]
+
+
 @pytest.mark.parametrize(
     ("resource", "divisor", "value"),
     [

@@ -233,6 +233,11 @@ class PodSettings(CRDModel):
     """How long a pod that is deleted, evicted or drained may take to leave. An expert server
     serves on until its experts are re-homed and its clients moved (it exits sooner when done); an
     attention client finishes its in-flight requests. Both keep 5 s of it for their exit."""
+    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
+    """How long a pod's process may take to start serving: loading its weights (an expert server
+    also runs each of its experts once), before its liveness and readiness probes begin (a
+    ``startupProbe`` on ``/healthz``). A container that does not answer within it is restarted.
+    Size it for the slowest load of the checkpoint from its volume."""
 
 
 class HeartbeatSpec(CRDModel):

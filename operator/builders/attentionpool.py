@@ -22,6 +22,7 @@ from eaas.operator.builders.common import (
     scheduling,
     scratch_volume,
     service_of,
+    startup_probe,
     ucx_env,
     volume_mounts,
 )
@@ -77,6 +78,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "readinessProbe": http_probe("/readyz", "http", spec.heartbeat.interval_seconds, 3),
         "livenessProbe": http_probe("/healthz", "http", max(spec.heartbeat.interval_seconds, 5), 6),
+        "startupProbe": startup_probe(spec, "http", spec.heartbeat.interval_seconds),
         "resources": resources(spec, spec.gpus_per_pod),
         "volumeMounts": volume_mounts(),
         "securityContext": container_security_context(),

@@ -17,7 +17,7 @@ from eaas.operator.api.common import HeartbeatSpec, ModelSpec, PodSettings, UCXS
 Body = Mapping[str, Any]  # an object as the API returns it (camelCase dict)
 
 # Bump when the operator changes the pods it builds, so existing pods are rolled.
-POD_TEMPLATE_REVISION = 1
+POD_TEMPLATE_REVISION = 2
 
 
 def owned(obj: dict[str, Any], owner: Body) -> dict[str, Any]:
@@ -258,6 +258,14 @@ def scheduling(settings: PodSettings, service: str) -> dict[str, Any]:
                 if toleration.get(key) == "":
                     del toleration[key]
     return spec
+
+
+def startup_probe(settings: PodSettings, port: str, period: int) -> dict[str, Any]:
+    """``/healthz`` every `period` (the readiness probe's, so a pod is Ready as soon as before)
+    for ``startupTimeoutSeconds``: the process answers it once it has loaded its weights; the
+    kubelet holds the liveness and readiness probes until then."""
+    failures = -(-settings.startup_timeout_seconds // period)
+    return http_probe("/healthz", port, period, failures)
 
 
 def http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:

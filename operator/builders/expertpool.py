@@ -24,6 +24,7 @@ from eaas.operator.builders.common import (
     scheduling,
     scratch_volume,
     service_of,
+    startup_probe,
     ucx_env,
     volume_mounts,
 )
@@ -123,6 +124,7 @@ def pod(pool: Body, spec: ExpertPoolSpec, ordinal: int) -> dict[str, Any]:
         ],
         "readinessProbe": http_probe("/readyz", "control", spec.heartbeat.interval_seconds, 3),
         "livenessProbe": http_probe("/healthz", "control", max(spec.heartbeat.interval_seconds, 5), 6),
+        "startupProbe": startup_probe(spec, "control", spec.heartbeat.interval_seconds),
         "resources": resources(spec, spec.gpus_per_pod),
         "volumeMounts": volume_mounts(),
         "securityContext": container_security_context(),

@@ -396,6 +396,31 @@ def test_expert_disruption_budget_never_lets_a_drain_take_the_last_replica(
     assert budget["metadata"]["ownerReferences"][0]["uid"] == pool_body["metadata"]["uid"]
 
 
+def test_pods_have_their_startup_timeout_before_liveness_probes_begin(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
+) -> None:
+    """A process that loads a large checkpoint answers /healthz only once loaded: without a
+    startup probe the liveness probe (6 x 5 s) would restart it in a loop."""
+    pool = moeservice.attention_pool(moes_body, moes_spec)
+    pool["metadata"]["uid"] = "attention-uid"
+    attention = AttentionPoolSpec.from_k8s(pool["spec"])
+    template = attentionpool.deployment(pool, attention)["spec"]["template"]
+    for spec, container, port in (
+        (pool_spec, expertpool.pod(pool_body, pool_spec, 0)["spec"]["containers"][0], "control"),
+        (attention, template["spec"]["containers"][0], "http"),
+    ):
+        startup, readiness = container["startupProbe"], container["readinessProbe"]
+        assert startup["httpGet"] == {"path": "/healthz", "port": port}
+        assert startup["periodSeconds"] == readiness["periodSeconds"] == spec.heartbeat.interval_seconds == 2
+        assert startup["periodSeconds"] * startup["failureThreshold"] == spec.startup_timeout_seconds == 1800
+    slow = pool_spec.model_copy(update={"startup_timeout_seconds": 3601})
+    startup = expertpool.pod(pool_body, slow, 0)["spec"]["containers"][0]["startupProbe"]
+    assert startup["failureThreshold"] == 1801  # rounded up: never less than asked for
+    assert expertpool.template_hash(slow) != expertpool.template_hash(pool_spec)
+    with pytest.raises(ValueError, match=r"startup_?[tT]imeout_?[sS]econds"):
+        ExpertPoolSpec.from_k8s({**pool_spec.to_k8s(), "startupTimeoutSeconds": 5})
+
+
 def test_pods_get_their_grace_period_and_serve_through_most_of_it(
     moes_body: dict[str, Any], moes_spec: MoEServiceSpec, pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
 ) -> None:
