@@ -15,7 +15,10 @@ Placement: the placement file is read at start and re-read every ``placement_pol
 may be missing at first (the operator commits the first placement once every expert server is
 ready); until one is read the service answers 503. When the file changes, a new ``RemoteExperts``
 is built and connected beside the old one and swapped in between two batches (a batch in flight
-finishes on the placement it started with); the old one's slots are then released.
+finishes on the placement it started with); the old one's slots are then released. Before the
+first placement is published, and so before ``/readyz`` says ready, the paged KV cache is
+allocated and one short generation warms the model and the expert servers (``_warm_up``): a new
+pod's first requests wait for neither.
 
 Discovery: expert-server URLs come from an explicit ``{ordinal: url}`` map, or from the headless
 Service of the expert pool: ordinal ``n`` of pool ``p`` is ``http://p-n.<service>:<port>``
