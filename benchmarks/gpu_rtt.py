@@ -55,7 +55,7 @@ def echo_server() -> None:
                 response = SlotHeader(
                     FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size
                 )
-                transport.respond(request, response)
+                transport.respond(request, lambda response=response: response)
             if time.monotonic() > next_reap:
                 next_reap = time.monotonic() + 0.25
                 if transport.reap():

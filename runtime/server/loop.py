@@ -16,6 +16,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+
+import torch
 
 from eaas.runtime.model import ExpertStack
 from eaas.runtime.protocol import (
@@ -193,6 +196,9 @@ class ServerLoop:
                 jobs.append(self._validate(request))
             except ProtocolError as exc:
                 self._reject(request, exc)
+            except Exception as exc:  # a bug: answered all the same, or the slot would wait forever
+                log.exception("validating a %s request in slot %d failed", request.transport, request.slot)
+                self._reject(request, ProtocolError(Status.INTERNAL, f"validating the request failed: {exc}"))
         if jobs:
             self._compute(jobs)
         elapsed = time.perf_counter() - started
@@ -222,15 +228,15 @@ class ServerLoop:
         num_tokens = 0
         for job, y in zip(jobs, outputs, strict=True):
             h = job.request.header
-            assert job.request.payload is not None
             # Counted before the answer is published (sync-free, also on a GPU): a client that has
             # its answer finds it in /v1/stats. The Prometheus counters below may lag a batch.
             self.load.add(h.layer, job.expert_ids)
-            size = write_response(job.request.payload, y)
-            response = SlotHeader(
-                FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size
-            )
-            self._transport(job.request).respond(job.request, response)
+            try:
+                self._transport(job.request).respond(job.request, partial(_answer, job.request, y))
+            except Exception as exc:  # (one answer that cannot be written must not leave the others)
+                log.exception("answering a request in slot %d failed", job.request.slot)
+                self._reject(job.request, ProtocolError(Status.INTERNAL, f"writing the answer failed: {exc}"))
+                continue
             self.metrics.requests.labels(job.request.transport, Status.OK.name).inc()
             num_tokens += h.num_tokens
         entries = sum(int((job.groups >= 0).sum()) for job in jobs)  # after answering: may sync a GPU
@@ -241,14 +247,33 @@ class ServerLoop:
         self.metrics.batch_requests.observe(len(jobs))
 
     def _reject(self, request: Request, error: ProtocolError) -> None:
-        h = request.header
         log.debug("refused a %s request in slot %d: %s", request.transport, request.slot, error)
-        size = write_message(request.slot_buffer[PAYLOAD_OFFSET:], error.message)
-        response = SlotHeader(
-            FrameKind.RESPONSE, h.dtype & 0xFF, h.layer, 0, 0, h.hidden, h.seq, size, status=error.status
-        )
-        self._transport(request).respond(request, response)
+        try:
+            self._transport(request).respond(request, partial(_refusal, request, error))
+        except Exception:
+            log.exception(
+                "answering a %s request in slot %d with an error failed", request.transport, request.slot
+            )
+            return
         self.metrics.requests.labels(request.transport, error.status.name).inc()
 
     def _transport(self, request: Request) -> ServerTransport:
         return self._by_name[request.transport]
+
+
+def _answer(request: Request, y: torch.Tensor) -> SlotHeader:
+    """Writes y into the request's slot; its header (``ServerTransport.respond`` calls it, only while
+    the request's client still holds the slot)."""
+    h = request.header
+    assert request.payload is not None
+    size = write_response(request.payload, y)
+    return SlotHeader(FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size)
+
+
+def _refusal(request: Request, error: ProtocolError) -> SlotHeader:
+    """Writes ``error``'s message into the request's slot; its header (as ``_answer``)."""
+    h = request.header
+    size = write_message(request.slot_buffer[PAYLOAD_OFFSET:], error.message)
+    return SlotHeader(
+        FrameKind.RESPONSE, h.dtype & 0xFF, h.layer, 0, 0, h.hidden, h.seq, size, status=error.status
+    )

@@ -4,9 +4,9 @@ Server side (one per transport per expert server; used by the server loop thread
 ``attach``/``detach``/``slots`` which the control plane calls from its own thread):
 ``attach`` hands a client a slot and the handle it needs to reach it; ``poll`` returns requests
 whose frames are complete; ``wait`` blocks until one may be (a server offering several
-transports waits in one of them, which ``watch``es the others' ``wakeup_fd``); ``respond``
-publishes the response the loop wrote into the slot; ``reap`` releases slots of clients that
-disappeared (their slot goes ``OFFLINE``).
+transports waits in one of them, which ``watch``es the others' ``wakeup_fd``); ``respond`` has
+the loop write the response into the slot and publishes it, unless the slot changed hands since;
+``reap`` releases slots of clients that disappeared (their slot goes ``OFFLINE``).
 
 Client side: a ``Channel`` is one client's slot on one server. ``send`` writes a request,
 ``receive`` waits for its response. A transport whose server must know the client's memory
@@ -18,6 +18,7 @@ failures raise ``ChannelError``; an error status answered by the server raises `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -131,8 +132,12 @@ class ServerTransport(ABC):
         return False
 
     @abstractmethod
-    def respond(self, request: Request, header: SlotHeader) -> None:
-        """Publishes ``header`` and the payload already written into the slot."""
+    def respond(self, request: Request, answer: Callable[[], SlotHeader]) -> None:
+        """Publishes the answer to ``request`` if its client still holds the slot: ``answer()``
+        writes the payload (into ``request.payload``; an error's message into ``slot_buffer``) and
+        returns its header. It is called only then, with the slot held: a slot released while the
+        loop computed (its client left, timed out, was reaped) may already be its next holder's,
+        with that holder's request in it, which an answer for the one before must not overwrite."""
 
     @abstractmethod
     def reap(self) -> list[int]:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -399,14 +400,15 @@ class NixlServerTransport(ServerTransport):
         self._waiter.watch(fd)
         return True
 
-    def respond(self, request: Request, header: SlotHeader) -> None:
-        payload = request.payload
-        if header.status == Status.OK and isinstance(payload, torch.Tensor) and payload.is_cuda:
-            torch.cuda.current_stream(payload.device).synchronize()  # y written: NIXL may read it
-        with self._lock:
+    def respond(self, request: Request, answer: Callable[[], SlotHeader]) -> None:
+        with self._lock:  # (``attach`` gives a slot to its next holder under it)
             info = self._slots.get(request.slot)
             if info is None or info.generation != request.generation:
-                return  # the client left while we computed
+                return  # the client left while we computed: its answer is not written at all
+            header = answer()
+            payload = request.payload
+            if header.status == Status.OK and isinstance(payload, torch.Tensor) and payload.is_cuda:
+                torch.cuda.current_stream(payload.device).synchronize()  # y written: NIXL may read it
             header.pack_into(request.slot_buffer, HEADER_OFFSET)
             try:
                 tail, payload_bytes = b"", header.payload_bytes
@@ -417,11 +419,11 @@ class NixlServerTransport(ServerTransport):
                         tail, payload_bytes = tail + bytes(message), 0
                 elif payload_bytes > 0 and HEADER_SIZE + payload_bytes <= info.inline_bytes:
                     tail = bytes(request.slot_buffer[HEADER_OFFSET : PAYLOAD_OFFSET + payload_bytes])
-                answer = notice(Notice.ANSWER, request.slot, info.generation, header.seq, tail)
+                answered = notice(Notice.ANSWER, request.slot, info.generation, header.seq, tail)
                 if tail and not info.split:  # the whole frame is in the notice
-                    self.endpoint.notify(info.peer, answer)
+                    self.endpoint.notify(info.peer, answered)
                 else:
-                    info.writes.write_frame(payload_bytes, answer)
+                    info.writes.write_frame(payload_bytes, answered)
             except Exception as exc:
                 self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
                 return

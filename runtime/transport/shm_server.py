@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,11 +140,12 @@ class ShmServerTransport(ServerTransport):
         buffer = self.segment.slot(slot)
         return Request(self.name, slot, generation, SlotHeader.unpack_from(buffer, HEADER_OFFSET), buffer)
 
-    def respond(self, request: Request, header: SlotHeader) -> None:
-        with self._lock:
+    def respond(self, request: Request, answer: Callable[[], SlotHeader]) -> None:
+        with self._lock:  # (``attach`` gives a slot to its next holder under it)
             info = self._attached.get(request.slot)
             if info is None or info.generation != request.generation:
-                return  # the client left while we computed
+                return  # the client left while we computed: its answer is not written at all
+            header = answer()
             header.pack_into(request.slot_buffer, HEADER_OFFSET)
             self._in_flight.discard(request.slot)
             self._publish(request.slot, header)

@@ -13,6 +13,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -308,12 +309,12 @@ class TcpServerTransport(ServerTransport):
             self._buffers[slot] = buffer
         return buffer
 
-    def respond(self, request: Request, header: SlotHeader) -> None:
+    def respond(self, request: Request, answer: Callable[[], SlotHeader]) -> None:
         with self._lock:
             conn = self._bound.get(request.slot)
             if conn is None or conn.generation != request.generation or conn.phase is not _Phase.READY:
-                return
-            self._send(conn, header)
+                return  # the slot's buffer may already hold its next holder's request
+            self._send(conn, answer())
 
     def _send(self, conn: _Conn, header: SlotHeader) -> None:
         assert conn.buffer is not None

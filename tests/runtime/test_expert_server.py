@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +20,10 @@ from eaas.runtime.client.connection import ServerConnection
 from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts, MoEConfig
 from eaas.runtime.placement import Placement, round_robin
+from eaas.runtime.protocol import slot_capacity_bytes
 from eaas.runtime.server import ExpertServer, LoopOptions
-from eaas.runtime.transport import get_transport
+from eaas.runtime.server import loop as loop_module
+from eaas.runtime.transport import Channel, ChannelError, RemoteError, get_transport
 
 
 def http(method: str, url: str, body: dict | None = None) -> tuple[int, bytes]:
@@ -298,6 +302,132 @@ def test_a_late_release_never_frees_a_slot_handed_to_another_client(
     holders = {(r["transport"], r["slot"]): (r["client_id"], r["state"]) for r in server.slots()}
     assert holders[(transport, again["slot"])] == ("new", "IDLE")  # still the new client's
     assert http("DELETE", f"{url}/{transport}/{again['slot']}?client_id=new")[0] == 204
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_an_answer_for_a_client_that_left_never_lands_on_the_next_holders_request(
+    mixtral: tuple[Path, Placement], transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the loop computes a request, its client gives up (its deadline passed) and leaves, and
+    the slot goes to another client, which writes its request straight into the slot's memory. The
+    answer for the client that left must not be written over that request: the next step answers
+    the new client exactly."""
+    checkpoint, _ = mixtral
+    reader = CheckpointReader(checkpoint)
+    config = reader.config
+    everything = [(layer, e) for layer in config.moe_layers for e in range(config.num_experts)]
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    server = ExpertServer.from_placement(checkpoint, placement, 0, transports=(transport,), max_clients=1)
+    reference = LocalExperts(ExpertStack.load(reader, everything))
+    spec, slots = get_transport(transport), server.transports[transport]
+    capacity = slot_capacity_bytes(server.config.max_tokens, config.top_k, config.hidden_size)
+
+    def open_channel(client_id: str) -> Channel:
+        """Connects on another thread while this one makes the server's progress (the loop does not
+        run: a nixl channel's claim completes once the server took it)."""
+        offer = spec.channel.offer(capacity, slots.describe()) if spec.channel.needs_offer else None
+        handle = slots.attach(client_id, None if offer is None else offer.body)
+        connected: list[Channel] = []
+        thread = threading.Thread(
+            target=lambda: connected.append(spec.channel.connect(handle, "127.0.0.1", 5.0, offer))
+        )
+        thread.start()
+        while thread.is_alive():
+            slots.wait(1e-3)
+        assert connected, f"{client_id} did not connect"
+        return connected[0]
+
+    def wait_for_answer(channel: Channel, deadline_s: float, into: list[object]) -> threading.Thread:
+        """Waits for the answer on a thread, as a client does (a nixl client's notices leave while
+        it waits); ``into`` gets y or the error."""
+
+        def run() -> None:
+            try:
+                into.append(channel.receive(time.monotonic() + deadline_s))
+            except Exception as exc:
+                into.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    layer = config.moe_layers[0]
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(config.num_experts, generator=generator)[:2] for _ in range(3)])
+    weights = torch.rand(3, 2, generator=generator)
+    x1, x2 = torch.randn(2, 3, config.hidden_size, generator=generator)
+    first, first_got, second_got = open_channel("first"), [], []  # type: ignore[var-annotated]
+    handed_over: list[threading.Thread] = []
+    compute = loop_module.compute_batch
+
+    def hand_over_then_compute(*args: Any, **kwargs: Any) -> Any:
+        if not handed_over:  # (the first request's compute)
+            first_waiting.join()  # its client gave up ...
+            first.close()
+            slots.detach(0)  # ... and released its slot: the next client gets it
+            second = open_channel("second")
+            second.send(layer, x2, ids, weights)
+            handed_over.append(wait_for_answer(second, 20.0, second_got))
+            deadline = time.monotonic() + 10  # its request is in the slot (nixl: once the notice came)
+            while time.monotonic() < deadline and "REQUEST_READY" not in {
+                row["state"] for row in slots.slots() if row["client_id"] == "second"
+            }:
+                slots.wait(0.01)
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "compute_batch", hand_over_then_compute)
+    watchdog = threading.Timer(30.0, server.loop.stop_event.set)  # (a step waits for a request)
+    watchdog.start()
+    try:
+        first.send(layer, x1, ids, weights)
+        first_waiting = wait_for_answer(first, 1.0, first_got)
+        assert server.loop.step() == 1  # the first request: computed, its client gone
+        assert server.loop.step() == 1  # the second's
+        handed_over[0].join(10.0)
+        assert len(first_got) == 1 and isinstance(first_got[0], ChannelError)  # (it gave up)
+        assert len(second_got) == 1 and isinstance(second_got[0], torch.Tensor), second_got
+        torch.testing.assert_close(second_got[0], reference(layer, x2, ids, weights), rtol=1e-5, atol=1e-5)
+    finally:
+        watchdog.cancel()
+        server.close()
+
+
+def test_a_request_that_fails_validation_unexpectedly_is_answered_and_the_slot_serves_on(
+    mixtral: tuple[Path, Placement], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in checking a request (any exception, not a refusal) is answered with INTERNAL: left
+    unanswered, the slot would stay busy and its client wait out its deadline."""
+    checkpoint, _ = mixtral
+    reader = CheckpointReader(checkpoint)
+    config = reader.config
+    placement = round_robin(config.moe_layers, config.num_experts, 1)
+    server = ExpertServer.from_placement(checkpoint, placement, 0, transports=("shm",))
+    channel = get_transport("shm").channel.connect(
+        server.transports["shm"].attach("client"), "127.0.0.1", 5.0
+    )
+    check = loop_module.check_experts
+    calls = []
+
+    def fails_once(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return check(*args)
+
+    monkeypatch.setattr(loop_module, "check_experts", fails_once)
+    layer = config.moe_layers[0]
+    x, ids, weights = torch.randn(2, config.hidden_size), torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2)
+    try:
+        channel.send(layer, x, ids, weights)
+        assert server.loop.step() == 1
+        with pytest.raises(RemoteError, match="INTERNAL: validating the request failed: a bug"):
+            channel.receive(time.monotonic() + 5)
+        channel.send(layer, x, ids, weights)  # the same slot, answered as usual
+        assert server.loop.step() == 1
+        assert channel.receive(time.monotonic() + 5).shape == x.shape
+        channel.close()
+    finally:
+        server.close()
 
 
 def test_a_new_server_runs_every_hosted_expert_before_it_serves(
