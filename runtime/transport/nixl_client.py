@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from eaas.runtime.protocol import (
+    FLAG_OFFSET,
     HEADER_OFFSET,
     HEADER_SIZE,
     PAYLOAD_OFFSET,
@@ -55,8 +56,10 @@ from eaas.runtime.protocol import (
 from eaas.runtime.transport.backoff import reduce_timer_slack_once
 from eaas.runtime.transport.base import Channel, ChannelClosed, ChannelTimeout, Offer, RemoteError
 from eaas.runtime.transport.nixl_endpoint import (
+    CLAIM,
     HOST,
     INLINE_BYTES,
+    PING_BYTES,
     Endpoint,
     Memory,
     Notice,
@@ -204,6 +207,9 @@ class NixlOffer(Offer):
         self.answer_address = self.send_address + self.stride
         # Small frames in the notifications, both ways (host memory only: nixl_endpoint).
         self.inline_bytes = 0 if memory.kind == "VRAM" else INLINE_BYTES
+        # The first ping claims the slot (``NixlChannel.connect``; host memory only: the server
+        # reads the claim with its CPU).
+        self.claims = memory.kind != "VRAM"
         self.body = {
             "agent_metadata": encode(self._areas.metadata),
             "answer_address": self.answer_address,
@@ -211,6 +217,7 @@ class NixlOffer(Offer):
             "answer_memory": memory.kind,
             "answer_device": memory.device,
             "inline_bytes": self.inline_bytes,
+            "claim_ping": self.claims,
         }
 
     def area(self, which: int) -> memoryview | None:
@@ -334,8 +341,29 @@ class NixlChannel(Channel):
             raise ChannelClosed(
                 f"cannot open nixl slot {handle.get('slot')} on {host}: {type(exc).__name__}: {exc}"
             ) from exc
-        offer.endpoint.forget(peer, slot, generation)
-        return cls(offer, slot, generation, peer, writes, inline)
+        offer.endpoint.open(peer, slot, generation)
+        channel = cls(offer, slot, generation, peer, writes, inline)
+        if offer.claims:
+            try:
+                channel._claim(timeout_s)
+            except Exception as exc:
+                channel.close()  # (a ping may be in flight: let go of once it is not)
+                raise ChannelClosed(f"cannot open nixl slot {slot} on {host}: {exc}") from exc
+        return channel
+
+    def _claim(self, timeout_s: float) -> None:
+        """Tells the server that the handshake's answer reached us: a ping that carries ``CLAIM``
+        into the slot's flag word, waited for (it completes once the server took it). A server
+        releases a slot whose client never claims it, so a slot whose answer was lost on the way
+        is not held for as long as this process lives."""
+        assert self.send_buffer is not None
+        self.send_buffer[FLAG_OFFSET : FLAG_OFFSET + PING_BYTES] = CLAIM
+        self.writes.ping()
+        deadline = time.monotonic() + timeout_s
+        while not self.writes.quiet():
+            if time.monotonic() >= deadline:
+                raise ChannelTimeout(f"the server did not take the claim of its slot within {timeout_s:g} s")
+            time.sleep(50e-6)
 
     @staticmethod
     def _undo(offer: NixlOffer, peer: str | None, writes: TransferSet | None) -> None:

@@ -90,7 +90,7 @@ import struct
 import sys
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -144,6 +144,10 @@ INLINE_BYTES = 16 << 10
 MAX_NOTICE_BYTES = NOTICE.size + max(HEADER_SIZE + MAX_MESSAGE_BYTES, INLINE_BYTES)  # a split error
 # answer's, or a small frame's
 PING_BYTES = 4  # the flag word of a slot: unused by nixl, so a liveness write may land there
+# What a client's first ping carries into its slot's flag word (``claim_ping`` in the offer): the
+# handshake's answer reached it and it connected. A server releases a slot of such a client that
+# shows no claim ``attach_grace_s`` after the attach (the answer may have been lost on the way).
+CLAIM = b"mine"
 RETIRE_CHECK_S = 0.01  # how often retiring WRITEs are looked at (from ``collect``)
 
 # Transfer sizes: a request or answer goes out as one prepared descriptor whose length is the
@@ -332,7 +336,10 @@ class Endpoint:
                 f"{', '.join(self.agent.plugin_list) or 'none'})"
             )
         self.lock = threading.RLock()
-        self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int, bytes]]] = defaultdict(deque)
+        # Mailboxes of the open channels, by (peer, slot, generation): notices for no open channel
+        # (a late answer to a channel closed on its deadline, a slot released after its goodbye)
+        # are dropped, not kept for nobody.
+        self._mail: dict[tuple[str, int, int], deque[tuple[Notice, int, bytes]]] = {}
         self._peer_holds: dict[str, int] = {}
         self._retiring: list[_Retiring] = []  # WRITEs let go of, until nothing of theirs is in flight
         self._kept: list[Any] = []  # memory that must outlive WRITEs still in flight (``keep_alive``)
@@ -440,10 +447,12 @@ class Endpoint:
         return notices
 
     def deliver(self) -> None:
-        """``collect`` into the mailboxes (clients: each channel then ``take``s its own)."""
+        """``collect`` into the open mailboxes (clients: each channel then ``take``s its own)."""
         with self.lock:
             for peer, kind, slot, generation, seq, tail in self.collect():
-                self._mail[(peer, slot, generation)].append((kind, seq, tail))
+                box = self._mail.get((peer, slot, generation))
+                if box is not None:
+                    box.append((kind, seq, tail))
 
     # --- letting go ----------------------------------------------------------------------------
     def retire(self, writes: TransferSet, then: Callable[[], None] | None = None) -> None:
@@ -518,7 +527,13 @@ class Endpoint:
             box = self._mail.get((peer, slot, generation & 0xFFFFFFFF))
             return box.popleft() if box else None
 
+    def open(self, peer: str, slot: int, generation: int) -> None:
+        """Opens the (empty) mailbox of ``peer``'s ``slot`` in its ``generation``."""
+        with self.lock:
+            self._mail[(peer, slot, generation & 0xFFFFFFFF)] = deque()
+
     def forget(self, peer: str, slot: int, generation: int) -> None:
+        """Closes that mailbox: its notices, and later ones, are dropped."""
         with self.lock:
             self._mail.pop((peer, slot, generation & 0xFFFFFFFF), None)
 

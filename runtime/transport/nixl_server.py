@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from eaas.runtime.protocol import (
+    FLAG_OFFSET,
     HEADER_OFFSET,
     HEADER_SIZE,
     MAX_MESSAGE_BYTES,
@@ -70,8 +71,10 @@ from eaas.runtime.transport.base import (
 )
 from eaas.runtime.transport.nixl_endpoint import (
     AGENT_NAME,
+    CLAIM,
     HOST,
     INLINE_BYTES,
+    PING_BYTES,
     Endpoint,
     Memory,
     Notice,
@@ -104,6 +107,8 @@ class _Slot:
     buffer: memoryview  # the slot's host-memory part (``_slot_buffer``)
     payload: memoryview | torch.Tensor | None  # ``Request.payload`` (``_payload``)
     inline_bytes: int = 0  # frames up to this size travel in the notices, both ways (nixl_endpoint)
+    claimed: bool = True  # False until a client that claims its slot (``claim_ping``) did
+    attached_at: float = 0.0
     requests: int = 0
     state: SlotState = SlotState.IDLE
 
@@ -159,6 +164,7 @@ class NixlServerTransport(ServerTransport):
         self._reserved: set[int] = set()  # slots being attached (their offer is being checked)
         self._generations = [0] * options.max_clients
         self._released: dict[int, str] = {}  # slot -> last client, shown as OFFLINE until re-attached
+        self._released_at = [0.0] * options.max_clients  # (a free slot released longest ago goes first)
         self._ready: list[int] = []  # slots whose request notification arrived
         self._lost: list[int] = []  # slots released since the last reap (client gone or said goodbye)
         self.refused_notices = 0  # notifications about a slot the sender does not hold, or malformed
@@ -203,7 +209,9 @@ class NixlServerTransport(ServerTransport):
 
     # --- handshake (control thread) --------------------------------------------------------------
     def attach(self, client_id: str, offer: dict[str, Any] | None = None) -> dict[str, Any]:
-        metadata, answer_address, answer_bytes, answer_memory, offered_inline = self._read_offer(offer)
+        metadata, answer_address, answer_bytes, answer_memory, offered_inline, claims = self._read_offer(
+            offer
+        )
         memory = HOST  # the slot's payload: with the client's areas, where this server has them
         if answer_memory.kind == "VRAM":
             if self.gpu is None:
@@ -219,7 +227,9 @@ class NixlServerTransport(ServerTransport):
             free = [s for s in range(self.options.max_clients) if s not in taken]
             if not free:
                 raise SlotsExhausted(f"all {self.options.max_clients} nixl slots are attached")
-            slot = free[0]
+            # Its former holder's key still opens a slot (nixl_endpoint: registered once); a holder
+            # that has not seen its release yet (hung, cut off) may still write into it.
+            slot = min(free, key=self._released_at.__getitem__)
             self._reserved.add(slot)
         peer = None
         writes: TransferSet | None = None
@@ -257,7 +267,16 @@ class NixlServerTransport(ServerTransport):
             buffer = self._slot_buffer(slot, split)
             payload = self._payload(slot, split, memory)
             self._slots[slot] = _Slot(
-                client_id, peer, self._generations[slot], writes, memory, buffer, payload, inline
+                client_id,
+                peer,
+                self._generations[slot],
+                writes,
+                memory,
+                buffer,
+                payload,
+                inline,
+                claimed=not claims or memory.kind == "VRAM",  # (a claim is read in host memory)
+                attached_at=time.monotonic(),
             )
             self._released.pop(slot, None)
             self._ready = [s for s in self._ready if s != slot]
@@ -276,7 +295,7 @@ class NixlServerTransport(ServerTransport):
             "inline_bytes": inline,
         }
 
-    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int, Memory, int]:
+    def _read_offer(self, offer: dict[str, Any] | None) -> tuple[bytes, int, int, Memory, int, bool]:
         if not isinstance(offer, dict):
             raise OfferRefused(
                 "offer: transport nixl needs the client's NIXL agent metadata and answer area "
@@ -297,7 +316,10 @@ class NixlServerTransport(ServerTransport):
         inline = offer.get("inline_bytes", 0)  # (a client of an earlier version offers none)
         if type(inline) is not int or inline < 0:
             raise OfferRefused(f"offer.inline_bytes: a non-negative integer is required, got {inline!r}")
-        return metadata, answer_address, answer_bytes, memory, inline
+        claims = offer.get("claim_ping", False)  # (a client of an earlier version does not claim)
+        if type(claims) is not bool:
+            raise OfferRefused(f"offer.claim_ping: true or false, got {claims!r}")
+        return metadata, answer_address, answer_bytes, memory, inline, claims
 
     def _load_peer(self, metadata: bytes) -> str:
         try:
@@ -321,6 +343,7 @@ class NixlServerTransport(ServerTransport):
         if info is None:
             return False
         self._released[slot] = info.client_id
+        self._released_at[slot] = time.monotonic()
         if announce:  # a client waiting on this slot fails over at once
             try:
                 self.endpoint.notify(info.peer, notice(Notice.OFFLINE, slot, info.generation))
@@ -346,6 +369,7 @@ class NixlServerTransport(ServerTransport):
                 if info is None or info.peer != peer or info.generation & 0xFFFFFFFF != generation:
                     self.refused_notices += 1  # not this sender's slot (or released): never served
                     continue
+                info.claimed = True
                 if kind is Notice.REQUEST and info.state is not SlotState.REQUEST_READY:
                     if len(tail) > HEADER_SIZE and not info.split:  # the whole frame in the notice
                         if not self._inline_fits(info, tail):
@@ -431,10 +455,22 @@ class NixlServerTransport(ServerTransport):
             self._waiter.activity()  # spin from the answer too: its flush needs our progress
 
     def reap(self) -> list[int]:
-        """Pings every attached client (UCX reports one whose process is gone); returns the slots
-        released since the last call."""
+        """Pings every attached client (UCX reports one whose process is gone) and releases the slots
+        of clients that did not claim theirs within ``attach_grace_s``; returns the slots released
+        since the last call."""
+        now = time.monotonic()
         with self._lock:
             for slot, info in list(self._slots.items()):
+                if not info.claimed:
+                    start = slot * self.stride + FLAG_OFFSET
+                    info.claimed = bytes(self.host_arena[start : start + PING_BYTES]) == CLAIM
+                    if not info.claimed and now - info.attached_at > self.options.attach_grace_s:
+                        self._lose(
+                            slot,
+                            f"client {info.client_id} never claimed it within "
+                            f"{self.options.attach_grace_s:g} s of the handshake (its answer lost?)",
+                        )
+                        continue
                 try:
                     info.writes.ping()
                 except Exception as exc:

@@ -31,6 +31,7 @@ from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.protocol import HEADER_OFFSET, FrameKind, SlotHeader, Status, dtype_code
 from eaas.runtime.server import ExpertServer
 from eaas.runtime.transport import ChannelClosed, RemoteError, nixl_client
+from eaas.runtime.transport.base import Request, TransportOptions
 from eaas.runtime.transport.nixl_client import (
     MAX_SLEEP_S,
     MAX_SPIN_S,
@@ -40,6 +41,7 @@ from eaas.runtime.transport.nixl_client import (
     USUAL_RISE,
     WAKE_S,
     NixlChannel,
+    NixlOffer,
     area_memory,
     client_endpoint,
     spin_for,
@@ -951,3 +953,138 @@ def test_a_channel_closed_on_a_hung_server_keeps_its_connection_until_the_server
     outcome = json.loads(client.stdout.strip().splitlines()[-1])
     assert outcome["kept"] == [1, 2]  # the hung server's connection, kept while it hangs
     assert outcome["after"] == [0, 1]  # let go of once it died
+
+
+def connect_while_served(server: NixlServerTransport, client_id: str, offer: NixlOffer) -> NixlChannel:
+    """``NixlChannel.connect`` to a server transport no loop drives: this thread makes its progress
+    meanwhile (the channel's claim completes once the server took it)."""
+    handle = server.attach(client_id, offer.body)
+    connected: list[NixlChannel | BaseException] = []
+
+    def connect() -> None:
+        try:
+            connected.append(NixlChannel.connect(handle, "127.0.0.1", 5.0, offer))
+        except BaseException as exc:
+            connected.append(exc)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    while thread.is_alive():
+        server.wait(1e-3)
+    assert isinstance(connected[0], NixlChannel), connected
+    return connected[0]
+
+
+def test_notices_for_a_closed_channel_are_dropped_not_kept() -> None:
+    """An answer that comes after its channel closed (the client's deadline passed) is for no open
+    channel: it is dropped. Kept, it would sit in the shared agent's mailboxes for as long as the
+    process holds that server through another channel (an answer in its notice: up to 16 KiB)."""
+    capacity = 64 << 10
+    server = NixlServerTransport(TransportOptions(max_clients=3, capacity_bytes=capacity))
+    endpoint = client_endpoint()
+
+    def open_channel(client_id: str) -> NixlChannel:
+        return connect_while_served(server, client_id, NixlChannel.offer(capacity, server.describe()))
+
+    def take(channel: NixlChannel) -> Request:
+        """The next request the server gets (driving ``channel`` meanwhile: its notice leaves)."""
+        requests: list[Request] = []
+
+        def polled() -> bool:
+            requests.extend(server.poll())
+            channel.answered()
+            return bool(requests)
+
+        wait_for(polled, 10, "the request")
+        return requests[0]
+
+    def echo(request: Request) -> None:
+        """Answers ``request`` with its own x."""
+        h = request.header
+        size = h.num_tokens * h.hidden * 4
+        header = SlotHeader(
+            FrameKind.RESPONSE, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, size
+        )
+        server.respond(request, lambda: header)
+
+    ids, weights = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
+    keep = open_channel("keep")  # holds the server's agent, as another channel of the process does
+    try:
+        for i in range(2):
+            late = open_channel(f"late-{i}")
+            late.send(3, torch.full((2, 64), float(i)), ids, weights)
+            request = take(late)
+            late.close()  # (gave up) ...
+            echo(request)  # ... and its answer comes all the same, before the server reads the goodbye
+            # The server's next notice to this process comes after that answer's.
+            keep.send(3, torch.ones(2, 64), ids, weights)
+            echo(take(keep))
+
+            def answered() -> bool:
+                server.wait(0)  # (progress: the answer's notice leaves)
+                return keep.answered()
+
+            wait_for(answered, 10, "the answer")
+            assert torch.equal(keep.receive(time.monotonic() + 10), torch.ones(2, 64))
+            assert list(endpoint._mail) == [(keep.peer, keep.slot, keep.generation)]
+    finally:
+        keep.close()
+        server.close()
+
+
+def test_a_slot_whose_client_never_claims_it_is_released_after_the_grace() -> None:
+    """The handshake's answer can be lost on the way (the client gave up and let its offer go, with
+    nothing to release). A client that says it claims its slot (``claim_ping``) and does not within
+    ``attach_grace_s`` loses it. One that claimed keeps it however long it stays idle, and so does
+    a client of an earlier version, which does not claim."""
+    capacity = 64 << 10
+    server = NixlServerTransport(TransportOptions(max_clients=3, capacity_bytes=capacity, attach_grace_s=0.2))
+    older = NixlChannel.offer(capacity, server.describe())
+    try:
+        earlier_version = {key: value for key, value in older.body.items() if key != "claim_ping"}
+        server.attach("older", earlier_version)
+        claimed = connect_while_served(server, "claimed", NixlChannel.offer(capacity, server.describe()))
+        lost = NixlChannel.offer(capacity, server.describe())
+        lost_slot = server.attach("lost", lost.body)["slot"]  # last: the others' grace ends before
+        lost.close()  # (its answer never came)
+        released: list[int] = []
+
+        def reaped() -> bool:
+            released.extend(server.reap())
+            return bool(released)
+
+        wait_for(reaped, 10, "the unclaimed slot released")
+        assert released == [lost_slot]
+        assert server.reap() == []  # past every slot's grace now
+        states = {row["client_id"]: row["state"] for row in server.slots()}
+        assert states == {"older": "IDLE", "claimed": "IDLE", "lost": "OFFLINE"}
+        claimed.send(3, torch.ones(2, 64), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2))
+        requests: list[Request] = []
+
+        def polled() -> bool:
+            requests.extend(server.poll())
+            claimed.answered()  # (its notice leaves)
+            return bool(requests)
+
+        wait_for(polled, 10, "the claimed channel's request")
+        assert [r.slot for r in requests] == [claimed.slot]  # and the claimed slot serves on
+        claimed.close()
+    finally:
+        older.close()
+        server.close()
+
+
+def test_the_free_slot_released_longest_ago_is_handed_out_first() -> None:
+    """A slot's former holder can still write into it (its key is not revoked): one that has not
+    seen its release yet should find the slot unused for as long as the server can manage."""
+    capacity = 64 << 10
+    server = NixlServerTransport(TransportOptions(max_clients=3, capacity_bytes=capacity))
+    offers = [NixlChannel.offer(capacity, server.describe()) for _ in range(4)]
+    try:
+        assert [server.attach(f"c{i}", offers[i].body)["slot"] for i in range(3)] == [0, 1, 2]
+        assert server.detach(1) and server.detach(0)
+        assert server.attach("c3", offers[3].body)["slot"] == 1  # released before slot 0
+    finally:
+        server.close()
+        for offer in offers:
+            offer.close()
