@@ -47,7 +47,8 @@ class EngineOptions:
 
 
 class StepFailed(RuntimeError):
-    """A step's forward pass failed; its sequences were finished with reason ``error``."""
+    """A step's forward pass (or its sampling) failed; the sequences it cost were finished with
+    reason ``error``."""
 
     def __init__(self, seqs: list[Sequence], cause: BaseException) -> None:
         super().__init__(str(cause))
@@ -162,16 +163,27 @@ class Engine:
         if not ready:
             return []
         events: list[Event] = []
-        ready, allowed = self._constrain(ready, events)
-        if not ready:
-            return events
-        sampled = sample(
-            logits[[row for row, _ in ready]],
-            [seq.params for _, seq in ready],
-            [self._generators[seq.id] for _, seq in ready],
-            [self._counts[seq.id] for _, seq in ready],
-            allowed,
-        )
+        stepped = [seq for _, seq in ready]
+        try:
+            ready, allowed = self._constrain(ready, events)
+            if not ready:
+                return events
+            sampled = sample(
+                logits[[row for row, _ in ready]],
+                [seq.params for _, seq in ready],
+                [self._generators[seq.id] for _, seq in ready],
+                [self._counts[seq.id] for _, seq in ready],
+                allowed,
+            )
+        except Exception as exc:
+            # Not the request's fault (it was validated): a bug, or a grammar engine's limit. These
+            # sequences' logits are spent (``num_computed`` moved on) and no token came of them, so
+            # none can step again; the rest of the batch (prefill chunks) and later requests go on.
+            # A RuntimeError, so it is answered as a server error (500) whatever the cause's type.
+            for seq in stepped:
+                if seq.status != "finished":
+                    self._finish(seq, "error")
+            raise StepFailed(stepped, RuntimeError(f"sampling failed: {exc!r}")) from exc
         for (_, seq), choice in zip(ready, sampled, strict=True):
             seq.output.append(choice.token)
             self._counts[seq.id][choice.token] += 1

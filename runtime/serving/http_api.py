@@ -249,8 +249,9 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     top_k = body.get("top_k", 0)
     if top_k is None or top_k == -1:  # -1: off, as vLLM spells it
         top_k = 0
-    if not _is_int(top_k) or top_k < 0:
-        raise bad("top_k", f"must be a non-negative integer (0 or -1: off), got {top_k!r}")
+    # Above the vocabulary it keeps every token (as vLLM); the sampler holds it in an int64 tensor.
+    if not _is_int(top_k) or not 0 <= top_k < 2**63:
+        raise bad("top_k", f"must be -1 or 0 (off) or an integer in [1, 2**63), got {top_k!r}")
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")

@@ -4,7 +4,8 @@ penalties (OpenAI's definitions), per-request seeds, log-probabilities.
 Reproducibility: each seeded request owns a ``torch.Generator`` and draws exactly one number per
 generated token, so its tokens do not depend on what else is in the batch. Everything else is one
 set of tensor operations over the batch (no per-row pass over the vocabulary). Greedy decoding
-(``temperature == 0``) takes the arg-max of the penalised logits.
+(``temperature`` below ``GREEDY_BELOW``, 0 included) takes the arg-max of the penalised logits. A
+``top_k`` at or above the vocabulary keeps every token.
 Legend: B = sequences in the step, V = vocabulary, N = top alternatives reported.
 """
 
@@ -15,14 +16,17 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGPROBS = 20
+# vLLM's _SAMPLING_EPS: a temperature this small is greedy. Dividing float32 scores by it would give
+# inf (or, below float32's range, a division by 0) and NaN probabilities, not a sharper distribution.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0: all tokens
+    top_k: int = 0  # 0: all tokens (so is anything >= the vocabulary)
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -49,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -118,7 +122,7 @@ def _draw(
     truncated = any((p.top_k and p.top_k < vocab) or p.top_p < 1.0 for p in params)
     if truncated:  # most likely first, so top-k and top-p are prefixes
         scores, order = torch.sort(scores, dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params])[:, None]
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params])[:, None]
         scores = scores.masked_fill(torch.arange(vocab)[None, :] >= top_k, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if truncated:

@@ -104,6 +104,27 @@ def test_truncation_never_draws_a_cut_token() -> None:
         assert choice.token in allowed
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_a_temperature_too_small_for_float32_is_greedy(temperature: float) -> None:
+    logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    params = [
+        SamplingParams(temperature=temperature, top_k=5 * (r % 2), top_p=0.9, logprobs=2) for r in range(8)
+    ]
+    generators = [torch.Generator().manual_seed(r) for r in range(8)]
+    counts = [torch.zeros(64, dtype=torch.int64)] * 8
+    tokens = [c.token for c in sample(logits, params, generators, counts)]
+    assert tokens == torch.argmax(logits, dim=-1).tolist()
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(5)).tolist()
+    for seed in range(10):
+        for top_p in (1.0, 0.9):  # below 1: the truncating path, where top_k goes into a tensor
+            everything = one(logits, SamplingParams(temperature=1.0, top_p=top_p), seed=seed).token
+            huge = SamplingParams(temperature=1.0, top_p=top_p, top_k=10**23)  # past int64 too
+            assert one(logits, huge, seed=seed).token == everything
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
