@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from http import HTTPStatus
+from itertools import chain
 from typing import Any
 
 from eaas.runtime.serving.batch_scheduler import QueueFull
@@ -43,6 +44,7 @@ class Completions:
         grammars: Grammars | None = None,
         reasoning: Style | None = None,
         revision: str | None = None,
+        token_bytes: Callable[[int], bytes | None] = lambda token: None,
     ) -> None:
         self.worker = worker
         # Every answer and chunk names the checkpoint's revision that served it (when it has one).
@@ -50,6 +52,7 @@ class Completions:
         self.grammars = grammars
         self.reasoning = reasoning  # chat: how the model's thinking is told from its answer
         self.decode = decode
+        self.token_bytes = token_bytes  # a token's own bytes, where the tokenizer has them (chat logprobs)
         self.model_name = model_name
         self.timeout_s = timeout_s
         self.metrics = metrics
@@ -83,9 +86,13 @@ class Completions:
         except GrammarError as exc:
             raise bad(exc.field, exc.message) from None
 
-    def chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
-        """The answer as stream chunks: per token per choice, then the usage if asked."""
+    def chunks(
+        self, call: CompletionRequest, requests: list[Request], start: float, chat: bool = False
+    ) -> Iterator[Chunk]:
+        """The answer as stream chunks: per token per choice, then the usage if asked. A chunk's
+        ``logprobs`` is completions' object, or with ``chat`` the entries of chat's ``content``."""
         texts = {r: TextStream(self.decode, call.stop) for r in requests}
+        offsets = dict.fromkeys(requests, 0)  # characters of each choice's tokens so far (text_offset)
         unfinished = set(requests)
         deadline = start + self.timeout_s
         header = {
@@ -118,15 +125,20 @@ class Completions:
                     finish = "stop" if text.stopped else _finish_reason(request.finish_reason)
                     yield chunk(request, tail, None, finish)
                     continue
-                offset = text.emitted
+                request.answered += 1
                 delta = "" if item.token in call.params.stop_token_ids else text.push(item.token)
-                logprobs = self._logprobs(item, offset) if call.params.logprobs is not None else None
+                logprobs: Any = None
+                if call.params.logprobs is not None and chat:
+                    logprobs = [self._chat_logprob(item)]
+                elif call.params.logprobs is not None:
+                    logprobs = self._logprobs(item, offsets[request])
+                    offsets[request] += len(logprobs["tokens"][0])
                 if text.stopped:
                     unfinished.discard(request)
                     self.worker.cancel(request)
                     self._observe(request)
                 yield chunk(request, delta, logprobs, "stop" if text.stopped else None)
-            usage = usage_of(requests)
+            usage = usage_of(call, requests)
             self._count_ok(start, usage)
             if call.include_usage:
                 yield {**header, "choices": [], "usage": usage}
@@ -141,14 +153,16 @@ class Completions:
             for request in unfinished:
                 self.worker.cancel(request)
 
-    def collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
-        """The non-streaming answer: the chunks joined per choice."""
+    def collect(
+        self, call: CompletionRequest, requests: list[Request], start: float, chat: bool = False
+    ) -> dict[str, Any]:
+        """The non-streaming answer: the chunks joined per choice (``chat``: as ``chunks``)."""
         choices: dict[int, dict[str, Any]] = {
             r.index: {"index": r.index, "text": "", "logprobs": None, "finish_reason": None} for r in requests
         }
-        pieces: dict[int, list[dict[str, Any]]] = {r.index: [] for r in requests}
+        pieces: dict[int, list[Any]] = {r.index: [] for r in requests}
         completion_id = ""
-        for item in self.chunks(call, requests, start):
+        for item in self.chunks(call, requests, start, chat):
             completion_id = item["id"]
             for piece in item["choices"]:
                 choice = choices[piece["index"]]
@@ -157,9 +171,11 @@ class Completions:
                 if piece["logprobs"] is not None:
                     pieces[piece["index"]].append(piece["logprobs"])
         for request in requests:
-            choices[request.index]["token_ids"] = list(request.tokens)  # extension: the generated ids
+            # extension: the generated ids (up to the one that completed a stop string)
+            choices[request.index]["token_ids"] = request.tokens[: request.answered]
             if call.params.logprobs is not None:
-                choices[request.index]["logprobs"] = _merge(pieces[request.index])
+                joined = pieces[request.index]  # chat's are lists of entries
+                choices[request.index]["logprobs"] = list(chain(*joined)) if chat else _merge(joined)
         return {
             "id": completion_id,
             "object": "text_completion",
@@ -167,7 +183,7 @@ class Completions:
             "model": self.model_name,
             **self.fingerprint,
             "choices": [choices[i] for i in sorted(choices)],
-            "usage": usage_of(requests),
+            "usage": usage_of(call, requests),
         }
 
     def chat_chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
@@ -181,7 +197,7 @@ class Completions:
             streams = {r.index: StreamedCalls(call.tool_format, call.tools.parameters) for r in requests}
         style = self.reasoning if call.thinking else None
         thinking = {r.index: style.stream() for r in requests} if style else {}
-        for item in self.chunks(call, requests, start):
+        for item in self.chunks(call, requests, start, chat=True):
             choices = []
             for piece in item["choices"]:
                 index, finish = piece["index"], piece["finish_reason"]
@@ -207,9 +223,7 @@ class Completions:
                             finish = "tool_calls"
                 if text:
                     delta["content"] = text
-                logprobs = (
-                    None if piece["logprobs"] is None else {"content": _chat_logprobs(piece["logprobs"])}
-                )
+                logprobs = None if piece["logprobs"] is None else {"content": piece["logprobs"]}
                 choices.append(
                     {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 )
@@ -223,7 +237,7 @@ class Completions:
     def chat_collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
         """The non-streaming chat answer (a reasoning model's thinking apart; with tools, the calls
         found in the answer)."""
-        answer = self.collect(call, requests, start)
+        answer = self.collect(call, requests, start, chat=True)
         choices = []
         for choice in answer["choices"]:
             logprobs = choice["logprobs"]
@@ -248,7 +262,7 @@ class Completions:
                 {
                     "index": choice["index"],
                     "message": message,
-                    "logprobs": None if logprobs is None else {"content": _chat_logprobs(logprobs)},
+                    "logprobs": None if logprobs is None else {"content": logprobs},
                     "finish_reason": finish,
                     "token_ids": choice["token_ids"],
                 }
@@ -269,13 +283,35 @@ class Completions:
             ) from None
 
     def _logprobs(self, sampled: Sampled, offset: int) -> dict[str, Any]:
-        """OpenAI's completions ``logprobs`` object for one token."""
+        """OpenAI's completions ``logprobs`` object for one token. ``offset``: the characters of the
+        choice's tokens before it (as vLLM: the sum of their ``tokens`` texts, whatever a stop string
+        or an incomplete character holds back of the answer's text)."""
+        top: dict[str, float] = {}
+        for token, logprob in sampled.top:  # most likely first
+            # Keyed by text, so two ids that decode alike are one entry (OpenAI's format): it keeps
+            # the more likely one. Chat's list has them all (``_chat_logprob``).
+            top.setdefault(self.decode([token]), logprob)
         return {
             "tokens": [self.decode([sampled.token])],
             "token_logprobs": [sampled.logprob],
-            "top_logprobs": [{self.decode([t]): lp for t, lp in sampled.top}],
+            "top_logprobs": [top],
             "text_offset": [offset],
         }
+
+    def _chat_logprob(self, sampled: Sampled) -> dict[str, Any]:
+        """Chat's ``logprobs.content`` entry for one token: its ``top_logprobs`` has one entry per
+        alternative token id, even where two decode to the same text."""
+        return {
+            **self._token_logprob(sampled.token, sampled.logprob),
+            "top_logprobs": [self._token_logprob(token, logprob) for token, logprob in sampled.top],
+        }
+
+    def _token_logprob(self, token: int, logprob: float) -> dict[str, Any]:
+        """``token``, ``logprob`` and ``bytes``: the token's own bytes where the tokenizer has them (a
+        piece of a multi-byte character decodes to U+FFFD), else the UTF-8 of its text."""
+        text = self.decode([token])
+        raw = self.token_bytes(token) if text else None  # no text: a special token kept out of answers
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode() if raw is None else raw)}
 
     def _observe(self, request: Request) -> None:
         m = self.metrics
@@ -299,9 +335,11 @@ class Completions:
         self.metrics.request_seconds.observe(time.monotonic() - start)
 
 
-def usage_of(requests: list[Request]) -> dict[str, int]:
-    prompt_tokens = sum(len(r.prompt) for r in requests)
-    completion_tokens = sum(len(r.tokens) for r in requests)
+def usage_of(call: CompletionRequest, requests: list[Request]) -> dict[str, int]:
+    """OpenAI's ``usage``: each prompt counts once, however many choices (``n``) it has; a choice
+    counts the tokens its answer took (``Request.answered``)."""
+    prompt_tokens = sum(len(prompt) for prompt in call.prompts)
+    completion_tokens = sum(r.answered for r in requests)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -322,21 +360,6 @@ def result_of(exc: ApiError) -> str:
 
 def _finish_reason(reason: str | None) -> str:
     return "stop" if reason == "stop" else "length"
-
-
-def _chat_logprobs(completion: dict[str, Any]) -> list[dict[str, Any]]:
-    """Completions-style logprobs -> chat's ``logprobs.content`` entries."""
-    return [
-        {
-            "token": token,
-            "logprob": logprob,
-            "bytes": list(token.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top.items()],
-        }
-        for token, logprob, top in zip(
-            completion["tokens"], completion["token_logprobs"], completion["top_logprobs"], strict=True
-        )
-    ]
 
 
 def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:

@@ -41,6 +41,9 @@ class Request:
     events: Events = field(default_factory=queue.SimpleQueue)
     enqueued_at: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)
+    # The reader's count of ``tokens`` its answer took: a stop string ends an answer while the worker
+    # may still step the sequence until it sees the cancellation; the tokens past it are no answer's.
+    answered: int = 0
     sampled: list[Sampled] = field(default_factory=list)
     finish_reason: str | None = None
     started_at: float | None = None  # first scheduled (the end of its queue time)

@@ -65,6 +65,7 @@ from eaas.runtime.serving.metrics import AttentionMetrics
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.reasoning import reasoning_style
 from eaas.runtime.serving.sampling import SamplingParams
+from eaas.runtime.serving.text_stream import token_bytes
 from eaas.runtime.serving.tools import parse_tools, tool_format
 from eaas.runtime.transport import RemoteError
 
@@ -207,6 +208,7 @@ class AttentionService:
                 Grammars(self.tokenizer, self.config.vocab_size),
                 self.reasoning,
                 o.model_revision,
+                token_bytes(self.tokenizer),
             )
         else:
             self.scheduler = BatchScheduler(

@@ -15,6 +15,7 @@ the new tokens in context. A window whose text ends in U+FFFD waits for more tok
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 REPLACEMENT = "\ufffd"
 
@@ -84,3 +85,37 @@ def partial_suffix(text: str, marker: str, start: int = 0) -> int:
         if text.endswith(marker[:length]):
             return length
     return 0
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes | None]:
+    """token id -> the token's own bytes, where ``tokenizer`` keeps them: the byte tokenizer's ids
+    below 256, and the tokens of a byte-level BPE (GPT-2's byte-to-character table, reversed; its
+    added tokens are plain text). None elsewhere: callers fall back to the UTF-8 of the token's text.
+    Decoding cannot give them: a token holding part of a multi-byte character decodes to U+FFFD."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:  # the byte tokenizer: id = byte value, ids >= 256 decode to nothing
+        return lambda token: bytes([token]) if 0 <= token < 256 else None
+    from tokenizers import decoders
+
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return lambda token: None
+    byte_of = {char: byte for byte, char in _byte_level_chars().items()}
+    added = set(backend.get_added_tokens_decoder())
+
+    def lookup(token: int) -> bytes | None:
+        piece = backend.id_to_token(token)
+        if piece is None or token in added or any(c not in byte_of for c in piece):
+            return None
+        return bytes(byte_of[c] for c in piece)
+
+    return lookup
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table of byte-level BPE: printable bytes stand for themselves, the
+    others for characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return chars

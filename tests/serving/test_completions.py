@@ -1,0 +1,213 @@
+"""The OpenAI answers of the continuous-batching front (``Completions``) over a real engine and its
+worker thread: usage, log-probabilities and their offsets, stop strings, and a step whose sampling
+fails. The tiny mixtral checkpoint has no tokenizer, so it speaks bytes (``ByteTokenizer``): ids
+>= 256 decode to nothing and the bytes of multi-byte characters to U+FFFD, which is what makes
+different ids decode alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eaas.runtime.model import ByteTokenizer, HFTokenizer, load_reference
+from eaas.runtime.serving import engine as engine_module
+from eaas.runtime.serving.completions import Completions
+from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.engine_worker import EngineWorker, Request
+from eaas.runtime.serving.http_api import ApiError, CompletionRequest, Limits, parse_completion
+from eaas.runtime.serving.metrics import AttentionMetrics
+from eaas.runtime.serving.serve import _api_error
+from eaas.runtime.serving.text_stream import token_bytes
+
+PROMPT = "experts as a service"
+
+
+@pytest.fixture(scope="module")
+def front(tiny_checkpoints: dict[str, Path]) -> Iterator[Completions]:
+    decoder = load_reference(tiny_checkpoints["mixtral"])
+    engine = Engine(decoder, EngineOptions(kv_cache_bytes=8 << 20, block_size=4))
+    worker = EngineWorker(lambda: engine, max_queue=64, on_error=_api_error).start()
+    tokenizer = ByteTokenizer(decoder.config.vocab_size)
+    yield Completions(
+        worker,
+        tokenizer.decode,
+        "tiny",
+        60.0,
+        AttentionMetrics("tiny"),
+        _api_error,
+        token_bytes=token_bytes(tokenizer),
+    )
+    worker.stop()
+
+
+def parse(front: Completions, **body: Any) -> CompletionRequest:
+    limits = Limits(vocab_size=320, max_context=256, max_tokens=64)
+    return parse_completion({"prompt": PROMPT, "temperature": 0, **body}, limits, ByteTokenizer(320).encode)
+
+
+def complete(front: Completions, chat: bool = False, **body: Any) -> dict[str, Any]:
+    call = parse(front, **body)
+    requests = front.submit(call)
+    return (
+        front.chat_collect(call, requests, time.monotonic())
+        if chat
+        else front.collect(call, requests, time.monotonic())
+    )
+
+
+def stream(front: Completions, chat: bool = False, **body: Any) -> list[dict[str, Any]]:
+    call = parse(front, stream=True, stream_options={"include_usage": True}, **body)
+    requests = front.submit(call)
+    return list((front.chat_chunks if chat else front.chunks)(call, requests, time.monotonic()))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_prompt_counts_once_however_many_choices(front: Completions, chat: bool) -> None:
+    prompt_tokens = len(PROMPT.encode())
+
+    def counted() -> float | None:
+        return front.metrics.registry.get_sample_value("eaas_attention_prompt_tokens_total")
+
+    before = counted() or 0.0
+    answer = complete(front, chat, n=3, max_tokens=4)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12}
+    assert answer["usage"] == usage
+    last = stream(front, chat, n=3, max_tokens=4)[-1]
+    assert last["usage"] == usage
+    assert counted() == before + 2 * prompt_tokens
+    two_prompts = complete(front, prompt=[PROMPT, "hi"], n=2, max_tokens=2)
+    assert two_prompts["usage"]["prompt_tokens"] == prompt_tokens + 2
+
+
+def test_text_offsets_are_the_running_sums_of_the_token_texts(front: Completions) -> None:
+    plain = complete(front, logprobs=0, max_tokens=24)["choices"][0]
+    # The stop is never completed, but its first character holds text back at every occurrence.
+    first = plain["text"][:1] or "x"
+    held = complete(front, logprobs=0, max_tokens=24, stop=[first + "\x00never"])["choices"][0]
+    tokens = plain["logprobs"]["tokens"]
+    assert len(tokens) == 24 and held["text"] == plain["text"]
+    assert plain["logprobs"]["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert held["logprobs"] == plain["logprobs"]
+
+
+def test_chat_top_logprobs_has_one_entry_per_token_id(front: Completions) -> None:
+    answer = complete(front, chat=True, logprobs=20, max_tokens=6)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6
+    for entry, token in zip(content, answer["choices"][0]["token_ids"], strict=True):
+        assert len(entry["top_logprobs"]) == 20
+        assert entry["bytes"] == ([token] if token < 256 else [])  # the byte itself, even of a part of "é"
+        top = entry["top_logprobs"]
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert {t["token"] for t in top if t["bytes"] and t["bytes"][0] >= 0x80} <= {"\ufffd"}
+    assert any(len({t["token"] for t in e["top_logprobs"]}) < 20 for e in content)  # texts do collide
+    streamed = [c for chunk in stream(front, chat=True, logprobs=20, max_tokens=6) for c in chunk["choices"]]
+    assert [e for c in streamed if c["logprobs"] for e in c["logprobs"]["content"]] == content
+
+
+def test_completions_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike(front: Completions) -> None:
+    content = complete(front, chat=True, logprobs=20, max_tokens=6)["choices"][0]["logprobs"]["content"]
+    tops = complete(front, logprobs=20, max_tokens=6)["choices"][0]["logprobs"]["top_logprobs"]
+    for entry, top in zip(content, tops, strict=True):
+        likeliest: dict[str, float] = {}
+        for alternative in entry["top_logprobs"]:
+            likeliest.setdefault(alternative["token"], alternative["logprob"])
+        assert top == likeliest
+
+
+def test_a_stop_string_ends_the_counted_and_returned_tokens(
+    front: Completions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_cancel = front.worker.cancel
+
+    def late_cancel(request: Request) -> None:  # the worker steps on before it sees the cancellation
+        deadline = time.monotonic() + 10
+        while len(request.tokens) < 30 and not request.done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        real_cancel(request)
+
+    monkeypatch.setattr(front.worker, "cancel", late_cancel)
+    plain = complete(front, max_tokens=40)["choices"][0]
+    ids = plain["token_ids"]
+    decode = ByteTokenizer(320).decode
+
+    def new_characters(i: int) -> set[str]:  # what token i - 1 adds to the text (U+FFFD: not final yet)
+        return set(decode(ids[:i])) - set(decode(ids[: i - 1])) - {"\ufffd"}
+
+    # a stop string that a later token completes: a character that token brings first
+    end = next(i for i in range(3, len(ids)) if new_characters(i))
+    stop = min(new_characters(end))
+    answer = complete(front, max_tokens=40, n=2, stop=[stop])
+    for choice in answer["choices"]:
+        assert choice["token_ids"] == ids[:end] and choice["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 2 * end
+
+
+def test_a_failed_sampling_step_is_a_server_error_and_the_engine_goes_on(
+    front: Completions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_sample = engine_module.sample
+
+    def sample(logits: Any, params: Any, *rest: Any) -> Any:
+        if any(p.seed == 666 for p in params):
+            raise ValueError("a bug in the sampler")
+        return real_sample(logits, params, *rest)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    expected = complete(front, max_tokens=30)["choices"][0]["token_ids"]
+    good_call, bad_call = parse(front, max_tokens=30), parse(front, max_tokens=30, seed=666)
+    good, bad = front.submit(good_call), front.submit(bad_call)
+    with pytest.raises(ApiError) as failed:
+        front.collect(bad_call, bad, time.monotonic())
+    assert failed.value.status == 500 and failed.value.kind == "server_error"
+    assert "sampling failed" in failed.value.message
+    try:  # sampled in the same step as the bad one, or not: either way an answer, no 400
+        assert front.collect(good_call, good, time.monotonic())["choices"][0]["token_ids"] == expected
+    except ApiError as exc:
+        assert exc.status == 500, exc.message
+    assert complete(front, max_tokens=30)["choices"][0]["token_ids"] == expected
+    assert front.worker.kv_usage == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"top_k": 10**23}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"seed": 2**63}, "seed"),
+        ({"n": 10**20}, "n"),
+        ({"max_tokens": 10**20}, "max_tokens"),
+        ({"logprobs": 10**20}, "logprobs"),
+        ({"stop_token_ids": [10**20]}, "stop_token_ids"),
+    ],
+)
+def test_integers_the_engine_cannot_hold_are_400s_naming_the_field(
+    front: Completions, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse(front, **body)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_top_k_beyond_the_vocabulary_means_every_token(front: Completions) -> None:
+    assert parse(front, top_k=10**9).params.top_k == 10**9  # accepted (as vLLM), the sampler clamps it
+    seeded: dict[str, Any] = {"temperature": 1.0, "seed": 3, "max_tokens": 8}
+    everything = complete(front, **seeded)["choices"][0]["token_ids"]
+    assert complete(front, top_k=2**63 - 1, **seeded)["choices"][0]["token_ids"] == everything
+
+
+def test_the_bytes_of_byte_level_bpe_tokens_join_into_the_text(tmp_path: Path, train_tokenizer: Any) -> None:
+    train_tokenizer(["héllo wörld — ünïcode tokens"] * 20).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path, 320)
+    text = "wörld — tokens 日本 ünïcode"  # 日本: not in the corpus, so a token per byte
+    ids = tokenizer.encode(text)
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # pieces of a character: no text of their own
+    of = token_bytes(tokenizer)
+    assert b"".join(of(i) or b"?" for i in ids) == text.encode()
+    assert of(tokenizer.marker_id("</s>") or 0) is None  # an added token is its text, not byte-level
