@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import threading
 from collections.abc import Iterator
 from http import HTTPStatus
@@ -30,6 +32,10 @@ class HttpError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": self.message}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready: nothing is sent back."""
 
 
 class JsonHandler(BaseHTTPRequestHandler):
@@ -94,6 +100,16 @@ class JsonHandler(BaseHTTPRequestHandler):
         status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
         self.send_bytes(status, f"{ok_text if ok else failed_text}\n".encode(), "text/plain")
 
+    def client_gone(self) -> bool:
+        """True once the client closed its end of the connection (or it broke): a long answer that
+        nobody will read can stop. A client that sent more (a next request) is not gone."""
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):  # reset, or closed here
+            return True
+
     def read_json(self) -> Any:
         """The request's JSON body (1..max_body_bytes bytes), or ``body_error``."""
         try:
@@ -113,6 +129,9 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.dispatch(method, self.path.split("?", 1)[0].rstrip("/") or "/")
         except HttpError as exc:
             self.send_json(exc.status, exc.body(), exc.headers)
+        except ClientGone:
+            log.info("%s %s: the client went away before its answer", method, self.path)
+            self.close_connection = True
         except Exception as exc:  # a handler bug answers 500; the server keeps serving
             log.exception("request %s %s failed", method, self.path)
             self.send_json(

@@ -19,6 +19,7 @@ from http import HTTPStatus
 from itertools import chain
 from typing import Any
 
+from eaas.runtime.httpd import ClientGone
 from eaas.runtime.serving.batch_scheduler import QueueFull
 from eaas.runtime.serving.engine_worker import EngineWorker, Events, Request
 from eaas.runtime.serving.grammar import GrammarError, Grammars
@@ -30,6 +31,9 @@ from eaas.runtime.serving.text_stream import TextStream
 from eaas.runtime.serving.tools import StreamedCalls
 
 Chunk = dict[str, Any]
+# How often a non-streaming answer looks whether its client went away (the choices are then
+# cancelled, as vLLM aborts a request whose client disconnected).
+GONE_CHECK_S = 0.5
 
 
 class Completions:
@@ -87,10 +91,17 @@ class Completions:
             raise bad(exc.field, exc.message) from None
 
     def chunks(
-        self, call: CompletionRequest, requests: list[Request], start: float, chat: bool = False
+        self,
+        call: CompletionRequest,
+        requests: list[Request],
+        start: float,
+        chat: bool = False,
+        gone: Callable[[], bool] | None = None,
     ) -> Iterator[Chunk]:
         """The answer as stream chunks: per token per choice, then the usage if asked. A chunk's
-        ``logprobs`` is completions' object, or with ``chat`` the entries of chat's ``content``."""
+        ``logprobs`` is completions' object, or with ``chat`` the entries of chat's ``content``.
+        ``gone`` says whether the client went away (``ClientGone``: the choices are cancelled); a
+        stream finds out on its next write instead."""
         texts = {r: TextStream(self.decode, call.stop) for r in requests}
         offsets = dict.fromkeys(requests, 0)  # characters of each choice's tokens so far (text_offset)
         unfinished = set(requests)
@@ -111,8 +122,16 @@ class Completions:
             if call.echo:
                 for request in requests:
                     yield chunk(request, self.decode(request.prompt), None, None)
+            check_at = time.monotonic() + GONE_CHECK_S
             while unfinished:
-                request, item = self._next(requests[0].events, deadline)
+                if gone is not None and time.monotonic() >= check_at:
+                    if gone():
+                        raise ClientGone()
+                    check_at = time.monotonic() + GONE_CHECK_S
+                event = self._next(requests[0].events, deadline, None if gone is None else check_at)
+                if event is None:
+                    continue
+                request, item = event
                 if request not in unfinished:
                     continue  # the end of a choice already closed by a stop string
                 if isinstance(item, BaseException):
@@ -154,15 +173,20 @@ class Completions:
                 self.worker.cancel(request)
 
     def collect(
-        self, call: CompletionRequest, requests: list[Request], start: float, chat: bool = False
+        self,
+        call: CompletionRequest,
+        requests: list[Request],
+        start: float,
+        chat: bool = False,
+        gone: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming answer: the chunks joined per choice (``chat``: as ``chunks``)."""
+        """The non-streaming answer: the chunks joined per choice (``chat``, ``gone``: as ``chunks``)."""
         choices: dict[int, dict[str, Any]] = {
             r.index: {"index": r.index, "text": "", "logprobs": None, "finish_reason": None} for r in requests
         }
         pieces: dict[int, list[Any]] = {r.index: [] for r in requests}
         completion_id = ""
-        for item in self.chunks(call, requests, start, chat):
+        for item in self.chunks(call, requests, start, chat, gone):
             completion_id = item["id"]
             for piece in item["choices"]:
                 choice = choices[piece["index"]]
@@ -234,10 +258,16 @@ class Completions:
                 "choices": choices,
             }
 
-    def chat_collect(self, call: CompletionRequest, requests: list[Request], start: float) -> dict[str, Any]:
+    def chat_collect(
+        self,
+        call: CompletionRequest,
+        requests: list[Request],
+        start: float,
+        gone: Callable[[], bool] | None = None,
+    ) -> dict[str, Any]:
         """The non-streaming chat answer (a reasoning model's thinking apart; with tools, the calls
         found in the answer)."""
-        answer = self.collect(call, requests, start, chat=True)
+        answer = self.collect(call, requests, start, chat=True, gone=gone)
         choices = []
         for choice in answer["choices"]:
             logprobs = choice["logprobs"]
@@ -274,10 +304,15 @@ class Completions:
             "choices": choices,
         }
 
-    def _next(self, events: Events, deadline: float) -> tuple[Request, Sampled | BaseException | None]:
+    def _next(
+        self, events: Events, deadline: float, until: float | None = None
+    ) -> tuple[Request, Sampled | BaseException | None] | None:
+        """The next event; None if none came by ``until`` (a time before the deadline)."""
         try:
-            return events.get(timeout=max(0.0, deadline - time.monotonic()))
+            return events.get(timeout=max(0.0, min(deadline, until or deadline) - time.monotonic()))
         except queue.Empty:
+            if time.monotonic() < deadline:
+                return None
             raise ApiError(
                 HTTPStatus.GATEWAY_TIMEOUT, f"no answer within {self.timeout_s:.0f} s", kind="timeout"
             ) from None

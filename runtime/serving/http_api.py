@@ -320,12 +320,17 @@ class ApiTarget(Protocol):
     def readiness(self) -> tuple[bool, dict[str, Any]]: ...
     def metrics_text(self) -> bytes: ...
     def models(self) -> dict[str, Any]: ...
-    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    def complete(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Answers a completion: a JSON object, or the chunks of a stream (server-sent events).
-        ``read_body`` returns the parsed JSON body or raises ``ApiError``."""
+        ``read_body`` returns the parsed JSON body or raises ``ApiError``; ``gone`` says whether
+        the client went away (a JSON answer then stops with ``ClientGone``)."""
         ...
 
-    def chat(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    def chat(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Answers a chat completion (as ``complete``)."""
         ...
 
@@ -390,7 +395,9 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
                 self.send_json(HTTPStatus.OK, target.models())
             elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
                 with in_flight.request():
-                    answer = (target.complete if path == "/v1/completions" else target.chat)(self.read_json)
+                    answer = (target.complete if path == "/v1/completions" else target.chat)(
+                        self.read_json, self.client_gone
+                    )
                     if isinstance(answer, dict):
                         self.send_json(HTTPStatus.OK, answer)
                     else:

@@ -456,11 +456,15 @@ class AttentionService:
             "data": [{"id": self.options.model_name, "object": "model", "created": 0, "owned_by": "eaas"}],
         }
 
-    def complete(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        return self._answer(read_body, chat=False)
+    def complete(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        return self._answer(read_body, chat=False, gone=gone)
 
-    def chat(self, read_body: Callable[[], Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        return self._answer(read_body, chat=True)
+    def chat(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        return self._answer(read_body, chat=True, gone=gone)
 
     def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         body = read_body()
@@ -504,7 +508,9 @@ class AttentionService:
         if model is not None and model != self.options.model_name:
             raise unknown_model(model, self.options.model_name)
 
-    def _answer(self, read_body: Callable[[], Any], chat: bool) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    def _answer(
+        self, read_body: Callable[[], Any], chat: bool, gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         start = time.monotonic()
         try:
             body, encode = read_body(), self.tokenizer.encode
@@ -541,10 +547,10 @@ class AttentionService:
         if chat:
             if call.stream:
                 return self.completions.chat_chunks(call, requests, start)
-            return self.completions.chat_collect(call, requests, start)
+            return self.completions.chat_collect(call, requests, start, gone)
         if call.stream:
             return self.completions.chunks(call, requests, start)
-        return self.completions.collect(call, requests, start)
+        return self.completions.collect(call, requests, start, gone=gone)
 
     def _complete_static(self, request: CompletionRequest, start: float) -> dict[str, Any]:
         """The static-batching baseline: greedy, whole answers, one choice per prompt."""

@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from eaas.runtime.client import ClientOptions
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_reference
 from eaas.runtime.placement import round_robin
+from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 
@@ -414,6 +416,30 @@ def test_a_client_that_hangs_up_frees_its_kv_cache(service: AttentionService) ->
     assert metric(text, "eaas_attention_running_sequences") == 0.0
     assert metric(text, "eaas_attention_time_to_first_token_seconds_count") >= 1
     assert metric(text, "eaas_attention_time_per_output_token_seconds_count") >= 1
+
+
+def test_a_client_that_hangs_up_before_a_whole_answer_is_not_answered_for_nobody(
+    service: AttentionService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-streaming request whose client closes the connection is cancelled (looked at between
+    tokens every ``GONE_CHECK_S``; here at once), not generated to the end, as vLLM aborts it."""
+    assert service.worker is not None
+    monkeypatch.setattr(completions_module, "GONE_CHECK_S", 0.0)
+    ok = metric(http("GET", f"{service.url}/metrics")[1], 'eaas_attention_requests_total{result="ok"}')
+    body = json.dumps({"prompt": "nobody reads this", "max_tokens": 64, "n": 4, "ignore_eos": True}).encode()
+    host, port = service.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: eaas\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    wait_for(lambda: service.worker is not None and service.worker.running == 0, 20, "the choices cancelled")
+    assert service.worker.kv_usage == 0.0
+    text = http("GET", f"{service.url}/metrics")[1]
+    assert metric(text, 'eaas_attention_requests_total{result="ok"}') == ok  # never answered
+    status, answer = http("POST", f"{service.url}/v1/completions", {"prompt": "next", "max_tokens": 2})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
 
 
 def test_stop_strings_end_a_stream(service: AttentionService, reference: Decoder) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from eaas.runtime.httpd import ClientGone
 from eaas.runtime.model import ByteTokenizer, HFTokenizer, load_reference
+from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving import engine as engine_module
 from eaas.runtime.serving.completions import Completions
 from eaas.runtime.serving.engine import Engine, EngineOptions
@@ -211,3 +213,28 @@ def test_the_bytes_of_byte_level_bpe_tokens_join_into_the_text(tmp_path: Path, t
     of = token_bytes(tokenizer)
     assert b"".join(of(i) or b"?" for i in ids) == text.encode()
     assert of(tokenizer.marker_id("</s>") or 0) is None  # an added token is its text, not byte-level
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_an_answer_whose_client_went_away_stops_and_frees_its_sequences(
+    front: Completions, chat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client of a non-streaming answer that hangs up is found between tokens (``gone``, every
+    ``GONE_CHECK_S``; here at every event): its choices are cancelled, not generated to the end for
+    nobody, as vLLM aborts them."""
+    monkeypatch.setattr(completions_module, "GONE_CHECK_S", 0.0)
+    looks: list[bool] = []
+
+    def gone() -> bool:
+        looks.append(len(looks) >= 3)  # away after a few tokens
+        return looks[-1]
+
+    call = parse(front, max_tokens=64, n=2, ignore_eos=True)
+    requests = front.submit(call)
+    with pytest.raises(ClientGone):
+        (front.chat_collect if chat else front.collect)(call, requests, time.monotonic(), gone=gone)
+    deadline = time.monotonic() + 20
+    while front.worker.running or front.worker.kv_usage:
+        assert time.monotonic() < deadline, "the cancelled choices still run"
+        time.sleep(0.01)
+    assert all(len(request.tokens) < 64 for request in requests)  # stopped, not run to the end
