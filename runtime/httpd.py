@@ -72,8 +72,9 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def send_event_stream(self, events: Iterator[Any]) -> None:
         """200 with server-sent events: ``data: <json>`` per item, then ``data: [DONE]``; the
-        connection closes at the end. A client that goes away closes ``events`` (its ``finally``
-        can cancel the work)."""
+        connection closes at the end. An error after the headers is an event of its own (then
+        ``[DONE]``, as vLLM ends a stream). A client that goes away closes ``events`` (its
+        ``finally`` can cancel the work)."""
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -81,15 +82,22 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         try:
-            for item in events:
-                self.wfile.write(b"data: " + json.dumps(item).encode() + b"\n\n")
-                self.wfile.flush()
+            try:
+                for item in events:
+                    self.wfile.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+                    self.wfile.flush()
+            except HttpError as exc:  # after the headers: the error goes into the stream
+                self.wfile.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except Exception as exc:  # a bug: a 500 in the stream (the headers said 200 already)
+                log.exception("a stream of %s failed", self.path)
+                error = self.error_type(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc))
+                self.wfile.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError) as exc:
             log.info("a streaming client went away: %s", exc)
-        except HttpError as exc:  # after the headers: the error goes into the stream
-            self.wfile.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
         finally:
             close = getattr(events, "close", None)
             if close is not None:
@@ -111,18 +119,52 @@ class JsonHandler(BaseHTTPRequestHandler):
             return True
 
     def read_json(self) -> Any:
-        """The request's JSON body (1..max_body_bytes bytes), or ``body_error``."""
+        """The request's JSON body (1..max_body_bytes bytes, by ``Content-Length`` or in chunks),
+        or ``body_error``."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            data = self._read_chunks()
+        else:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 < length <= self.max_body_bytes:
+                self.close_connection = True  # the body (if any) was not read
+                raise self.body_error(f"body: a JSON body of 1-{self.max_body_bytes} bytes is required")
+            data = self.rfile.read(length)
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if not 0 < length <= self.max_body_bytes:
-            self.close_connection = True  # the body (if any) was not read
-            raise self.body_error(f"body: a JSON body of 1-{self.max_body_bytes} bytes is required")
-        try:
-            return json.loads(self.rfile.read(length))
+            return json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self.body_error(f"body: not valid JSON: {exc}") from exc
+
+    def _read_chunks(self) -> bytes:
+        """A body sent with ``Transfer-Encoding: chunked`` (what a client sends that does not know
+        the length beforehand: a streamed upload, some proxies), at most ``max_body_bytes``."""
+        body = bytearray()
+        while True:
+            line = self.rfile.readline(1024)  # the size in hex (and extensions, ignored)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                size = -1
+            if size < 0 or not line.endswith(b"\n"):
+                self.close_connection = True
+                raise self.body_error(f"body: a chunk of a chunked body has no valid size: {line[:40]!r}")
+            if size == 0:
+                break
+            if len(body) + size > self.max_body_bytes:
+                self.close_connection = True
+                raise self.body_error(f"body: a JSON body of 1-{self.max_body_bytes} bytes is required")
+            chunk = self.rfile.read(size)
+            if len(chunk) != size or self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                self.close_connection = True
+                raise self.body_error("body: a chunk of a chunked body is cut short or not ended by CRLF")
+            body += chunk
+        while self.rfile.readline(8192) not in (b"\r\n", b"\n", b""):  # trailers, then the blank line
+            pass
+        if not body:
+            raise self.body_error(f"body: a JSON body of 1-{self.max_body_bytes} bytes is required")
+        return bytes(body)
 
     def _route(self, method: str) -> None:
         try:

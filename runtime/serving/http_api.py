@@ -239,7 +239,7 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     if len(prompts) * n > MAX_PROMPTS:
         raise bad("n", f"prompts x n must be at most {MAX_PROMPTS}, got {len(prompts)} x {n}")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
+    if best_of is not None and (not _is_int(best_of) or best_of != n):  # (true == 1 in Python)
         raise bad("best_of", f"only best_of == n is supported, got {best_of!r}")
     if body.get("suffix") is not None:
         raise bad("suffix", "is not supported")
@@ -267,7 +267,9 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
             raise bad("stream_options", "is only allowed with stream: true")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("stream_options", "must be an object with at most include_usage")
-        include_usage = bool(options.get("include_usage", False))
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad("stream_options", f"include_usage must be true or false, got {include_usage!r}")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []

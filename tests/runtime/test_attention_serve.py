@@ -31,6 +31,7 @@ from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_reference
 from eaas.runtime.placement import round_robin
 from eaas.runtime.serving import completions as completions_module
+from eaas.runtime.serving import engine as engine_module
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 
@@ -204,6 +205,8 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
         ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "hi", "best_of": 3}, "best_of"),
+        ({"prompt": "hi", "best_of": True}, "best_of"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 2, 100000]}, "prompt"),
@@ -440,6 +443,54 @@ def test_a_client_that_hangs_up_before_a_whole_answer_is_not_answered_for_nobody
     assert metric(text, 'eaas_attention_requests_total{result="ok"}') == ok  # never answered
     status, answer = http("POST", f"{service.url}/v1/completions", {"prompt": "next", "max_tokens": 2})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_an_error_in_a_stream_is_an_event_then_done(
+    service: AttentionService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the 200 the error can only be an event: OpenAI's error object, then ``[DONE]`` (as
+    vLLM), so a client reading to ``[DONE]`` is not left waiting for the connection to close."""
+    real_sample = engine_module.sample
+
+    def sample(logits: Any, params: Any, *rest: Any) -> Any:
+        if any(p.seed == 666 for p in params):
+            raise ValueError("a bug in the sampler")
+        return real_sample(logits, params, *rest)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    items = stream(service.url, {"prompt": "doomed", "max_tokens": 4, "seed": 666})
+    assert items[-1] == "[DONE]", items
+    error = items[-2]["error"]
+    assert error["type"] == "server_error" and "sampling failed" in error["message"], error
+
+
+def raw_post(url: str, head: bytes, body: bytes) -> tuple[int, Any]:
+    """POSTs ``body`` after ``head`` (headers, without the blank line) on a raw socket; the status
+    and the JSON answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: eaas\r\nConnection: close\r\n" + head + b"\r\n" + body
+        )
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_a_chunked_request_body_is_read(service: AttentionService) -> None:
+    """A client that does not know its body's length beforehand sends it in chunks (as vLLM takes)."""
+    body = json.dumps({"prompt": "in chunks", "max_tokens": 3, "temperature": 0}).encode()
+    head = b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    chunked = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:7], body[7:]))
+    status, answer = raw_post(service.url, head, chunked + b"0\r\n\r\n")
+    assert status == 200, answer
+    whole = http("POST", f"{service.url}/v1/completions", json.loads(body))[1]
+    assert answer["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+    for bad_body in (b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n", b"0\r\n\r\n"):
+        status, answer = raw_post(service.url, head, bad_body)
+        assert status == 400 and answer["error"]["param"] == "body", (bad_body, answer)
 
 
 def test_stop_strings_end_a_stream(service: AttentionService, reference: Decoder) -> None:
