@@ -271,6 +271,12 @@ def parse_chat(
     if not prompt_ids:
         raise bad("messages", "render to an empty prompt")
     if max_tokens is None:  # OpenAI's default: as long as the context allows (or the server's default)
+        if len(prompt_ids) >= limits.max_context:  # (not max_tokens' fault: the client sent none)
+            raise bad(
+                "messages",
+                f"render to a prompt of {len(prompt_ids)} tokens, which leaves no room for an answer in "
+                f"the model's context of {limits.max_context} tokens",
+            )
         most = min(limits.max_tokens, limits.default_max_tokens or limits.max_tokens)
         completion["max_tokens"] = max(1, min(most, limits.max_context - len(prompt_ids)))
     call = parse_completion({**completion, "prompt": prompt_ids}, limits, encode)

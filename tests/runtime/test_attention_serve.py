@@ -250,6 +250,17 @@ def test_fields_at_their_neutral_values_or_null_are_accepted(service: AttentionS
     assert status == 400 and answer["error"]["param"] == "logit_bias", answer  # not neutral: refused
 
 
+def test_a_chat_prompt_that_fills_the_context_is_blamed_on_the_messages(service: AttentionService) -> None:
+    """Without ``max_tokens`` the answer may take what the context leaves; a prompt that leaves
+    nothing is the messages' fault, not that of a max_tokens the client never sent."""
+    long = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    status, answer = http("POST", f"{service.url}/v1/chat/completions", long)
+    assert status == 400 and answer["error"]["param"] == "messages", answer
+    assert "leaves no room for an answer" in answer["error"]["message"]
+    status, answer = http("POST", f"{service.url}/v1/chat/completions", {**long, "max_tokens": 4})
+    assert status == 400 and answer["error"]["param"] == "max_tokens", answer  # (it was sent)
+
+
 def test_an_unknown_model_is_a_404_in_openai_shape(service: AttentionService) -> None:
     status, answer = http("POST", f"{service.url}/v1/completions", {"prompt": "hi", "model": "gpt-4"})
     assert status == 404
