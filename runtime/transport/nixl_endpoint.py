@@ -293,7 +293,7 @@ def encode(data: bytes) -> str:
 
 def decode(text: object, field: str) -> bytes:
     """Base64 ``text`` of at most ``MAX_METADATA_BYTES``; ``OfferRefused`` naming ``field`` otherwise."""
-    if not isinstance(text, str) or len(text) > 2 * MAX_METADATA_BYTES:
+    if not isinstance(text, str) or len(text) > 4 * -(-MAX_METADATA_BYTES // 3):  # (base64: 4 per 3)
         raise OfferRefused(f"{field}: base64 text of at most {MAX_METADATA_BYTES} bytes is required")
     try:
         return base64.b64decode(text, validate=True)

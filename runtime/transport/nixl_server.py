@@ -251,7 +251,13 @@ class NixlServerTransport(ServerTransport):
                     f"offer.answer_address: [{answer_address:#x}, +{answer_bytes}) is not memory the "
                     f"client's agent registered (as {answer_memory.kind}; {type(exc).__name__}: {exc})"
                 ) from exc
-            self.endpoint.connect(peer)
+            try:
+                self.endpoint.connect(peer)
+            except Exception as exc:
+                raise OfferRefused(
+                    f"offer.agent_metadata: its agent cannot be reached at the connection details it "
+                    f"gives ({type(exc).__name__}: {exc})"
+                ) from exc
         except BaseException:
             with self._lock:
                 self._reserved.discard(slot)
@@ -354,8 +360,8 @@ class NixlServerTransport(ServerTransport):
         self.endpoint.retire(info.writes)
         return True
 
-    def _lose(self, slot: int, reason: str) -> None:  # caller holds the lock
-        if self._release(slot, announce=False):
+    def _lose(self, slot: int, reason: str, announce: bool = False) -> None:  # caller holds the lock
+        if self._release(slot, announce=announce):
             log.info("nixl slot %d released: %s", slot, reason)
             self._lost.append(slot)
 
@@ -448,8 +454,9 @@ class NixlServerTransport(ServerTransport):
                     self.endpoint.notify(info.peer, answered)
                 else:
                     info.writes.write_frame(payload_bytes, answered)
-            except Exception as exc:
-                self._lose(request.slot, f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})")
+            except Exception as exc:  # (a client still there fails over at once, not at its deadline)
+                reason = f"answer to {info.client_id} failed ({type(exc).__name__}: {exc})"
+                self._lose(request.slot, reason, announce=True)
                 return
             info.state = SlotState.IDLE  # the client's next request may come as soon as it reads this
             self._waiter.activity()  # spin from the answer too: its flush needs our progress

@@ -31,7 +31,7 @@ from eaas.runtime.placement import Placement, round_robin
 from eaas.runtime.protocol import HEADER_OFFSET, FrameKind, SlotHeader, Status, dtype_code
 from eaas.runtime.server import ExpertServer
 from eaas.runtime.transport import ChannelClosed, RemoteError, nixl_client
-from eaas.runtime.transport.base import Request, TransportOptions
+from eaas.runtime.transport.base import OfferRefused, Request, TransportOptions
 from eaas.runtime.transport.nixl_client import (
     MAX_SLEEP_S,
     MAX_SPIN_S,
@@ -49,9 +49,11 @@ from eaas.runtime.transport.nixl_client import (
 from eaas.runtime.transport.nixl_endpoint import (
     HUGE_PAGE_BYTES,
     INLINE_BYTES,
+    MAX_METADATA_BYTES,
     UCX_DEFAULTS,
     Memory,
     Notice,
+    decode,
     encode,
     frame_length,
     host_memory,
@@ -1088,3 +1090,58 @@ def test_the_free_slot_released_longest_ago_is_handed_out_first() -> None:
         server.close()
         for offer in offers:
             offer.close()
+
+
+def test_metadata_is_refused_above_its_bound_in_base64_as_the_message_says() -> None:
+    most = encode(bytes(MAX_METADATA_BYTES))
+    assert len(decode(most, "offer.agent_metadata")) == MAX_METADATA_BYTES
+    with pytest.raises(
+        OfferRefused, match=f"offer.agent_metadata: base64 text of at most {MAX_METADATA_BYTES}"
+    ):
+        decode(encode(bytes(MAX_METADATA_BYTES + 3)), "offer.agent_metadata")
+
+
+def test_an_answer_that_cannot_be_written_releases_the_slot_and_says_so() -> None:
+    """A client whose answer's WRITE failed, though it is still there, is told its slot is released
+    (``O``) and fails over at once, rather than at its deadline."""
+    capacity = 64 << 10
+    server = NixlServerTransport(TransportOptions(max_clients=1, capacity_bytes=capacity))
+    try:
+        channel = connect_while_served(server, "c", NixlChannel.offer(capacity, server.describe()))
+        x = torch.ones(80, 64)  # 20 KiB: a frame that goes by WRITE, not in its notice
+        channel.send(3, x, torch.zeros(80, 2, dtype=torch.int32), torch.ones(80, 2))
+        requests: list[Request] = []
+
+        def polled() -> bool:
+            requests.extend(server.poll())
+            channel.answered()
+            return bool(requests)
+
+        wait_for(polled, 10, "the request")
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("the previous NIXL write of this slot has not completed")
+
+        server._slots[requests[0].slot].writes.write_frame = broken  # type: ignore[method-assign]
+        h = requests[0].header
+        kind = FrameKind.RESPONSE
+        header = SlotHeader(kind, h.dtype, h.layer, h.num_tokens, h.top_k, h.hidden, h.seq, x.numel() * 4)
+        server.respond(requests[0], lambda: header)
+        outcome: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                channel.receive(time.monotonic() + 30)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=receive)
+        started = time.monotonic()
+        waiter.start()
+        while waiter.is_alive() and time.monotonic() - started < 30:
+            server.wait(1e-3)  # (progress: the notice leaves)
+        assert len(outcome) == 1 and isinstance(outcome[0], ChannelClosed), outcome
+        assert "released this slot" in str(outcome[0]) and time.monotonic() - started < 10
+        channel.close()
+    finally:
+        server.close()
