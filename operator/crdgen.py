@@ -135,8 +135,10 @@ def _clean(text: str) -> str:
 
 
 def name_max_length(kind: Kind) -> int:
-    """Longest object name whose generated children still have valid names (pods ``<pool>-<n>``)."""
-    return 45 if kind.kind == "MoEService" else 56
+    """Longest object name whose generated children still have valid names: a pool's pods are
+    ``<pool>-<n>``, and a MoEService's longest pool, its green attention pool of a blue/green
+    rollout, is ``<name>-green-attention``, a pool's name of at most 56."""
+    return 56 - len("-green-attention") if kind.kind == "MoEService" else 56
 
 
 def name_rule(limit: int) -> dict[str, str]:

@@ -93,6 +93,34 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.model.checkpoint: Invalid value",
         "set exactly one of persistentVolumeClaim or hostPath",
     ),
+    (
+        "tolerate-all",
+        {"expertPool.tolerations": [{"effect": "NoSchedule"}]},
+        "spec.expertPool.tolerations[0].operator: Invalid value",
+        "operator must be Exists when key is empty",
+    ),
+    (
+        "toleration-seconds",
+        {"attentionPool.tolerations": [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 300}]},
+        "spec.attentionPool.tolerations[0].tolerationSeconds: Invalid value",
+        "tolerationSeconds needs effect NoExecute",
+    ),
+    (
+        "toleration-value",
+        {"expertPool.tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
+        "spec.expertPool.tolerations[0].value: Invalid value",
+        "value must be empty when operator is Exists",
+    ),
+    (
+        "autoscaling-floor",
+        {
+            "expertPool.replicas": 4,
+            "expertPool.expertSlotsPerServer": 12,
+            "autoscaling": {"mode": "builtin", "minReplicas": 2, "maxReplicas": 8},
+        },
+        "spec.autoscaling.minReplicas: Invalid value",
+        "autoscaling.minReplicas * expertPool.expertSlotsPerServer must be >=",
+    ),
 ]
 
 
@@ -105,8 +133,9 @@ def test_invalid_moeservices_are_rejected_with_the_field_named(
         )
         assert result.returncode != 0, f"{name} was accepted"
         assert where in result.stderr and message in result.stderr, result.stderr
-    long_name = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("x" * 46), check=False)
-    assert long_name.returncode != 0 and "metadata.name must be a DNS label of at most 45" in long_name.stderr
+    # 40: the longest whose pools of a blue/green rollout (``<name>-green-attention``) are valid
+    long_name = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("x" * 41), check=False)
+    assert long_name.returncode != 0 and "metadata.name must be a DNS label of at most 40" in long_name.stderr
     assert cluster.kubectl("get", "moeservices", "-n", namespace, "-o", "name").stdout.strip() == ""
 
 

@@ -186,6 +186,28 @@ class ModelSpec(CRDModel):
 class Toleration(CRDModel):
     """A pod toleration (as in the core Pod API), e.g. for tainted GPU nodes."""
 
+    # The core Pod API's own checks: a toleration it refuses would fail every pod of the pool.
+    rules = (
+        Rule(
+            "self.key != '' || self.operator == 'Exists'",
+            "operator must be Exists when key is empty (a toleration of every taint)",
+            field_path=".operator",
+            check=lambda t: t.key != "" or t.operator == "Exists",
+        ),
+        Rule(
+            "self.operator != 'Exists' || self.value == ''",
+            "value must be empty when operator is Exists",
+            field_path=".value",
+            check=lambda t: t.operator != "Exists" or t.value == "",
+        ),
+        Rule(
+            "!has(self.tolerationSeconds) || self.effect == 'NoExecute'",
+            "tolerationSeconds needs effect NoExecute",
+            field_path=".tolerationSeconds",
+            check=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+        ),
+    )
+
     key: str = Field(default="", max_length=316)
     """Taint key; empty with operator Exists tolerates everything."""
     operator: Literal["Exists", "Equal"] = "Equal"

@@ -18,7 +18,12 @@ from eaas.operator.api.common import (
     UCXSpec,
     conditions_field,
 )
-from eaas.operator.api.pools import AttentionPoolTemplate, ExpertPoolTemplate, capacity_rule
+from eaas.operator.api.pools import (
+    AttentionPoolTemplate,
+    ExpertPoolTemplate,
+    capacity_rule,
+    holds_every_expert,
+)
 from eaas.operator.naming import Slot
 
 AutoscalingMode = Literal["off", "builtin", "external"]
@@ -147,6 +152,19 @@ class MoEServiceSpec(CRDModel):
             check=_ucx_ports_free,
         ),
         capacity_rule(".expertPool"),
+        Rule(
+            "self.autoscaling.mode != 'builtin' || self.expertPool.expertSlotsPerServer == 0"
+            " || self.expertPool.expertSlotsPerServer * self.autoscaling.minReplicas >="
+            " self.expertPool.replicationFactor * (self.model.numLayers - self.model.numDenseLayers)"
+            " * self.model.numExperts",
+            "autoscaling.minReplicas * expertPool.expertSlotsPerServer must be >= replicationFactor * MoE "
+            "layers * numExperts (the autoscaler must not shrink the pool below R copies of every expert)",
+            field_path=".autoscaling.minReplicas",
+            check=lambda s: (
+                s.autoscaling.mode != "builtin"
+                or holds_every_expert(s.expert_pool, s.model, s.autoscaling.min_replicas)
+            ),
+        ),
     )
 
     model: ModelSpec

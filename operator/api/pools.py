@@ -6,7 +6,7 @@ the MoEService copies down (model, transport, heartbeat, placement) so each pool
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -105,10 +105,15 @@ def capacity_rule(prefix: str) -> Rule:
 
 def _has_capacity(spec: object, prefix: str) -> bool:
     pool = getattr(spec, "expert_pool", spec) if prefix else spec
-    model = spec.model  # type: ignore[attr-defined]
-    slots = pool.expert_slots_per_server  # type: ignore[attr-defined]
-    needed = pool.replication_factor * len(model.moe_layers) * model.num_experts  # type: ignore[attr-defined]
-    return slots == 0 or slots * pool.replicas >= needed  # type: ignore[attr-defined]
+    return holds_every_expert(pool, spec.model, pool.replicas)  # type: ignore[attr-defined]
+
+
+def holds_every_expert(pool: Any, model: Any, replicas: int) -> bool:
+    """Whether ``replicas`` servers of ``pool`` have slots for R copies of every (MoE layer, expert)
+    (always, for servers without a fixed number of slots)."""
+    slots = pool.expert_slots_per_server
+    needed = pool.replication_factor * len(model.moe_layers) * model.num_experts
+    return slots == 0 or slots * replicas >= needed
 
 
 class ExpertPoolSpec(ExpertPoolTemplate):

@@ -145,6 +145,25 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
             {"transport": "nixl", "ucx.tcpPortMin": 8000, "ucx.tcpPortMax": 8000},
             "must not contain the pods' ports (expertPool.port, expertPool.dataPort, attentionPool.port)",
         ),
+        # Tolerations the core Pod API would refuse on every pod of the pool:
+        ({"expertPool.tolerations": [{"effect": "NoSchedule"}]}, "operator must be Exists when key is empty"),
+        (
+            {"attentionPool.tolerations": [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 300}]},
+            "tolerationSeconds needs effect NoExecute",
+        ),
+        (
+            {"expertPool.tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
+            "value must be empty when operator is Exists",
+        ),
+        # 4 x 12 slots hold R = 2 of 3 x 8 experts; 2 x 12, where the autoscaler could go, do not.
+        (
+            {
+                "expertPool.replicas": 4,
+                "expertPool.expertSlotsPerServer": 12,
+                "autoscaling": {"mode": "builtin", "minReplicas": 2, "maxReplicas": 8},
+            },
+            "spec.autoscaling.minReplicas: autoscaling.minReplicas * expertPool.expertSlotsPerServer must",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(changes: dict[str, Any], expected: str) -> None:
@@ -200,6 +219,22 @@ def test_the_failover_bound_defaults_to_the_planners_and_may_be_turned_off() -> 
         placement = spec["properties"]["placement"]
         assert placement["properties"]["failoverFactorPercent"]["default"] == 130
         assert any("failoverFactorPercent" in r["rule"] for r in placement["x-kubernetes-validations"])
+
+
+def test_tolerations_the_pod_api_takes_are_accepted() -> None:
+    tolerations = [
+        {"operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "moe", "effect": "NoExecute", "tolerationSeconds": 60},
+    ]
+    assert MoEServiceSpec.from_k8s(spec_with(**{"expertPool.tolerations": tolerations}))
+
+
+def test_the_builtin_autoscalers_floor_must_hold_every_expert_r_times() -> None:
+    builtin = {"mode": "builtin", "minReplicas": 4, "maxReplicas": 8}
+    assert MoEServiceSpec.from_k8s(
+        spec_with(**{"expertPool.replicas": 4, "expertPool.expertSlotsPerServer": 12, "autoscaling": builtin})
+    )
 
 
 def test_capacity_rule_accepts_exactly_enough_slots() -> None:
