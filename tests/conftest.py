@@ -45,3 +45,23 @@ def bpe_tokenizer(corpus: Iterable[str], special: Iterable[str] = (), added: Ite
 def train_tokenizer() -> Any:
     """``bpe_tokenizer``, for test modules in any folder."""
     return bpe_tokenizer
+
+
+FAILING_SEED = 666  # a request with this seed makes its sampling step fail (``failing_sampler``)
+
+
+@pytest.fixture
+def failing_sampler(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The serving engine's sampler raises, as a bug would, for any step that samples a request
+    seeded ``FAILING_SEED`` (returned); other steps sample as usual."""
+    from eaas.runtime.serving import engine
+
+    real_sample = engine.sample
+
+    def sample(logits: Any, params: Any, *rest: Any) -> Any:
+        if any(p.seed == FAILING_SEED for p in params):
+            raise ValueError("a bug in the sampler")
+        return real_sample(logits, params, *rest)
+
+    monkeypatch.setattr(engine, "sample", sample)
+    return FAILING_SEED

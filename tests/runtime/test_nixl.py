@@ -977,6 +977,19 @@ def connect_while_served(server: NixlServerTransport, client_id: str, offer: Nix
     return connected[0]
 
 
+def next_request(server: NixlServerTransport, channel: NixlChannel) -> Request:
+    """The next request ``server`` gets (driving ``channel`` meanwhile: its notice leaves)."""
+    requests: list[Request] = []
+
+    def polled() -> bool:
+        requests.extend(server.poll())
+        channel.answered()
+        return bool(requests)
+
+    wait_for(polled, 10, "the request")
+    return requests[0]
+
+
 def test_notices_for_a_closed_channel_are_dropped_not_kept() -> None:
     """An answer that comes after its channel closed (the client's deadline passed) is for no open
     channel: it is dropped. Kept, it would sit in the shared agent's mailboxes for as long as the
@@ -987,18 +1000,6 @@ def test_notices_for_a_closed_channel_are_dropped_not_kept() -> None:
 
     def open_channel(client_id: str) -> NixlChannel:
         return connect_while_served(server, client_id, NixlChannel.offer(capacity, server.describe()))
-
-    def take(channel: NixlChannel) -> Request:
-        """The next request the server gets (driving ``channel`` meanwhile: its notice leaves)."""
-        requests: list[Request] = []
-
-        def polled() -> bool:
-            requests.extend(server.poll())
-            channel.answered()
-            return bool(requests)
-
-        wait_for(polled, 10, "the request")
-        return requests[0]
 
     def echo(request: Request) -> None:
         """Answers ``request`` with its own x."""
@@ -1015,12 +1016,12 @@ def test_notices_for_a_closed_channel_are_dropped_not_kept() -> None:
         for i in range(2):
             late = open_channel(f"late-{i}")
             late.send(3, torch.full((2, 64), float(i)), ids, weights)
-            request = take(late)
+            request = next_request(server, late)
             late.close()  # (gave up) ...
             echo(request)  # ... and its answer comes all the same, before the server reads the goodbye
             # The server's next notice to this process comes after that answer's.
             keep.send(3, torch.ones(2, 64), ids, weights)
-            echo(take(keep))
+            echo(next_request(server, keep))
 
             def answered() -> bool:
                 server.wait(0)  # (progress: the answer's notice leaves)
@@ -1061,15 +1062,7 @@ def test_a_slot_whose_client_never_claims_it_is_released_after_the_grace() -> No
         states = {row["client_id"]: row["state"] for row in server.slots()}
         assert states == {"older": "IDLE", "claimed": "IDLE", "lost": "OFFLINE"}
         claimed.send(3, torch.ones(2, 64), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2))
-        requests: list[Request] = []
-
-        def polled() -> bool:
-            requests.extend(server.poll())
-            claimed.answered()  # (its notice leaves)
-            return bool(requests)
-
-        wait_for(polled, 10, "the claimed channel's request")
-        assert [r.slot for r in requests] == [claimed.slot]  # and the claimed slot serves on
+        assert next_request(server, claimed).slot == claimed.slot  # and the claimed slot serves on
         claimed.close()
     finally:
         older.close()
@@ -1110,14 +1103,7 @@ def test_an_answer_that_cannot_be_written_releases_the_slot_and_says_so() -> Non
         channel = connect_while_served(server, "c", NixlChannel.offer(capacity, server.describe()))
         x = torch.ones(80, 64)  # 20 KiB: a frame that goes by WRITE, not in its notice
         channel.send(3, x, torch.zeros(80, 2, dtype=torch.int32), torch.ones(80, 2))
-        requests: list[Request] = []
-
-        def polled() -> bool:
-            requests.extend(server.poll())
-            channel.answered()
-            return bool(requests)
-
-        wait_for(polled, 10, "the request")
+        requests = [next_request(server, channel)]
 
         def broken(*args: Any) -> None:
             raise RuntimeError("the previous NIXL write of this slot has not completed")

@@ -16,7 +16,6 @@ import pytest
 from eaas.runtime.httpd import ClientGone
 from eaas.runtime.model import ByteTokenizer, HFTokenizer, load_reference
 from eaas.runtime.serving import completions as completions_module
-from eaas.runtime.serving import engine as engine_module
 from eaas.runtime.serving.completions import Completions
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.engine_worker import EngineWorker, Request
@@ -150,18 +149,10 @@ def test_a_stop_string_ends_the_counted_and_returned_tokens(
 
 
 def test_a_failed_sampling_step_is_a_server_error_and_the_engine_goes_on(
-    front: Completions, monkeypatch: pytest.MonkeyPatch
+    front: Completions, failing_sampler: int
 ) -> None:
-    real_sample = engine_module.sample
-
-    def sample(logits: Any, params: Any, *rest: Any) -> Any:
-        if any(p.seed == 666 for p in params):
-            raise ValueError("a bug in the sampler")
-        return real_sample(logits, params, *rest)
-
-    monkeypatch.setattr(engine_module, "sample", sample)
     expected = complete(front, max_tokens=30)["choices"][0]["token_ids"]
-    good_call, bad_call = parse(front, max_tokens=30), parse(front, max_tokens=30, seed=666)
+    good_call, bad_call = parse(front, max_tokens=30), parse(front, max_tokens=30, seed=failing_sampler)
     good, bad = front.submit(good_call), front.submit(bad_call)
     with pytest.raises(ApiError) as failed:
         front.collect(bad_call, bad, time.monotonic())
