@@ -793,7 +793,7 @@ def test_a_killed_client_frees_its_slot_and_its_agent(served: tuple[Placement, E
         assert doomed.stdout is not None
         line = doomed.stdout.readline()
         assert line.startswith("slot"), line
-        assert len(set(nixl_of(server).endpoint.peers()) - peers_before) == 1
+        [doomed_agent] = set(nixl_of(server).endpoint.peers()) - peers_before
         doomed.kill()
         doomed.wait(timeout=10)
     finally:
@@ -807,7 +807,8 @@ def test_a_killed_client_frees_its_slot_and_its_agent(served: tuple[Placement, E
         "the killed client's slot released",
     )
     print(f"killed client's slot released after {time.monotonic() - started:.2f} s")
-    assert set(nixl_of(server).endpoint.peers()) == peers_before
+    # Its agent is let go of (other peers may come and go meanwhile: earlier tests' slots retiring).
+    assert doomed_agent not in nixl_of(server).endpoint.peers()
 
 
 SERVER_SCRIPT = textwrap.dedent(
@@ -1029,7 +1030,10 @@ def test_notices_for_a_closed_channel_are_dropped_not_kept() -> None:
 
             wait_for(answered, 10, "the answer")
             assert torch.equal(keep.receive(time.monotonic() + 10), torch.ones(2, 64))
-            assert list(endpoint._mail) == [(keep.peer, keep.slot, keep.generation)]
+            # (mailboxes of this server's agent only: other tests' channels may still be open)
+            assert [key for key in endpoint._mail if key[0] == keep.peer] == [
+                (keep.peer, keep.slot, keep.generation)
+            ]
     finally:
         keep.close()
         server.close()
