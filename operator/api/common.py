@@ -296,7 +296,9 @@ class UCXSpec(CRDModel):
 
     transports: str = Field(default="tcp", min_length=1, max_length=256, pattern=UCX_TRANSPORTS)
     """``UCX_TLS``: the UCX transports, comma-separated. ``tcp`` works on any pod network; RDMA NICs:
-    ``rc,tcp`` (InfiniBand or RoCE verbs), ``rc_x,tcp`` or ``dc_x,tcp`` (ConnectX, mlx5)."""
+    ``rc,tcp`` (InfiniBand or RoCE verbs), ``rc_x,tcp`` or ``dc_x,tcp`` (ConnectX, mlx5). On a
+    node with NVIDIA GPUs, a list naming neither ``cuda`` nor ``cuda_copy`` gets ``cuda_copy`` (NIXL
+    refuses to start without one there)."""
     net_devices: str = Field(default="", max_length=256, pattern=UCX_DEVICES)
     """``UCX_NET_DEVICES``: the network devices UCX may use, comma-separated (``eth0``,
     ``mlx5_0:1``); empty = not set, UCX takes every device it finds."""

@@ -64,6 +64,9 @@ the operator sets them from the pool's ``spec.ucx``). One setting is ours: ``UCX
 to keep a cache of registrations valid; every transfer here is from and into memory registered
 once, so the cache is never used, while the hooks slowed the model's own CPU work around them:
 a 1-server decode ran ~1.3x faster without them (docs/benchmarks.md).
+And on a host with NVIDIA GPUs, a ``UCX_TLS`` naming no CUDA transport (``tcp``, the pools' default)
+gets ``cuda_copy``: NIXL refuses to start its UCX backend there without one
+(``ucx_transports_for_host``; seen on a lent H200).
 
 Host memory (``host_memory``): the areas WRITEs read and land in (a server's slots, a client's send
 and answer areas) are on transparent huge pages where the kernel gives them on request (its
@@ -80,6 +83,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import ctypes
 import importlib
 import logging
 import mmap
@@ -136,6 +140,11 @@ HOST = Memory("DRAM")
 # UCX settings of our own, put into the environment (unless it has them) before each agent
 # starts: UCX reads these when it is loaded, with the process's first agent.
 UCX_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
+# NIXL's test for GPUs present (PCI vendor, class code's upper 16 bits), and the UCX transports that
+# it takes as CUDA support (``ucx_transports_for_host``).
+NVIDIA_PCI_VENDOR = 0x10DE
+GPU_PCI_CLASSES = (0x0300, 0x0302)
+CUDA_TRANSPORTS = frozenset({"cuda", "cuda_copy"})
 
 NOTICE = struct.Struct("<cIIQ")
 # The largest frame (header and payload) that travels in its notification instead of a WRITE
@@ -234,10 +243,64 @@ def is_available() -> bool:
 
 
 def apply_ucx_defaults() -> None:
-    """Puts ``UCX_DEFAULTS`` into the environment where it has no value of its own (before the
-    process's first agent starts: UCX reads its settings once, when it is loaded)."""
+    """Puts ``UCX_DEFAULTS`` into the environment where it has no value of its own, and makes
+    ``UCX_TLS`` one NIXL accepts on this host (``ucx_transports_for_host``), before the process's
+    first agent starts: UCX reads its settings once, when it is loaded."""
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    given = os.environ.get("UCX_TLS")
+    wanted = ucx_transports_for_host(given, nvidia_gpus(), cuda_driver_loadable())
+    if wanted != given and wanted is not None:
+        os.environ["UCX_TLS"] = wanted
+        logging.getLogger("eaas.transport").info(
+            "UCX_TLS=%s names no CUDA transport and this host has NVIDIA GPUs, where NIXL refuses to "
+            "start without one: using UCX_TLS=%s",
+            given,
+            wanted,
+        )
+
+
+def ucx_transports_for_host(tls: str | None, gpus: int, cuda_driver: bool) -> str | None:
+    """``UCX_TLS`` as an agent starts with it. NIXL's UCX backend refuses to start where NVIDIA GPUs
+    are on the PCI bus, UCX can reach CUDA memory (the driver loads), and ``UCX_TLS`` is a list of
+    transports naming neither ``cuda`` nor ``cuda_copy`` (``tcp``, the pools' default ``ucx.
+    transports``: every GPU expert server would fail to start). There ``cuda_copy`` is added (the
+    transport that copies between host and GPU memory; ``cuda_ipc`` and RDMA stay as the list
+    says). Any other value is kept as given: unset (UCX's own choice, which includes CUDA), a list
+    naming one, and an exclusion list (``^...``), which NIXL accepts unless it excludes one."""
+    if tls is None or gpus == 0 or not cuda_driver or tls.strip().startswith("^"):
+        return tls
+    if CUDA_TRANSPORTS & {token.strip() for token in tls.split(",")}:
+        return tls
+    return f"{tls.strip().rstrip(',')},cuda_copy"
+
+
+def nvidia_gpus(devices: str = "/sys/bus/pci/devices") -> int:
+    """NVIDIA display and 3D controllers on the PCI bus: what NIXL counts as GPUs present (a pod
+    sees the whole node's bus, whether or not it was given a GPU)."""
+    count = 0
+    with contextlib.suppress(OSError):
+        for device in os.scandir(devices):
+            try:
+                with (
+                    open(os.path.join(device.path, "vendor")) as v,
+                    open(os.path.join(device.path, "class")) as c,
+                ):
+                    vendor, pci_class = int(v.read(), 16), int(c.read(), 16) >> 8
+            except (OSError, ValueError):
+                continue
+            count += vendor == NVIDIA_PCI_VENDOR and pci_class in GPU_PCI_CLASSES
+    return count
+
+
+def cuda_driver_loadable() -> bool:
+    """Whether the CUDA driver library loads here: without it UCX has no CUDA transports (a pod
+    on a GPU node that was given no GPU usually has none)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def progress_thread_enabled() -> bool:

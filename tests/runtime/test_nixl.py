@@ -58,8 +58,10 @@ from eaas.runtime.transport.nixl_endpoint import (
     frame_length,
     host_memory,
     notice,
+    nvidia_gpus,
     transfer_length,
     transfer_lengths,
+    ucx_transports_for_host,
 )
 from eaas.runtime.transport.nixl_server import NixlServerTransport
 
@@ -205,6 +207,44 @@ def test_an_agent_starts_with_ucx_memory_events_off_unless_the_environment_says(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [UCX_DEFAULTS["UCX_MEM_EVENTS"] if given is None else given]
+
+
+@pytest.mark.parametrize(
+    ("given", "gpus", "driver", "started_with"),
+    [
+        ("tcp", 1, True, "tcp,cuda_copy"),  # the pools' default on a GPU node: NIXL refuses plain tcp
+        (" rc_x , tcp ", 8, True, "rc_x , tcp,cuda_copy"),
+        ("tcp,", 1, True, "tcp,cuda_copy"),
+        ("tcp,cuda_copy", 1, True, "tcp,cuda_copy"),  # names one already
+        ("rc,cuda", 1, True, "rc,cuda"),
+        ("^cma", 1, True, "^cma"),  # an exclusion list keeps cuda
+        (None, 1, True, None),  # UCX's own choice
+        ("tcp", 0, True, "tcp"),  # no GPU: nothing to add
+        ("tcp", 2, False, "tcp"),  # GPUs on the bus but no driver here: UCX has no CUDA transport
+    ],
+)
+def test_ucx_transports_gain_cuda_copy_only_where_nixl_requires_it(
+    given: str | None, gpus: int, driver: bool, started_with: str | None
+) -> None:
+    assert ucx_transports_for_host(given, gpus, driver) == started_with
+
+
+def test_nvidia_gpus_are_counted_from_the_pci_bus_as_nixl_counts_them(tmp_path: Path) -> None:
+    devices = {
+        "0000:00:01.0": ("0x10de", "0x030200"),  # an H100/H200: a 3D controller
+        "0000:00:02.0": ("0x10de", "0x030000"),  # a display controller
+        "0000:00:03.0": ("0x10de", "0x068000"),  # an NVIDIA bridge (NVSwitch): not a GPU
+        "0000:00:04.0": ("0x15b3", "0x020700"),  # a ConnectX NIC
+        "0000:00:05.0": ("0x1af4", "0x010000"),
+    }
+    for name, (vendor, pci_class) in devices.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "class").write_text(pci_class + "\n")
+    (tmp_path / "0000:00:06.0").mkdir()  # unreadable entries are skipped
+    (tmp_path / "0000:00:06.0" / "vendor").write_text("garbage\n")
+    assert nvidia_gpus(str(tmp_path)) == 2
+    assert nvidia_gpus(str(tmp_path / "missing")) == 0
 
 
 def test_a_waiting_client_spins_longer_only_for_a_server_that_answers_fast() -> None:
