@@ -4,7 +4,7 @@
 # tree through a link tree, then each step runs with its log under $OUT (default: ./gpu-out).
 #
 #   bash benchmarks/gpu_session.sh STEP...
-#   steps: env probe tests kernels kernels-quick autotune rtt nixl nixl-tests nixl-mem-events warmup
+#   steps: env probe tests kernels kernels-quick autotune rtt nixl nixl-tests nixl-mem-events warmup host
 #   (NIXL_ROWS: the raw NIXL rows of the nixl step, comma-separated; default all three)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +79,12 @@ for what in "$@"; do
     nixl-mem-events)  # the nixl GPU tests with UCX's memory hooks on (our default turns them off)
         step nixl-mem-events 200 env UCX_MEM_EVENTS=yes $PY -m pytest -q -p no:cacheprovider -o addopts="" \
             --timeout 90 -rA tests/runtime/test_gpu_nixl.py
+        ;;
+    host)  # the CPU data-path benchmarks on this machine's cores (host memory; needs the NIXL wheel)
+        for run in 1 2 3; do
+            step transport-rtt-$run ${HOST_RTT_TIMEOUT:-150} $PY benchmarks/transport_rtt.py --json-out "$OUT/transport_rtt_$run.json"
+        done
+        step e2e-decode ${HOST_DECODE_TIMEOUT:-200} $PY benchmarks/e2e_decode.py --compare tcp,nixl --json-out "$OUT/e2e_decode.json"
         ;;
     warmup)
         step warmup ${WARMUP_TIMEOUT:-300} $PY benchmarks/warm_up.py --json-out "$OUT/warm_up.json"

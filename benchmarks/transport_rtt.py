@@ -30,7 +30,8 @@ same run:
   transport gives against the library on plain memory;
 - ``nixl raw, UCX_TLS=tcp``: the same with UCX restricted to TCP in both agents (on one host the
   default puts go over ``cma``, a kernel copy between processes; across hosts there is no
-  ``cma``, so this is the cross-host stand-in when no RDMA NIC is at hand);
+  ``cma``, so this is the cross-host stand-in when no RDMA NIC is at hand; on a host with NVIDIA
+  GPUs the agents add ``cuda_copy``, which NIXL requires there: ``ucx_transports_for_host``);
 - ``naive``: the tensors pickled over a ``multiprocessing`` pipe and pickled back.
 
 All methods are timed in turns (rounds of a few round trips of each), so load from other
