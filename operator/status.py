@@ -54,7 +54,10 @@ def deployment_conditions(
 def aggregate(children: Mapping[str, Mapping[str, Any] | None]) -> list[Observation]:
     """A MoEService's conditions from its pools (name → the pool object, None if missing).
 
-    Ready when every pool is Ready; Progressing when any is; Degraded when any is.
+    Ready when every pool is Ready; Progressing when any is, or when any has not yet acted on its
+    latest spec (``status.observedGeneration`` below ``metadata.generation``: its conditions still
+    describe the spec before, e.g. right after the MoEService changed its replicas); Degraded when
+    any is.
     """
     missing = [name for name, child in children.items() if child is None]
     if missing:
@@ -82,6 +85,19 @@ def aggregate(children: Mapping[str, Mapping[str, Any] | None]) -> list[Observat
         if n not in dict(ready)
     ]
     progressing = with_status(PROGRESSING, "True")
+    for name, child in children.items():
+        generation = int(((child or {}).get("metadata") or {}).get("generation") or 0)
+        observed = int(((child or {}).get("status") or {}).get("observedGeneration") or 0)
+        if observed < generation and name not in dict(progressing):
+            progressing.append(
+                (
+                    name,
+                    {
+                        "reason": "SpecNotObserved",
+                        "message": f"generation {generation} not acted on yet (last {observed})",
+                    },
+                )
+            )
     degraded = with_status(DEGRADED, "True")
     return [
         Observation.of(READY, True, "Serving", "every pool is Ready")

@@ -71,6 +71,29 @@ def test_moeservice_is_ready_when_both_pools_are() -> None:
     )
 
 
+def test_a_pool_that_has_not_acted_on_its_latest_spec_makes_the_moeservice_progressing() -> None:
+    """Right after the MoEService changes a pool's spec, the pool's conditions still describe the
+    spec before: a stale "Stable" must not reach the MoEService (``kubectl wait`` would return)."""
+    stale = pool("True")
+    stale["metadata"] = {"generation": 4}
+    stale["status"]["observedGeneration"] = 3
+    current = pool("True")
+    current["metadata"] = {"generation": 2}
+    current["status"]["observedGeneration"] = 2
+    observations = aggregate({"ExpertPool": current, "AttentionPool": stale})
+    assert by_type(observations) == {
+        READY: ("True", "Serving"),  # it still serves, on the spec before
+        PROGRESSING: ("True", "PoolsProgressing"),
+        DEGRADED: ("False", "Healthy"),
+    }
+    assert "AttentionPool: SpecNotObserved: generation 4 not acted on yet (last 3)" in observations[1].message
+    stale["status"]["observedGeneration"] = 4
+    assert by_type(aggregate({"ExpertPool": current, "AttentionPool": stale}))[PROGRESSING] == (
+        "False",
+        "Stable",
+    )
+
+
 def test_attention_conditions_from_the_deployment() -> None:
     rolled = {"status": {"replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}}
     assert by_type(deployment_conditions(2, rolled, True))[READY] == ("True", "ClientsReady")
