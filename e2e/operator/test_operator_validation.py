@@ -112,6 +112,18 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "value must be empty when operator is Exists",
     ),
     (
+        "toleration-key",
+        {"expertPool.tolerations": [{"key": "gpu node", "operator": "Exists"}]},
+        "spec.expertPool.tolerations[0].key: Invalid value",
+        "should match",
+    ),
+    (
+        "node-selector-value",
+        {"attentionPool.nodeSelector": {"pool": "cpu only"}},
+        "spec.attentionPool.nodeSelector.pool: Invalid value",
+        "should match",
+    ),
+    (
         "autoscaling-floor",
         {
             "expertPool.replicas": 4,

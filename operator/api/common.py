@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Le
@@ -29,6 +30,14 @@ PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+# A label's or taint's key (a qualified name: an optional DNS-subdomain prefix and '/', then at most 63
+# characters) and a label's value (at most 63), as the core API checks them.
+QUALIFIED_NAME = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 Port = Annotated[int, Field(ge=1, le=65535)]
 # A model revision's name (the runtime's --model-revision accepts the same; a test keeps them equal).
@@ -208,11 +217,11 @@ class Toleration(CRDModel):
         ),
     )
 
-    key: str = Field(default="", max_length=316)
-    """Taint key; empty with operator Exists tolerates everything."""
+    key: str = Field(default="", max_length=316, pattern=f"^({QUALIFIED_NAME[1:-1]})?$")
+    """Taint key (a qualified name, as a label's); empty with operator Exists tolerates everything."""
     operator: Literal["Exists", "Equal"] = "Equal"
     """How key and value are compared."""
-    value: str = Field(default="", max_length=63)
+    value: str = Field(default="", max_length=63, pattern=LABEL_VALUE)
     """Taint value (operator Equal)."""
     effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = ""
     """Taint effect to tolerate; empty = all effects."""
@@ -247,8 +256,9 @@ class PodSettings(CRDModel):
     )
     """ServiceAccount of the pods (it must be allowed to renew Leases for heartbeats); empty = the one
     the operator makes, ``<moeservice>-runtime``, bound to the chart's runtime ClusterRole."""
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
-    """Node labels the pods require."""
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
+    """Node labels the pods require (keys qualified names, values label values, as the core API
+    checks them)."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Taints the pods tolerate."""
     termination_grace_period_seconds: int = Field(default=30, ge=10, le=3600)
@@ -260,6 +270,19 @@ class PodSettings(CRDModel):
     also runs each of its experts once), before its liveness and readiness probes begin (a
     ``startupProbe`` on ``/healthz``). A container that does not answer within it is restarted.
     Size it for the slowest load of the checkpoint from its volume."""
+
+    @model_validator(mode="after")
+    def _node_selector_keys(self) -> PodSettings:
+        """The core API's check of a label key, which the CRD cannot make on a map's keys (a CEL rule
+        over unbounded keys exceeds the API server's cost budget): the operator refuses the spec."""
+        for key in self.node_selector:
+            if len(key) > 316 or not re.fullmatch(QUALIFIED_NAME, key):
+                raise ValueError(
+                    f"nodeSelector: key {key!r} is not a label key (an optional DNS-subdomain prefix "
+                    "and '/', then at most 63 letters, digits, '-', '_' or '.', beginning and ending "
+                    "with a letter or digit)"
+                )
+        return self
 
 
 class HeartbeatSpec(CRDModel):

@@ -155,6 +155,22 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
             {"expertPool.tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
             "value must be empty when operator is Exists",
         ),
+        (
+            {"expertPool.tolerations": [{"key": "gpu node", "operator": "Exists"}]},
+            "spec.expertPool.tolerations.0.key: String should match pattern",
+        ),
+        (
+            {"expertPool.tolerations": [{"key": "gpu", "value": "a100 80gb"}]},
+            "spec.expertPool.tolerations.0.value: String should match pattern",
+        ),
+        (
+            {"attentionPool.nodeSelector": {"pool": "cpu only"}},
+            "spec.attentionPool.nodeSelector.pool: String should match pattern",
+        ),
+        (
+            {"expertPool.nodeSelector": {"gpu type": "h200"}},
+            "spec.expertPool.nodeSelector: key 'gpu type' is not a label key",
+        ),
         # 4 x 12 slots hold R = 2 of 3 x 8 experts; 2 x 12, where the autoscaler could go, do not.
         (
             {
