@@ -242,9 +242,10 @@ class Completions:
                     if finish is not None:
                         rest, calls = streams[index].finish()
                         text += rest
-                        if calls:
+                        if calls and call.tools is not None:
+                            calls = calls[:1] if call.tools.one_call else calls
                             delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
-                            finish = "tool_calls"
+                            finish = call.tools.finish_reason(finish)
                 if text:
                     delta["content"] = text
                 logprobs = None if piece["logprobs"] is None else {"content": piece["logprobs"]}
@@ -283,9 +284,9 @@ class Completions:
                     message = {
                         "role": "assistant",
                         "content": content or None,
-                        "tool_calls": [c.as_openai() for c in calls],
+                        "tool_calls": [c.as_openai() for c in calls[: 1 if call.tools.one_call else None]],
                     }
-                    finish = "tool_calls"
+                    finish = call.tools.finish_reason(finish)
             if reasoning:
                 message["reasoning_content"] = message["reasoning"] = reasoning
             choices.append(

@@ -17,13 +17,15 @@ token (``grammar.Markers``).
 ``tool_choice``:
 
 - ``none``: the tools are still shown to the template, and the answer is text.
-- ``auto`` (the default with tools): free generation. Calls in the text become ``tool_calls``,
-  and ``finish_reason`` is ``tool_calls``. A block that does not parse stays in the content, as
+- ``auto`` (the default with tools): free generation. Calls in the text become ``tool_calls``
+  (the first only, with ``parallel_tool_calls: false``), and ``finish_reason`` is ``tool_calls``
+  (``length`` where the answer was cut off). A block that does not parse stays in the content, as
   vLLM leaves it.
 - ``required``, or a named function: the output is constrained (``grammar.Constraint``) to one
-  or more calls (one with ``parallel_tool_calls: false``) whose ``name`` is one of the tools (or
-  the named one). Their ``arguments`` validate against the tool's ``parameters`` schema, so they
-  always parse.
+  or more calls whose ``name`` is one of the tools (one call with ``parallel_tool_calls: false``,
+  and always one to a named function).
+  Their ``arguments`` validate against the tool's ``parameters`` schema (the schema is the root
+  of the arguments' JSON, so its ``$ref``s resolve as the tool wrote them), so they always parse.
 """
 
 from __future__ import annotations
@@ -51,11 +53,27 @@ class ToolRequest:
     tools: list[dict[str, Any]]  # as the request gave them (the chat template renders them)
     parameters: Parameters
     choice: str  # "auto", "none", "required", or the name of the function to call
-    parallel: bool  # more than one call may be made
+    parallel: bool  # more than one call may be made (``parallel_tool_calls``)
 
     def callable(self) -> list[str]:
         """The functions a constrained call may name: the named one, or any of the tools."""
         return [self.choice] if self.choice in self.parameters else list(self.parameters)
+
+    @property
+    def named(self) -> bool:
+        return self.choice in self.parameters
+
+    @property
+    def one_call(self) -> bool:
+        """At most one call: ``parallel_tool_calls: false``, or a named function (called once, as
+        OpenAI and vLLM do). An ``auto`` answer with more keeps its first."""
+        return not self.parallel or self.named
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """An answer's ``finish_reason`` once it made calls: ``tool_calls``, but ``length`` where the
+        answer was cut off (a call may be missing, as vLLM says). For a named function too (OpenAI
+        says ``stop`` there; a client that acts on ``tool_calls`` acts on both)."""
+        return finish if finish == "length" else "tool_calls"
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -163,24 +181,20 @@ class HermesFormat:
         """The grammar of one call (or, when parallel calls are allowed, one or more) to the named
         function, or to any of the tools for ``required``."""
         names = request.callable()
-        schema = {
-            "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": name},
-                        "arguments": _arguments(request.parameters[name]),
-                    },
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for name in names
-            ],
-        }
-        call = f'{markers(self.start)} "\\n" %json {json.dumps(schema)} "\\n" {markers(self.end)}'
-        repeat = ' ("\\n" call)*' if request.parallel else ""
-        lark = f"start: call{repeat}\ncall: {call}\n"
+        rules = []
+        for i, name in enumerate(names):
+            # The arguments are their own JSON document (the tool's schema its root, so that its
+            # "$ref"s resolve as written), inside the call object's text as Qwen's template writes it.
+            arguments = {
+                "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
+                **_arguments(request.parameters[name]),
+            }
+            head = _lark_text(f'\n{{"name": {json.dumps(name)}, "arguments": ')
+            body = f'"{head}" %json {json.dumps(arguments)} "}}\\n"'
+            rules.append(f"call{i}: {markers(self.start)} {body} {markers(self.end)}")
+        calls = " | ".join(f"call{i}" for i in range(len(names)))
+        repeat = "" if request.one_call else ' ("\\n" call)*'
+        lark = "\n".join([f"start: call{repeat}", f"call: {calls}", *rules]) + "\n"
         # A tool's parameters schema that does not compile is the tools' fault: the 400 names them.
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
@@ -237,13 +251,24 @@ class GlmFormat:
             schema = request.parameters[name]
             properties = schema.get("properties") or {}
             required = set(schema.get("required") or [])
+            # Each argument's value is a JSON document of its own: the schema's definitions go with it.
+            defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+            for ref in _refs([*properties.values(), *defs.values()]):
+                if ref == "#" or (ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/"))):
+                    raise bad(
+                        "tools",
+                        f"{name}: $ref {ref!r} points into the parameters schema outside $defs and "
+                        "definitions, which the glm45 format cannot resolve (each argument is written alone)",
+                    )
             pairs = []
             for argument, subschema in properties.items():
                 if not isinstance(argument, str) or "<" in argument:
                     raise bad(
                         "tools", f"{name}: argument name {argument!r} cannot be written in the glm45 format"
                     )
-                written = f'{key} "{_lark_text(argument)}" {end_key} "\\n" {value} {_lark_value(subschema)}'
+                written = (
+                    f'{key} "{_lark_text(argument)}" {end_key} "\\n" {value} {_lark_value(subschema, defs)}'
+                )
                 pair = f'{written} {end_value} "\\n"'
                 pairs.append(pair if argument in required else f"({pair})?")
             if schema.get("additionalProperties") not in (False, None):  # other keys, where allowed
@@ -252,7 +277,7 @@ class GlmFormat:
             head = f'{markers(self.start)} "{_lark_text(name)}\\n"'
             rules.append(f"call{i}: {head} {' '.join(pairs)} {markers(self.end)}")
         calls = " | ".join(f"call{i}" for i in range(len(names)))
-        repeat = ' ("\\n" call)*' if request.parallel else ""
+        repeat = "" if request.one_call else ' ("\\n" call)*'
         lark = "\n".join([f"start: call{repeat}", f"call: {calls}", *rules]) + "\n"
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
@@ -292,9 +317,24 @@ def _lark_text(text: str) -> str:
     return json.dumps(text)[1:-1]
 
 
-def _lark_value(schema: Any) -> str:
+def _refs(schemas: list[Any]) -> list[str]:
+    """Every ``$ref`` in `schemas`, at any depth."""
+    found, stack = [], list(schemas)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("$ref"), str):
+                found.append(item["$ref"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _lark_value(schema: Any, defs: dict[str, Any] | None = None) -> str:
     """A glm45 argument value: text for a string (its ``const`` or one of its ``enum``; within
-    its ``minLength`` and ``maxLength``), else JSON of `schema`."""
+    its ``minLength`` and ``maxLength``), else JSON of `schema` (with the tool's definitions,
+    `defs`, which its ``$ref``s name)."""
     if _is_string(schema):
         choices = [schema["const"]] if "const" in schema else schema.get("enum")
         if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
@@ -304,7 +344,8 @@ def _lark_value(schema: Any) -> str:
             raise bad("tools", f"minLength / maxLength of a string argument: bad bounds in {schema}")
         return f"/[^<]{{{low},{'' if high is None else high}}}/"
     subschema = schema if isinstance(schema, dict) else {}
-    return f"%json {json.dumps({'x-guidance': {'whitespace_pattern': JSON_WHITESPACE}, **subschema})}"
+    document = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **(defs or {}), **subschema}
+    return f"%json {json.dumps(document)}"
 
 
 @dataclass(frozen=True)
@@ -374,7 +415,7 @@ class SectionFormat:
             head += f" {markers(self.arguments)}"
             rules.append(f"call{i}: {head} %json {json.dumps(schema)} {markers(self.call_end)}")
         calls = " | ".join(f"call{i}" for i in range(len(names)))
-        repeat = "+" if request.parallel else ""
+        repeat = "" if request.one_call else "+"
         lark = "\n".join(
             [f"start: {markers(self.start)} call{repeat} {markers(self.end)}", f"call: {calls}", *rules]
         )

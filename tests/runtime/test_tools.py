@@ -489,3 +489,63 @@ def test_glm45_grammar_refuses_what_the_format_cannot_write() -> None:
     with pytest.raises(ApiError) as caught:
         FORMATS["glm45"].constraint(request, TEXT_MARKERS)
     assert caught.value.param == "tools" and "<b>" in caught.value.message
+
+
+def test_a_tools_refs_resolve_in_its_own_schema_in_constrained_calls() -> None:
+    """A tool's ``$defs`` (pydantic's, zod's) and a recursive ``"$ref": "#"`` mean what the tool
+    wrote: the arguments are the root of their own JSON document in the call's grammar."""
+    located = {
+        "type": "object",
+        "$defs": {
+            "Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        },
+        "properties": {"at": {"$ref": "#/$defs/Loc"}},
+        "required": ["at"],
+    }
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}
+    tools = [
+        {"type": "function", "function": {"name": "go", "parameters": located}},
+        {"type": "function", "function": {"name": "tree", "parameters": tree}},
+    ]
+    request = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None
+    grammar = HERMES.constraint(request, TEXT_MARKERS).grammar
+
+    def call(name: str, arguments: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+    assert accepts(grammar, call("go", '{"at": {"city": "Oslo"}}'))
+    assert not accepts(grammar, call("go", '{"at": {"town": "Oslo"}}'))
+    assert accepts(grammar, call("tree", '{"child": {"child": {}}}'))
+    assert not accepts(grammar, call("tree", '{"child": {"name": "f", "arguments": {}}}'))  # not the call's
+
+    located_only = parse_tools({"tools": tools[:1], "tool_choice": "required"})
+    assert located_only is not None
+    glm = FORMATS["glm45"].constraint(located_only, TEXT_MARKERS).grammar  # $defs go with each argument
+    assert accepts(
+        glm, '<tool_call>go\n<arg_key>at</arg_key>\n<arg_value>{"city": "Oslo"}</arg_value>\n</tool_call>'
+    )
+    assert not accepts(
+        glm, '<tool_call>go\n<arg_key>at</arg_key>\n<arg_value>{"town": "Oslo"}</arg_value>\n</tool_call>'
+    )
+    rooted = parse_tools({"tools": [tools[1]], "tool_choice": "required"})
+    assert rooted is not None
+    with pytest.raises(ApiError) as caught:  # "#" would mean the argument's own schema there
+        FORMATS["glm45"].constraint(rooted, TEXT_MARKERS)
+    assert caught.value.param == "tools" and "'#'" in caught.value.message
+
+
+def test_a_named_function_or_no_parallel_calls_means_one_call_and_a_cut_answer_says_length() -> None:
+    tools = [WEATHER]
+    named = parse_tools(
+        {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
+    auto_single = parse_tools({"tools": tools, "parallel_tool_calls": False})
+    auto = parse_tools({"tools": tools})
+    assert named is not None and auto_single is not None and auto is not None
+    assert named.one_call and auto_single.one_call and not auto.one_call
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    grammar = HERMES.constraint(named, TEXT_MARKERS).grammar
+    assert accepts(grammar, one) and not accepts(grammar, f"{one}\n{one}")
+    assert auto.finish_reason("stop") == "tool_calls" and named.finish_reason("stop") == "tool_calls"
+    assert auto.finish_reason("length") == "length"  # cut off: a call may be missing
