@@ -339,8 +339,17 @@ def answer_after(constraint: Constraint, lark: str) -> Constraint:
 
 
 def first_line(error: str) -> str:
-    """llguidance's errors carry the parser's state after their first line."""
-    return error.strip().splitlines()[0] if error.strip() else "no reason given"
+    """An llguidance error's reason: its first line (the parser's state follows it), and where that
+    line only announces what follows ("regex parse error:"), the reason given below it (its
+    ``error:`` line: "unclosed character class"). At most 500 characters."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "no reason given"
+    reason = lines[0]
+    if reason.endswith(":") and len(lines) > 1:
+        below = next((line for line in reversed(lines) if line.startswith("error:")), lines[1])
+        reason = f"{reason} {below.removeprefix('error:').strip()}"
+    return reason[:500]
 
 
 _executor: Any = None

@@ -216,7 +216,12 @@ def test_malformed_constraints_are_refused_naming_the_field(body: dict[str, Any]
             "response_format",
             "frob",
         ),
-        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", ""),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "unclosed group"),
+        (  # the reason, not only "regex parse error:"
+            {"response_format": {**SCHEMA, "json_schema": {"schema": {"type": "string", "pattern": "(["}}}},
+            "response_format",
+            "unclosed character class",
+        ),
         (
             {"structured_outputs": {"grammar": "start: undefined_rule"}},
             "structured_outputs.grammar",
