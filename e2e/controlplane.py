@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import secrets
 import shutil
 import ssl
@@ -260,6 +261,26 @@ class ControlPlane:
         api.start()
         self._wait(lambda: _https_ok(f"{self.server}/readyz", admin), "kube-apiserver /readyz again")
         return time.monotonic() - stopped
+
+    def kube_proxy_routes(
+        self, namespace: str, service: str, port: str, protocol: str = "TCP"
+    ) -> frozenset[str]:
+        """Where kube-proxy's nftables rules send a new connection to the ClusterIP of Service
+        `namespace/service` (its port named `port`) right now: the endpoints, as ``IP:port``; empty
+        while none is programmed. This is what a client of the Service reaches, and it lags the
+        EndpointSlice until kube-proxy has synced: after an API server outage by up to a minute,
+        as kube-proxy's informers retry their watches with client-go's backoff (0.8 s doubling
+        to 30 s, jittered up to twice that), like every other client's. Raises if kube-proxy exited."""
+        proxy = next((p for p in self.processes if p.name == "kube-proxy"), None)
+        assert proxy is not None, "no kube-proxy: the plane has no process nodes"
+        if not proxy.running():
+            raise RuntimeError(proxy.describe_exit())
+        listing = subprocess.run(
+            ["nft", "list", "table", "ip", "kube-proxy"], capture_output=True, text=True, timeout=30
+        )
+        if listing.returncode != 0:  # kube-proxy has not written its table yet
+            return frozenset()
+        return service_chain_endpoints(listing.stdout, f"{namespace}/{service}/{protocol.lower()}/{port}")
 
     # -- internals -----------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
@@ -513,6 +534,25 @@ class ControlPlane:
         path = self.work_dir / STATE_FILE
         path.write_text(json.dumps(state, indent=2))
         return path
+
+
+# An endpoint in a kube-proxy (nftables) service chain, in each form kube-proxy 1.37 writes it
+# (pkg/proxy/nftables/proxier.go): one endpoint `dnat to 10.245.0.4:8000`; several
+# `dnat ip addr . port to numgen random mod 2 map { 0 : 10.245.0.4 . 8000, 1 : ... }`; with session
+# affinity, jumps to endpoint chains named `endpoint-<hash>-<ns>/<svc>/tcp/<port>__10.245.0.4/8000`.
+_IP = r"\d{1,3}(?:\.\d{1,3}){3}"
+_ENDPOINT = re.compile(rf"({_IP})(?::| \. )(\d+)|__({_IP})/(\d+)")
+
+
+def service_chain_endpoints(table: str, port_name: str) -> frozenset[str]:
+    """The endpoints (``IP:port``) of the service chain ``service-<hash>-<port_name>`` (port_name:
+    ``<namespace>/<service>/<protocol>/<port>``) in `table`, the text of ``nft list table ip
+    kube-proxy``; empty when there is no such chain (no endpoints) or it is empty."""
+    name = re.escape(f"-{port_name}")
+    chain = re.search(rf"\n\tchain service-[A-Z0-9]+{name} \{{(.*?)\n\t\}}", table, re.DOTALL)
+    if chain is None:
+        return frozenset()
+    return frozenset(f"{m[1] or m[3]}:{m[2] or m[4]}" for m in _ENDPOINT.finditer(chain.group(1)))
 
 
 def _etcd_healthy(url: str) -> bool:

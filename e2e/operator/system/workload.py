@@ -458,12 +458,51 @@ class System:
         pods = self.attention_pods()
         return len(pods) == replicas and all(map(ready, pods)) and self.serving_endpoints() == replicas
 
-    def scale_attention(self, replicas: int) -> None:
+    def scale_attention(self, replicas: int) -> float:
+        """Scales the attention pool to `replicas` and waits until that many pods serve and the
+        Service routes to them only (:meth:`wait_routed`, whose wait it returns)."""
         patch = {"spec": {"attentionPool": {"replicas": replicas}}}
         self.cluster.custom.patch_namespaced_custom_object(
             GROUP, VERSION, self.namespace, "moeservices", NAME, patch
         )
         wait_until(lambda: self.attention_serving(replicas), 180, f"{replicas} attention pods serving")
+        return self.wait_routed()
+
+    def routing(self) -> Routing:
+        """Where kube-proxy's rules send a connection to the MoEService's Service now, against the
+        Ready attention pods and the Service's EndpointSlices."""
+        port = self.cluster.core.read_namespaced_service(NAME, self.namespace).spec.ports[0]
+        slices = client.DiscoveryV1Api(self.cluster.api_client).list_namespaced_endpoint_slice(
+            self.namespace, label_selector=f"kubernetes.io/service-name={NAME}"
+        )
+        sliced = {
+            f"{address}:{slice_port.port}"
+            for s in slices.items
+            for slice_port in s.ports or []
+            if slice_port.name == port.name
+            for e in s.endpoints or []
+            if e.conditions and e.conditions.ready
+            for address in e.addresses
+        }
+        serving = {
+            pod_url(p, "http").removeprefix("http://")
+            for p in self.attention_pods()
+            if ready(p) and p.status.pod_ip
+        }
+        programmed = self.plane.kube_proxy_routes(self.namespace, NAME, port.name, port.protocol)
+        return Routing(f"{self.namespace}/{NAME}", programmed, frozenset(serving), frozenset(sliced))
+
+    def wait_routed(self, timeout: float = 120) -> float:
+        """Waits until kube-proxy routes the Service to exactly the serving attention pods; returns
+        how long that took. Until then a connection through the Service may go to a pod that is
+        gone (`No route to host`), or miss a new one. kube-proxy follows the EndpointSlices within
+        a second or two, except after an API server outage: its informers then resume their
+        watches with client-go's backoff, which had grown to [30, 60) s while the API server was
+        away (as every client's does, on a real node too), so it can lag the EndpointSlices by up
+        to a minute after the API server returns (drill 8: 37 s and 61 s measured here)."""
+        started = time.monotonic()
+        wait_until(self.routing, timeout, f"kube-proxy routing the Service {NAME} to the serving pods only")
+        return time.monotonic() - started
 
     def server_metric(self, name: str) -> dict[str, float]:
         """`name` (all its samples summed) from each live expert server's /metrics, by pod name."""
@@ -765,6 +804,27 @@ class Strength:
 
     def __repr__(self) -> str:
         return self.missing or "full strength"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where kube-proxy's rules route a Service (``programmed``, as ``IP:port``), against the Ready
+    pods behind it (``serving``) and its EndpointSlices' ready endpoints (``sliced``): true when
+    all three are the same (and not empty); its repr, which a failed wait prints, shows them."""
+
+    service: str
+    programmed: frozenset[str]
+    serving: frozenset[str]
+    sliced: frozenset[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.serving) and self.programmed == self.serving == self.sliced
+
+    def __repr__(self) -> str:
+        return (
+            f"kube-proxy's nftables rules for {self.service} route to {sorted(self.programmed)}; Ready "
+            f"pods {sorted(self.serving)}; EndpointSlice ready endpoints {sorted(self.sliced)}"
+        )
 
 
 def _node_state(node: Any) -> str:
