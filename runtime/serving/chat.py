@@ -231,7 +231,7 @@ def parse_chat(
         if body.get(name) is not None:
             raise bad(name, "is deprecated by OpenAI and not supported; use tools and tool_choice")
     tools = parse_tools(body)
-    if tools is not None and tool_format is None:
+    if tools is not None and tools.choice != "none" and tool_format is None:  # "none": shown, not called
         raise bad(
             "tools",
             "this model's family has no tool-call format here; start the server with "

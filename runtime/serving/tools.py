@@ -102,7 +102,9 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
             raise bad("tools", f"{where}.function.name must be 1-64 of a-z, A-Z, 0-9, _, . and -")
         if name in parameters:
             raise bad("tools", f"{where}.function.name {name!r} is given twice")
-        schema = function.get("parameters", {"type": "object", "properties": {}})
+        schema = function.get("parameters")
+        if schema is None:  # absent or null: no parameters
+            schema = {"type": "object", "properties": {}}
         if not isinstance(schema, dict):
             raise bad("tools", f"{where}.function.parameters must be a JSON schema object")
         if not isinstance(schema.get("properties", {}), dict):

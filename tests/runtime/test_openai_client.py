@@ -211,6 +211,17 @@ def test_errors_reach_the_client_as_openai_errors(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as refused:  # mixtral has no tool-call format: refused
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])
     assert refused.value.param == "tools" and "--tool-call-parser" in str(refused.value)
+    shown = client.chat.completions.create(  # tools shown but never called: no format needed
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        tools=[tool],
+        tool_choice="none",
+        max_tokens=2,
+    )
+    assert shown.choices[0].message.tool_calls is None and shown.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
 
 
 ANSWER = {

@@ -84,6 +84,8 @@ def test_tool_choices() -> None:
     )
     assert named is not None and named.choice == "get_weather" and named.parallel
     assert parse_tools({"tools": [WEATHER], "parallel_tool_calls": False}).parallel is False  # type: ignore[union-attr]
+    bare = parse_tools({"tools": [function_with(None)]})  # parameters: null, as absent (vLLM's reading)
+    assert bare is not None and bare.parameters == {"f": {"type": "object", "properties": {}}}
 
 
 def test_formats_by_family_and_by_flag() -> None:
