@@ -248,7 +248,8 @@ class GlmFormat:
         schema's ``additionalProperties`` allows them (a function without parameters takes none)."""
         names = request.callable()
         key, end_key, value, end_value = (markers(m) for m in self.markers[2:])
-        rules = []
+        rules: list[str] = []
+        terminals: list[str] = []  # a string argument's pattern (``_lark_value``)
         for i, name in enumerate(names):
             schema = request.parameters[name]
             properties = schema.get("properties") or {}
@@ -268,9 +269,8 @@ class GlmFormat:
                     raise bad(
                         "tools", f"{name}: argument name {argument!r} cannot be written in the glm45 format"
                     )
-                written = (
-                    f'{key} "{_lark_text(argument)}" {end_key} "\\n" {value} {_lark_value(subschema, defs)}'
-                )
+                typed = _lark_value(subschema, defs, terminals)
+                written = f'{key} "{_lark_text(argument)}" {end_key} "\\n" {value} {typed}'
                 pair = f'{written} {end_value} "\\n"'
                 pairs.append(pair if argument in required else f"({pair})?")
             if schema.get("additionalProperties") not in (False, None):  # other keys, where allowed
@@ -280,7 +280,7 @@ class GlmFormat:
             rules.append(f"call{i}: {head} {' '.join(pairs)} {markers(self.end)}")
         calls = " | ".join(f"call{i}" for i in range(len(names)))
         repeat = "" if request.one_call else ' ("\\n" call)*'
-        lark = "\n".join([f"start: call{repeat}", f"call: {calls}", *rules]) + "\n"
+        lark = "\n".join([f"start: call{repeat}", f"call: {calls}", *rules, *terminals]) + "\n"
         return Constraint("tools", str(load_llguidance().LLMatcher.grammar_from_lark(lark)))
 
 
@@ -333,9 +333,10 @@ def _refs(schemas: list[Any]) -> list[str]:
     return found
 
 
-def _lark_value(schema: Any, defs: dict[str, Any] | None = None) -> str:
+def _lark_value(schema: Any, defs: dict[str, Any] | None = None, terminals: list[str] | None = None) -> str:
     """A glm45 argument value: text for a string (its ``const`` or one of its ``enum``; within
-    its ``minLength`` and ``maxLength``), else JSON of `schema` (with the tool's definitions,
+    its ``minLength`` and ``maxLength``, and matching its ``pattern``: a terminal of the pattern
+    and the text, appended to `terminals`), else JSON of `schema` (with the tool's definitions,
     `defs`, which its ``$ref``s name)."""
     if _is_string(schema):
         choices = [schema["const"]] if "const" in schema else schema.get("enum")
@@ -344,10 +345,29 @@ def _lark_value(schema: Any, defs: dict[str, Any] | None = None) -> str:
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if not isinstance(low, int) or not isinstance(high, int | None) or (high is not None and high < low):
             raise bad("tools", f"minLength / maxLength of a string argument: bad bounds in {schema}")
-        return f"/[^<]{{{low},{'' if high is None else high}}}/"
+        text = f"/[^<]{{{low},{'' if high is None else high}}}/"
+        pattern = schema.get("pattern")
+        if pattern is None or terminals is None:
+            return text
+        if not isinstance(pattern, str):
+            raise bad("tools", f"pattern of a string argument must be a string, got {pattern!r}")
+        name = f"ARG{len(terminals)}"
+        terminals.append(f"{name}: /{_whole_match(pattern)}/ & {text}")
+        return name
     subschema = schema if isinstance(schema, dict) else {}
     document = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **(defs or {}), **subschema}
     return f"%json {json.dumps(document)}"
+
+
+def _whole_match(pattern: str) -> str:
+    """A JSON schema ``pattern`` (found anywhere in the string unless anchored) as a Lark regex
+    that matches whole strings: its ``^`` and ``$`` anchors taken off, any text allowed where it
+    has none; ``/`` escaped for the regex literal."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and not pattern.endswith("\\$")
+    core = pattern[1 if start else 0 : -1 if end else None]
+    body = ("" if start else "(?s:.*)") + f"(?:{core})" + ("" if end else "(?s:.*)")
+    return re.sub(r"(?<!\\)/", r"\\/", body)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ the format's own text."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -551,3 +552,37 @@ def test_a_named_function_or_no_parallel_calls_means_one_call_and_a_cut_answer_s
     assert accepts(grammar, one) and not accepts(grammar, f"{one}\n{one}")
     assert auto.finish_reason("stop") == "tool_calls" and named.finish_reason("stop") == "tool_calls"
     assert auto.finish_reason("length") == "length"  # cut off: a call may be missing
+
+
+def test_glm45_string_arguments_match_their_pattern() -> None:
+    """A string argument is raw text in glm45: its schema's ``pattern`` (anchored or found anywhere,
+    as JSON schema has it) is enforced on that text, with its length bounds and without ``<``."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            "zip": {"type": "string", "pattern": "^[0-9]{3}$"},
+            "path": {"type": "string", "pattern": "a/b", "maxLength": 6},
+        },
+        "required": ["zip"],
+    }
+    request = parse_tools({"tools": [function_with(parameters)], "tool_choice": "required"})
+    assert request is not None
+    grammar = FORMATS["glm45"].constraint(request, TEXT_MARKERS).grammar
+
+    def call(zip_code: str, path: str | None = None) -> str:
+        text = f"<tool_call>f\n<arg_key>zip</arg_key>\n<arg_value>{zip_code}</arg_value>\n"
+        if path is not None:
+            text += f"<arg_key>path</arg_key>\n<arg_value>{path}</arg_value>\n"
+        return text + "</tool_call>"
+
+    assert accepts(grammar, call("123")) and accepts(grammar, call("123", "xa/by"))
+    assert not accepts(grammar, call("12a")) and not accepts(grammar, call("1234"))
+    assert not accepts(grammar, call("123", "xyz"))  # the pattern is not in it
+    assert not accepts(grammar, call("123", "xxa/byy"))  # longer than maxLength
+    bad_pattern = parse_tools(
+        {"tools": [function_with({"properties": {"s": {"type": "string", "pattern": 3}}})]}
+    )
+    assert bad_pattern is not None
+    with pytest.raises(ApiError) as caught:
+        FORMATS["glm45"].constraint(replace(bad_pattern, choice="required"), TEXT_MARKERS)
+    assert caught.value.param == "tools" and "pattern" in caught.value.message
