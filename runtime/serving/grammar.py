@@ -160,12 +160,17 @@ def _grammar(field: str, spec: dict[str, Any]) -> str:
         if not isinstance(schema, dict | bool):
             raise GrammarError(field, "a JSON schema must be an object")
         options: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE}
-        if spec.get("disable_any_whitespace"):
+        disable = spec.get("disable_any_whitespace")
+        if disable not in (None, False, True):
+            raise GrammarError(field, f"disable_any_whitespace must be true or false, got {disable!r}")
+        if disable:
             options = {"whitespace_flexible": False}
         pattern = spec.get("whitespace_pattern")
         if pattern is not None:
             if not isinstance(pattern, str):
                 raise GrammarError(field, "whitespace_pattern must be a string")
+            if disable:
+                raise GrammarError(field, "whitespace_pattern and disable_any_whitespace: choose one")
             options = {"whitespace_pattern": pattern}
         try:
             return str(matcher.grammar_from_json_schema(schema, overrides=options))

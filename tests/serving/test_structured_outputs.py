@@ -195,6 +195,11 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type":
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
         ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"json": {}, "disable_any_whitespace": "yes"}}, "structured_outputs.json"),
+        (
+            {"structured_outputs": {"json": {}, "disable_any_whitespace": True, "whitespace_pattern": " "}},
+            "structured_outputs.json",
+        ),
         ({"structured_outputs": {"grammar": "  "}}, "structured_outputs.grammar"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_json": [1]}, "guided_json"),
