@@ -175,12 +175,16 @@ def second_opinion(
 def clients(ctx: Context, body: Mapping[str, Any], now: float) -> tuple[tuple[int, ...], frozenset[int]]:
     """What the live attention clients of the pool's MoEService say on their Leases: the placement
     versions they route by, and the servers they fail over now (none for a pool no MoEService
-    made)."""
+    made). During a blue/green rollout only the clients of the pool's own slot: the other slot's
+    clients route by the other ExpertPool's placements and ordinals."""
     metadata = body["metadata"]
     service = (metadata.get("labels") or {}).get(naming.SERVICE_LABEL)
     if not service:
         return (), frozenset()
     selector = {naming.SERVICE_LABEL: service, naming.COMPONENT_LABEL: naming.ATTENTION_COMPONENT}
+    for slot in naming.SLOTS:
+        if metadata["name"] == naming.expert_pool_name(service, slot):
+            selector[naming.POOL_LABEL] = naming.attention_pool_name(service, slot)
     versions = []
     reported: set[int] = set()
     for lease in ctx.kube.list("Lease", metadata["namespace"], selector):

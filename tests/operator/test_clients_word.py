@@ -226,3 +226,25 @@ def test_a_slow_server_a_client_fails_over_stays(pool: dict[str, Any]) -> None:
 @pytest.fixture
 def pool(pool_body: dict[str, Any]) -> dict[str, Any]:
     return pool_body
+
+
+def test_only_the_clients_of_the_pools_own_slot_speak_for_it() -> None:
+    """During a blue/green rollout both slots' attention clients carry the MoEService's label; the
+    green clients' ordinals and placement versions are the green ExpertPool's, not the blue one's."""
+    kube = MemoryKube()
+    kube.apply(client_lease("tiny-attention-a", (1,)))
+    green = client_lease("tiny-green-attention-a", (2,))
+    green["metadata"]["labels"][naming.POOL_LABEL] = naming.attention_pool_name("tiny", "green")
+    green["metadata"]["annotations"][naming.LOADED_VERSION_ANNOTATION] = "7"
+    kube.apply(green)
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    labels = {naming.SERVICE_LABEL: "tiny"}
+    blue_pool = {
+        "metadata": {"name": naming.expert_pool_name("tiny", "blue"), "namespace": "ns", "labels": labels}
+    }
+    green_pool = {
+        "metadata": {"name": naming.expert_pool_name("tiny", "green"), "namespace": "ns", "labels": labels}
+    }
+    now = time.time()
+    assert expertpool.clients(context, blue_pool, now) == ((1,), frozenset({1}))
+    assert expertpool.clients(context, green_pool, now) == ((7,), frozenset({2}))
