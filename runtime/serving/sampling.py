@@ -114,12 +114,20 @@ def _draw(
 ) -> torch.Tensor:
     """scores [b, V] -> one token per row, drawn after temperature, top-k and top-p.
 
-    Inverse-CDF sampling: each row draws one uniform number from its own generator, so a
-    seeded request's tokens do not depend on the rest of the batch."""
+    Inverse-CDF sampling: each row draws one uniform number from its own generator and lays it
+    along its own order (vocabulary order, or most likely first where it truncates), so a seeded
+    request's tokens do not depend on the rest of the batch."""
     vocab = scores.shape[1]
+    cut = [bool((p.top_k and p.top_k < vocab) or p.top_p < 1.0) for p in params]
+    if any(cut) and not all(cut):  # rows that truncate and rows that do not: each kind on its own
+        tokens = torch.empty(len(params), dtype=torch.long)
+        for kind in (True, False):
+            rows = [i for i, c in enumerate(cut) if c == kind]
+            tokens[rows] = _draw(scores[rows], [params[i] for i in rows], [generators[i] for i in rows])
+        return tokens
     temperature = torch.tensor([p.temperature for p in params])[:, None]
     scores = scores / temperature
-    truncated = any((p.top_k and p.top_k < vocab) or p.top_p < 1.0 for p in params)
+    truncated = all(cut)
     if truncated:  # most likely first, so top-k and top-p are prefixes
         scores, order = torch.sort(scores, dim=-1, descending=True)
         top_k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params])[:, None]

@@ -83,6 +83,27 @@ def test_a_seeded_row_draws_the_same_whatever_else_is_in_the_batch() -> None:
     assert run(batch=True) == run(batch=False)
 
 
+@pytest.mark.parametrize("mine", [SamplingParams(seed=5), SamplingParams(temperature=0.7, top_k=0, seed=9)])
+def test_a_seeded_row_without_truncation_draws_the_same_beside_rows_that_truncate(
+    mine: SamplingParams,
+) -> None:
+    """OpenAI's defaults (top_p 1, no top_k) beside a top-k or top-p row: the row's draw is laid
+    along its own (vocabulary) order, as when it is alone."""
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2))
+    others = [SamplingParams(top_k=3, seed=1), SamplingParams(top_p=0.5)]
+    counts = [torch.zeros(vocab, dtype=torch.int64) for _ in range(3)]
+    alone_generator, batch_generator = new_generator(mine), new_generator(mine)
+    alone = [sample(logits[2:], [mine], [alone_generator], counts[2:])[0].token for _ in range(30)]
+    batched = [
+        sample(logits, [*others, mine], [*(new_generator(p) for p in others), batch_generator], counts)[
+            2
+        ].token
+        for _ in range(30)
+    ]
+    assert batched == alone
+
+
 def test_draws_follow_the_distribution() -> None:
     logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]] * 4000)
     params = [SamplingParams(temperature=1.0)] * 4000
