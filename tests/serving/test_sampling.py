@@ -83,7 +83,9 @@ def test_a_seeded_row_draws_the_same_whatever_else_is_in_the_batch() -> None:
     assert run(batch=True) == run(batch=False)
 
 
-@pytest.mark.parametrize("mine", [SamplingParams(seed=5), SamplingParams(temperature=0.7, top_k=0, seed=9)])
+@pytest.mark.parametrize(
+    "mine", [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.7, top_k=0, seed=9)]
+)
 def test_a_seeded_row_without_truncation_draws_the_same_beside_rows_that_truncate(
     mine: SamplingParams,
 ) -> None:
@@ -91,7 +93,7 @@ def test_a_seeded_row_without_truncation_draws_the_same_beside_rows_that_truncat
     along its own (vocabulary) order, as when it is alone."""
     vocab = 64
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2))
-    others = [SamplingParams(top_k=3, seed=1), SamplingParams(top_p=0.5)]
+    others = [SamplingParams(temperature=1.0, top_k=3, seed=1), SamplingParams(temperature=1.0, top_p=0.5)]
     counts = [torch.zeros(vocab, dtype=torch.int64) for _ in range(3)]
     alone_generator, batch_generator = new_generator(mine), new_generator(mine)
     alone = [sample(logits[2:], [mine], [alone_generator], counts[2:])[0].token for _ in range(30)]
