@@ -275,7 +275,7 @@ def parse_chat(
             raise bad(
                 "messages",
                 f"render to a prompt of {len(prompt_ids)} tokens, which leaves no room for an answer in "
-                f"the model's context of {limits.max_context} tokens",
+                f"the context of {limits.max_context} tokens this server gives one sequence",
             )
         most = min(limits.max_tokens, limits.default_max_tokens or limits.max_tokens)
         completion["max_tokens"] = max(1, min(most, limits.max_context - len(prompt_ids)))

@@ -84,7 +84,7 @@ def overloaded(message: str) -> ApiError:
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int
-    max_context: int  # prompt + new tokens of one sequence
+    max_context: int  # prompt + new tokens of one sequence (the model's context, or the KV cache's room)
     max_tokens: int  # most new tokens a request may ask for
     # new tokens of a chat request that names none: None = the rest of the context (OpenAI's and
     # vLLM's default), else at most this many (vLLM: --override-generation-config max_new_tokens)
@@ -228,8 +228,8 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     if longest + max_tokens > limits.max_context:
         raise bad(
             "max_tokens",
-            f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
-            f"of {limits.max_context} tokens",
+            f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{limits.max_context} tokens this server gives one sequence",
         )
     n = body.get("n", 1)
     if n is None:

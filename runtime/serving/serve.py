@@ -158,11 +158,14 @@ class AttentionService:
         self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
         self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)
         o = self.options
+        context = self.config.max_position_embeddings
+        # One sequence holds no more positions than the KV cache has; a cache that holds no block is
+        # refused here, not when the first placement makes the engine.
+        if o.batching == "continuous":
+            blocks = Engine.pool_blocks(self.config, self._engine_options(o.kv_cache_bytes), self.side.dtype)
+            context = min(context, blocks * o.block_size)
         self.limits = Limits(
-            self.config.vocab_size,
-            self.config.max_position_embeddings,
-            min(o.max_tokens, self.config.max_position_embeddings - 1),
-            o.default_max_tokens,
+            self.config.vocab_size, context, min(o.max_tokens, context - 1), o.default_max_tokens
         )
         self.decoder: Decoder | None = None  # owned by the scheduler's worker thread
         self.engine: Engine | None = None  # continuous batching: the worker's, over the decoder
@@ -184,8 +187,6 @@ class AttentionService:
         self.metrics = AttentionMetrics(o.model_name)
         if o.batching not in ("continuous", "static"):
             raise ValueError(f"batching: must be 'continuous' or 'static', got {o.batching!r}")
-        if o.batching == "continuous":  # refused here, not when the first placement makes the engine
-            Engine.pool_blocks(self.config, self._engine_options(o.kv_cache_bytes), self.side.dtype)
         self.worker: EngineWorker | None = None
         self.scheduler: BatchScheduler | None = None
         self.completions: Completions | None = None

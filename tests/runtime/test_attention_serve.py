@@ -32,6 +32,7 @@ from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_re
 from eaas.runtime.placement import round_robin
 from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
+from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -247,6 +248,31 @@ def test_fields_at_their_neutral_values_or_null_are_accepted(service: AttentionS
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logit_bias": {"5": 1}},
     )
     assert status == 400 and answer["error"]["param"] == "logit_bias", answer  # not neutral: refused
+
+
+def test_a_kv_cache_smaller_than_the_context_bounds_what_a_request_may_take(
+    checkpoint: Path, cluster: LocalCluster, service: AttentionService
+) -> None:
+    """A chat without ``max_tokens`` takes the rest of the context: of the positions the KV cache
+    can give one sequence where that is less than the model's, not a 400 for a max_tokens the
+    client never sent; /tokenize says the same length."""
+    per_block = KVPool.bytes_per_block(service.config, 16, service.side.dtype)
+    assert service.config.max_position_embeddings > 4 * 16
+    options = ServeOptions(
+        host="127.0.0.1", port=0, model_name=MODEL, kv_cache_bytes=4 * per_block, block_size=16,
+        placement_poll_s=0.2, client=ClientOptions(transport="tcp", request_timeout_s=10.0),
+    )  # fmt: skip
+    with AttentionService(
+        checkpoint, cluster.placement_path, static_discovery(cluster.urls), options
+    ) as small:
+        assert small.limits.max_context == 64
+        status, answer = http(
+            "POST", f"{small.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert status == 200, answer
+        assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] <= 64
+        status, answer = http("POST", f"{small.url}/tokenize", {"prompt": "hi"})
+        assert status == 200 and answer["max_model_len"] == 64, answer
 
 
 def test_a_chat_prompt_that_fills_the_context_is_blamed_on_the_messages(service: AttentionService) -> None:
