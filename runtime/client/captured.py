@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from eaas.runtime.client.errors import ExpertUnavailable
 from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.transport import RemoteError
 from eaas.runtime.transport.cuda_ipc_client import CudaIpcChannel
@@ -46,6 +47,12 @@ class CapturedExperts:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.live = experts.live.clone()  # [S] bool, fixed at capture
+        # A replayed step cannot raise for an expert no live server hosts (it would add nothing for
+        # it, silently): such a step is not captured, and the caller steps eagerly, which waits for
+        # a rejoin or raises ExpertUnavailable.
+        if unserved := experts.table.unserved(self.live):
+            layer, expert = unserved[0]
+            raise ExpertUnavailable(layer, expert, experts.table.replicas(layer, expert))
         self.live_device = self.live.to(self.device)
         experts.table.prepare(self.device)
         self.channels: dict[int, CudaIpcChannel] = {}

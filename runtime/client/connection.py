@@ -48,7 +48,10 @@ def http_json(
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         # HTTPException: a reply cut short (IncompleteRead) or garbled, by a peer dying mid-answer
         raise HandshakeError(f"{method} {url}: {exc!r}") from exc
-    return json.loads(text) if text.strip() else None
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError as exc:  # something else answers at that address
+        raise HandshakeError(f"{method} {url}: the answer is not JSON ({exc})") from None
 
 
 @dataclass(frozen=True)

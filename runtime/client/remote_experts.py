@@ -158,6 +158,9 @@ class RemoteExperts:
         self._retry_at = [0.0] * len(self.connections)
         self._slow_logged_at = [-1.0] * len(self.connections)
         self._retry_delay = [o.rejoin_min_s] * len(self.connections)
+        # Whether a server answered a request since it was (re)attached: one that fails again
+        # before that (its control port answers, its data path does not) keeps backing off.
+        self._answered = [True] * len(self.connections)
         self._rejoined: dict[int, tuple[Channel, dict[str, Any]]] = {}  # index -> new channel, handle
         self._stale_handles: dict[int, dict[str, Any]] = {}  # index -> slot to release on the server
         self._lock = threading.Lock()
@@ -272,7 +275,10 @@ class RemoteExperts:
             except ExpertUnavailable:
                 # Every replica down is often every slot freed at once, not every server gone: a
                 # client that hung past its Lease, or whose servers all restarted. They answer the
-                # rejoin handshake within rejoin_min_s; fail only if none does in time.
+                # rejoin handshake within rejoin_min_s; fail only if none does in time. A server
+                # in a long backoff (down for a while, back now) is tried at once, not when due.
+                if give_up_at is None:
+                    self._retry_now()
                 give_up_at = give_up_at or time.monotonic() + self.options.unavailable_wait_s
                 if not self._await_rejoin(give_up_at):
                     raise
@@ -359,6 +365,7 @@ class RemoteExperts:
                         y = channel.receive(deadline)  # [T_s, H]
                         took = time.monotonic() - sent_at
                         self.round_trips[server].observe(took)
+                        self._answered[server] = True
                         if took > SLOW_ANSWER_S:
                             self._slow(server, layer, took)
                         out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
@@ -445,8 +452,11 @@ class RemoteExperts:
         self.live[index] = False
         old_handle = conn.drop()
         with self._lock:
-            self._retry_delay[index] = self.options.rejoin_min_s
-            self._retry_at[index] = time.monotonic() + self.options.rejoin_min_s
+            # One that served since it was attached is tried again soon; one attached and failed
+            # again without an answer (its control port answers, its data path not) backs off.
+            delay = self.options.rejoin_min_s if self._answered[index] else self._retry_delay[index]
+            self._retry_delay[index] = min(delay * 2, self.options.rejoin_max_s)
+            self._retry_at[index] = time.monotonic() + delay
             if old_handle:
                 self._stale_handles[index] = old_handle
         if was_live:
@@ -454,6 +464,14 @@ class RemoteExperts:
             log.warning("expert server %d failed (%s); failing over to replicas", conn.ordinal, reason)
             self.events.append(FailoverEvent(time.time(), "failed", conn.ordinal, reason, layer))
             self._liveness_changed()
+
+    def _retry_now(self) -> None:
+        """Makes every dead server due for a rejoin attempt now."""
+        now = time.monotonic()
+        with self._lock:
+            for index in range(len(self.connections)):
+                if not bool(self.live[index]):
+                    self._retry_at[index] = min(self._retry_at[index], now)
 
     def _await_rejoin(self, until: float) -> bool:
         """Waits until a dead server has rejoined (applied: True) or ``until`` (False)."""
@@ -480,6 +498,7 @@ class RemoteExperts:
                 conn.release_remote(handle)
                 continue
             conn.install(channel, handle)
+            self._answered[index] = False
             self.live[index] = True
             self.counters.rejoins += 1
             log.info("expert server %d rejoined (instance %s)", conn.ordinal, conn.instance)
@@ -505,12 +524,15 @@ class RemoteExperts:
                     conn.release_remote(stale)
                 try:
                     channel, handle = conn.open()
-                except (HandshakeError, ChannelError, OSError) as exc:
+                except Exception as exc:  # whatever one server answers, the others still rejoin
                     with self._lock:
                         delay = self._retry_delay[index]
                         self._retry_delay[index] = min(delay * 2, self.options.rejoin_max_s)
                         self._retry_at[index] = time.monotonic() + delay
-                    log.debug("server %d still down: %s", conn.ordinal, exc)
+                    if isinstance(exc, HandshakeError | ChannelError | OSError):
+                        log.debug("server %d still down: %s", conn.ordinal, exc)
+                    else:
+                        log.warning("server %d: rejoin failed unexpectedly: %r", conn.ordinal, exc)
                     continue
                 with self._lock:
                     if self._stop.is_set():

@@ -15,13 +15,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from datapath_helpers import MAX_NEW_TOKENS, PROMPTS, generate_concurrently, in_process_servers, urls
 
+from e2e.waiting import wait_until
 from eaas.runtime.client import AttentionClient, ClientOptions, ExpertUnavailable, HandshakeError
 from eaas.runtime.client.connection import http_json
+from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.local.session import StepHook
 from eaas.runtime.model import CheckpointReader
@@ -382,3 +385,113 @@ def test_a_control_answer_cut_short_is_a_handshake_error(status: int) -> None:
         http_json("DELETE", f"http://127.0.0.1:{port}/v1/slots/tcp/1", timeout_s=2)
     thread.join(5)
     listener.close()
+
+
+def _layer_inputs(config: Any, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, config.hidden_size, generator=generator)
+    weights, ids = torch.rand(tokens, config.num_experts, generator=generator).topk(config.top_k, dim=-1)
+    return x, ids, weights
+
+
+def _rejoined(experts: RemoteExperts, index: int) -> bool:
+    experts.refresh()
+    return bool(experts.live[index])
+
+
+def test_a_server_that_fails_again_before_answering_backs_off_and_one_that_answered_does_not(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    """A server whose control port answers but whose data path does not (its loop stuck) passes
+    every rejoin handshake: re-attached each rejoin_min_s, it cost every step a full timeout. Its
+    backoff now grows until it answers a request; one that served since it was attached is tried
+    again soon."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=2)
+    options = ClientOptions(transport="shm", rejoin_min_s=0.1, rejoin_max_s=5.0)
+    with in_process_servers(checkpoint, placement) as servers:
+        experts = RemoteExperts(config, placement, urls(servers), options).connect()
+        try:
+            index = experts.table.ordinals.index(0)
+
+            def backoff_after_failure() -> float:
+                experts._mark_dead(index, "the drill")
+                return experts._retry_at[index] - time.monotonic()
+
+            assert backoff_after_failure() <= 0.1  # it had served (connected): soon
+            wait_until(lambda: _rejoined(experts, index), 10, "server 0 rejoined")
+            assert backoff_after_failure() > 0.15  # attached, failed again without an answer: 0.2 s
+            wait_until(lambda: _rejoined(experts, index), 10, "server 0 rejoined again")
+            assert backoff_after_failure() > 0.35  # and again: 0.4 s
+            wait_until(lambda: _rejoined(experts, index), 10, "server 0 rejoined a third time")
+            layer = config.moe_layers[0]
+            while not experts._answered[index]:  # both replicas serve: it answers some share
+                experts(layer, *_layer_inputs(config, 32))
+            assert backoff_after_failure() <= 0.1  # it answered since: soon again
+        finally:
+            experts.close()
+
+
+def test_a_replica_in_a_long_backoff_is_tried_at_once_when_a_layer_has_no_other(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    """A rolling restart: server 0 was down long enough for its backoff to grow, is back, and
+    then server 1, the other replica of every expert, goes. The layer waits for a rejoin; server
+    0 is tried at once, not when its backoff ends (ExpertUnavailable before)."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=2)
+    options = ClientOptions(transport="shm", rejoin_min_s=0.1, rejoin_max_s=30.0, unavailable_wait_s=3.0)
+    layer, (x, ids, weights) = config.moe_layers[0], _layer_inputs(config, 16)
+    with in_process_servers(checkpoint, placement) as servers:
+        experts = RemoteExperts(config, placement, urls(servers), options).connect()
+        try:
+            first, second = (experts.table.ordinals.index(o) for o in (0, 1))
+            expected = experts(layer, x, ids, weights)
+            experts._mark_dead(first, "restarting")
+            with experts._lock:  # down for a while: its next attempt is far off
+                experts._retry_at[first] = time.monotonic() + 30.0
+            experts._mark_dead(second, "the next one of the rolling restart")
+            started = time.monotonic()
+            assert torch.allclose(experts(layer, x, ids, weights), expected, rtol=1e-4, atol=1e-5)
+            assert time.monotonic() - started < 3.0 and bool(experts.live[first])
+        finally:
+            experts.close()
+
+
+def test_the_rejoin_thread_survives_an_answer_that_is_not_json(tiny_checkpoints: dict[str, Path]) -> None:
+    """Something else at a dead server's address answering 200 with a page that is not JSON (a
+    proxy's error page) is a failed handshake (`HandshakeError`), not the end of the thread that
+    re-attaches every server of the placement."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_html() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            page = b"<html>502 Bad Gateway</html>"
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
+
+    thread = threading.Thread(target=answer_html, daemon=True)
+    thread.start()
+    with pytest.raises(HandshakeError, match="not JSON"):
+        http_json("GET", f"http://127.0.0.1:{port}/v1/info", timeout_s=2)
+    thread.join(5)
+    listener.close()
+
+
+def test_a_step_with_an_expert_no_live_server_hosts_is_not_captured(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    """A replayed step cannot raise for an unserved expert: it would add nothing for it, silently.
+    Capturing it is refused (the caller steps eagerly, which waits for a rejoin or raises)."""
+    from eaas.runtime.client.captured import CapturedExperts
+
+    config = CheckpointReader(tiny_checkpoints["mixtral"]).config
+    placement = round_robin(config.moe_layers, config.num_experts, 2, replication=1)
+    nowhere = {ordinal: "http://127.0.0.1:9" for ordinal in placement.ordinals}  # never connected
+    experts = RemoteExperts(config, placement, nowhere, ClientOptions(transport="cuda_ipc"))
+    with pytest.raises(ExpertUnavailable, match=r"layer \d+, expert \d+"):
+        CapturedExperts(experts, device="cpu")
