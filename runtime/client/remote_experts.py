@@ -508,35 +508,53 @@ class RemoteExperts:
             self._liveness_changed()
 
     def _rejoin_loop(self) -> None:
-        while not self._stop.wait(0.05):
-            now = time.monotonic()
-            for index, conn in enumerate(self.connections):
-                with self._lock:
-                    due = (
-                        not bool(self.live[index])
-                        and index not in self._rejoined
-                        and now >= self._retry_at[index]
-                    )
-                    stale = self._stale_handles.pop(index, None) if due else None
-                if not due:
-                    continue
-                if stale:
-                    conn.release_remote(stale)
-                try:
-                    channel, handle = conn.open()
-                except Exception as exc:  # whatever one server answers, the others still rejoin
+        """Every 50 ms: a rejoin attempt for each dead server that is due, each on a worker of its
+        own (at most one in flight per server), so that a server that hangs in its handshake for
+        the whole connect timeout does not hold back the others' rejoins."""
+        attempts: dict[int, Future[None]] = {}
+        workers = ThreadPoolExecutor(
+            max_workers=max(1, min(8, len(self.connections))), thread_name_prefix="eaas-rejoin"
+        )
+        try:
+            while not self._stop.wait(0.05):
+                now = time.monotonic()
+                for index in range(len(self.connections)):
+                    if index in attempts and not attempts[index].done():
+                        continue
+                    attempts.pop(index, None)
                     with self._lock:
-                        delay = self._retry_delay[index]
-                        self._retry_delay[index] = min(delay * 2, self.options.rejoin_max_s)
-                        self._retry_at[index] = time.monotonic() + delay
-                    if isinstance(exc, HandshakeError | ChannelError | OSError):
-                        log.debug("server %d still down: %s", conn.ordinal, exc)
-                    else:
-                        log.warning("server %d: rejoin failed unexpectedly: %r", conn.ordinal, exc)
-                    continue
-                with self._lock:
-                    if self._stop.is_set():
-                        channel.close()
-                        conn.release_remote(handle)
-                        return
-                    self._rejoined[index] = (channel, handle)
+                        due = (
+                            not bool(self.live[index])
+                            and index not in self._rejoined
+                            and now >= self._retry_at[index]
+                        )
+                        stale = self._stale_handles.pop(index, None) if due else None
+                    if due:
+                        attempts[index] = workers.submit(self._attempt_rejoin, index, stale)
+        finally:
+            workers.shutdown(wait=False)
+
+    def _attempt_rejoin(self, index: int, stale: dict[str, Any] | None) -> None:
+        """One handshake with dead server ``index`` (its old slot released first): the new channel
+        is handed to the generating thread (:meth:`_apply_rejoins`), or the server backs off."""
+        conn = self.connections[index]
+        if stale:
+            conn.release_remote(stale)
+        try:
+            channel, handle = conn.open()
+        except Exception as exc:  # whatever one server answers, the others still rejoin
+            with self._lock:
+                delay = self._retry_delay[index]
+                self._retry_delay[index] = min(delay * 2, self.options.rejoin_max_s)
+                self._retry_at[index] = time.monotonic() + delay
+            if isinstance(exc, HandshakeError | ChannelError | OSError):
+                log.debug("server %d still down: %s", conn.ordinal, exc)
+            else:
+                log.warning("server %d: rejoin failed unexpectedly: %r", conn.ordinal, exc)
+            return
+        with self._lock:
+            if not self._stop.is_set():
+                self._rejoined[index] = (channel, handle)
+                return
+        channel.close()  # closed meanwhile: this channel is nobody's
+        conn.release_remote(handle)

@@ -495,3 +495,41 @@ def test_a_step_with_an_expert_no_live_server_hosts_is_not_captured(
     experts = RemoteExperts(config, placement, nowhere, ClientOptions(transport="cuda_ipc"))
     with pytest.raises(ExpertUnavailable, match=r"layer \d+, expert \d+"):
         CapturedExperts(experts, device="cpu")
+
+
+def test_a_server_hung_in_its_handshake_does_not_hold_back_the_others_rejoins(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    """Server 0 is gone and its control port accepts but never answers; servers 1 and 2 only
+    freed this client's slots (its Lease lapsed). Their rejoins do not wait behind server 0's
+    handshake (the whole connect timeout, here 10 s): the layer is served by them at once."""
+    checkpoint = tiny_checkpoints["mixtral"]
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
+    options = ClientOptions(
+        transport="tcp", lease="m-attention-x", connect_timeout_s=10.0, unavailable_wait_s=8.0
+    )
+    layer, (x, ids, weights) = config.moe_layers[0], _layer_inputs(config, 16)
+    with in_process_servers(checkpoint, placement, transports=("tcp",)) as servers:
+        experts = RemoteExperts(config, placement, urls(servers), options).connect()
+        hung = socket.socket()
+        try:
+            expected = experts(layer, x, ids, weights)
+            port = int(servers[0].url.rsplit(":", 1)[1])
+            servers[0].stop()
+            hung.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            hung.bind(("127.0.0.1", port))
+            hung.listen(64)
+            experts._mark_dead(experts.table.ordinals.index(0), "gone")
+            hung.settimeout(10)
+            held, _ = hung.accept()  # server 0's rejoin handshake is under way, and hangs
+            for server in (servers[1], servers[2]):  # they free this client's slots
+                assert len(server.reap_expired_leases(lambda name, _: name == "m-attention-x")) == 1
+            started = time.monotonic()
+            assert torch.allclose(experts(layer, x, ids, weights), expected, rtol=1e-4, atol=1e-5)
+            assert time.monotonic() - started < 5.0, "the others' rejoins waited for the hung handshake"
+        finally:
+            experts.close()
+            if "held" in locals():
+                held.close()
+            hung.close()
