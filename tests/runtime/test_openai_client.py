@@ -322,8 +322,13 @@ def test_a_request_larger_than_the_kv_cache_is_a_400(checkpoint: Path, cluster: 
     options = serve_options(kv_cache_bytes=2 * 16 * 768, block_size=16)  # 2 blocks: 32 positions
     with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
         api = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="x", max_retries=0, timeout=30)
-        with pytest.raises(openai.BadRequestError, match="exceeds the 32 positions this server's KV cache"):
-            api.completions.create(model=MODEL, prompt="experts as a service", max_tokens=40)
+        # The context a request may fill is the cache's 32 positions, not the model's context.
+        with pytest.raises(openai.BadRequestError, match=r"max_tokens: must be an integer in \[1, 31\]"):
+            api.completions.create(model=MODEL, prompt="hi", max_tokens=40)
+        with pytest.raises(
+            openai.BadRequestError, match="exceeds the context of 32 tokens this server gives"
+        ):
+            api.completions.create(model=MODEL, prompt="experts as a service", max_tokens=31)
         assert api.completions.create(model=MODEL, prompt="hi", max_tokens=8).usage.completion_tokens == 8
 
 
