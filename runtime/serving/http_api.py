@@ -109,6 +109,9 @@ class CompletionRequest:
     tools: Any = None  # chat: the request's ``tools.ToolRequest`` when its calls are to be parsed
     tool_format: Any = None  # ... and the model's ``tools.ToolFormat``
     thinking: bool = True  # chat: a reasoning model thinks (chat_template_kwargs can switch it off)
+    include_stop: bool = False  # include_stop_str_in_output: the stop string (or stop token's text) kept
+    skip_special_tokens: bool = True  # False: special tokens decode to their text
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage in every chunk
 
     @property
     def max_tokens(self) -> int:
@@ -163,7 +166,8 @@ COMPLETION_FIELDS = frozenset(
         "frequency_penalty", "n", "best_of", "stop", "stop_token_ids", "logprobs", "echo", "stream",
         "stream_options", "user", "suffix", "ignore_eos", "response_format", "structured_outputs",
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern",
+        "guided_whitespace_pattern", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+        "spaces_between_special_tokens", "priority",
     }
 )  # fmt: skip
 # vLLM's and OpenAI's sampling fields that change nothing at these values (SDKs send defaults):
@@ -173,10 +177,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "min_p": (0, 0.0),
     "repetition_penalty": (1, 1.0),
     "length_penalty": (1, 1.0),
-    "min_tokens": (0,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
 }
 
 
@@ -201,7 +201,11 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     ``frequency_penalty``, ``n``, ``best_of`` (only equal to ``n``), ``stop`` (string or up to 4
     strings), ``stop_token_ids``, ``logprobs`` (0-20), ``echo``, ``stream``, ``stream_options``,
     ``user``, ``ignore_eos``, and structured outputs (``response_format``, ``structured_outputs``,
-    ``guided_*``: ``grammar.parse_constraint``). ``suffix`` is refused, and so is any other field
+    ``guided_*``: ``grammar.parse_constraint``). vLLM's extensions: ``min_tokens``,
+    ``include_stop_str_in_output``, ``skip_special_tokens``, ``stream_options.continuous_usage_stats``
+    (honoured), ``spaces_between_special_tokens`` and ``priority`` (checked, then ignored: this
+    server's tokenizers are fast ones, which vLLM does not apply it to either, and its queue is
+    first come, first served). ``suffix`` is refused, and so is any other field
     (``refuse_unknown_fields``): never answered as if it were absent.
     """
     if not isinstance(body, dict):
@@ -257,19 +261,40 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
     echo = _flag(body, "echo")
     _flag(body, "ignore_eos")  # read by the service (it keeps the tokenizer's EOS out); checked here
+    _flag(body, "spaces_between_special_tokens")  # checked; see the docstring
+    priority = body.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise bad("priority", f"must be an integer, got {priority!r}")
+    min_tokens = body.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise bad("min_tokens", f"must be an integer in [0, max_tokens = {max_tokens}], got {min_tokens!r}")
+    skip_special = body.get("skip_special_tokens", True)
+    if skip_special is None:
+        skip_special = True
+    if not isinstance(skip_special, bool):
+        raise bad("skip_special_tokens", f"must be true or false, got {skip_special!r}")
     if echo and logprobs is not None:
         raise bad("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise bad("stream_options", "is only allowed with stream: true")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad("stream_options", "must be an object with at most include_usage")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad("stream_options", f"include_usage must be true or false, got {include_usage!r}")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise bad(
+                "stream_options", "must be an object with at most include_usage and continuous_usage_stats"
+            )
+        for name in ("include_usage", "continuous_usage_stats"):
+            if options.get(name) is not None and not isinstance(options[name], bool):
+                raise bad("stream_options", f"{name} must be true or false, got {options[name]!r}")
+        continuous_usage = bool(options.get("continuous_usage_stats"))
+        # asked for continuous usage and silent on include_usage: usage, as vLLM defaults it
+        asked = options.get("include_usage")
+        include_usage = continuous_usage if asked is None else asked
+        continuous_usage = continuous_usage and include_usage
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -301,12 +326,26 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
+        min_tokens=min_tokens,
     )
     try:
         constraint = parse_constraint(body)
     except GrammarError as exc:
         raise bad(exc.field, exc.message) from None
-    return CompletionRequest(prompts, params, stops, model, n, stream, include_usage, echo, constraint)
+    return CompletionRequest(
+        prompts,
+        params,
+        stops,
+        model,
+        n,
+        stream,
+        include_usage,
+        echo,
+        constraint,
+        include_stop=_flag(body, "include_stop_str_in_output"),
+        skip_special_tokens=skip_special,
+        continuous_usage=continuous_usage,
+    )
 
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -563,10 +563,13 @@ class AttentionService:
         for name, value in (
             ("presence_penalty", p.presence_penalty),
             ("frequency_penalty", p.frequency_penalty),
+            ("min_tokens", p.min_tokens),
+            ("include_stop_str_in_output", request.include_stop),
+            ("skip_special_tokens", not request.skip_special_tokens),
         ):
             if value:
                 raise bad(
-                    name, "static batching has no penalties (start the server with continuous batching)"
+                    name, "static batching has no such option (start the server with continuous batching)"
                 )
         name = self.options.model_name
         jobs = [Job(prompt, request.max_tokens) for prompt in request.prompts]

@@ -356,13 +356,15 @@ def test_metrics_also_carry_the_names_vllm_dashboards_and_routers_read(service: 
     assert f'vllm:time_to_first_token_seconds_bucket{{le="0.005",model_name="{MODEL}"}}' in text
 
 
-def stream(url: str, body: dict[str, Any], max_chunks: int | None = None) -> list[Any]:
+def stream(
+    url: str, body: dict[str, Any], max_chunks: int | None = None, path: str = "/v1/completions"
+) -> list[Any]:
     """POSTs a streaming completion; returns the parsed ``data:`` items ("[DONE]" kept as a string).
     With ``max_chunks``, hangs up after that many (a client that goes away)."""
     host, port = url.removeprefix("http://").split(":")
     connection = HTTPConnection(host, int(port), timeout=30)
     connection.request(
-        "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
     )
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
@@ -405,6 +407,21 @@ def test_streaming_equals_the_whole_answer(service: AttentionService, reference:
     assert [c["token_ids"] for c in whole["choices"]] == expected(
         reference, [tokenizer.encode("Hello"), [42, 7]], [7, 7]
     )
+
+
+def test_guidellms_streamed_requests_are_served(service: AttentionService) -> None:
+    """What GuideLLM sends (vLLM's extensions): usage in every chunk, EOS ignored, a minimum."""
+    extensions = {
+        "max_tokens": 6, "min_tokens": 6, "ignore_eos": True, "temperature": 0,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello", **extensions}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], **extensions}),
+    ):
+        items = stream(service.url, body, path=path)
+        assert items[-1] == "[DONE]" and all("usage" in item for item in items[:-1]), items
+        assert items[-2]["choices"] == [] and items[-2]["usage"]["completion_tokens"] == 6
 
 
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(service: AttentionService) -> None:
