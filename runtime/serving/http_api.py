@@ -6,8 +6,13 @@
 | POST | ``/v1/chat/completions`` | the same for a conversation, through the checkpoint's chat template |
 | GET | ``/v1/models`` | the one served model |
 | POST | ``/tokenize``, ``/detokenize`` | vLLM's: a prompt or messages to token ids, and back |
+| POST | ``/v1/responses`` | OpenAI's Responses API over the chat path (``responses.py``) |
 | GET | ``/healthz`` | 200 while the process and its batch worker run (liveness) |
-| GET | ``/readyz`` | 200 when every expert of the current placement has a connected server, else 503 |
+| GET | ``/readyz``, ``/health`` | 200 when every expert of the current placement has a connected server
+  and the engine worker runs, else 503 with the reason (``/health`` is vLLM's spelling, which
+  gateways and benchmark tools probe) |
+| GET, POST | ``/ping`` | vLLM's and SageMaker's liveness ping: 200 as ``/healthz`` |
+| GET | ``/version`` | ``{"version": ...}``: the ``eaas`` package's version |
 | GET | ``/metrics`` | Prometheus text |
 
 With API keys configured, every ``/v1/`` route (and ``/tokenize``, ``/detokenize``) needs
@@ -22,6 +27,7 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -375,6 +381,12 @@ class ApiTarget(Protocol):
         """Answers a chat completion (as ``complete``)."""
         ...
 
+    def responses(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Answers OpenAI's Responses API (as ``complete``; a stream's items are its events)."""
+        ...
+
     def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         """vLLM's ``/tokenize``: a prompt or chat messages -> ``count``, ``max_model_len``, ``tokens``."""
         ...
@@ -382,6 +394,15 @@ class ApiTarget(Protocol):
     def detokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         """vLLM's ``/detokenize``: ``tokens`` -> ``prompt`` (the text)."""
         ...
+
+
+# The routes that generate: path -> the ``ApiTarget`` method that answers it.
+GENERATION_ROUTES = {
+    "/v1/completions": "complete",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
+VERSION = importlib.metadata.version("eaas")
 
 
 class InFlight:
@@ -425,20 +446,20 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
                     "a valid API key is required (Authorization: Bearer <key>)",
                     kind="invalid_api_key",
                 )
-            if method == "GET" and path == "/healthz":
+            if (method == "GET" and path == "/healthz") or (method in ("GET", "POST") and path == "/ping"):
                 self.send_probe(target.is_healthy(), "ok", "unhealthy")
-            elif method == "GET" and path == "/readyz":
+            elif method == "GET" and path in ("/readyz", "/health"):
                 ok, detail = target.readiness()
                 self.send_json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, detail)
+            elif method == "GET" and path == "/version":
+                self.send_json(HTTPStatus.OK, {"version": VERSION})
             elif method == "GET" and path == "/metrics":
                 self.send_bytes(HTTPStatus.OK, target.metrics_text(), CONTENT_TYPE_LATEST)
             elif method == "GET" and path == "/v1/models":
                 self.send_json(HTTPStatus.OK, target.models())
-            elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            elif method == "POST" and path in GENERATION_ROUTES:
                 with in_flight.request():
-                    answer = (target.complete if path == "/v1/completions" else target.chat)(
-                        self.read_json, self.client_gone
-                    )
+                    answer = getattr(target, GENERATION_ROUTES[path])(self.read_json, self.client_gone)
                     if isinstance(answer, dict):
                         self.send_json(HTTPStatus.OK, answer)
                     else:
@@ -451,10 +472,12 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
             elif path in (
                 "/healthz",
                 "/readyz",
+                "/health",
+                "/ping",
+                "/version",
                 "/metrics",
                 "/v1/models",
-                "/v1/completions",
-                "/v1/chat/completions",
+                *GENERATION_ROUTES,
                 "/tokenize",
                 "/detokenize",
             ):

@@ -8,6 +8,7 @@ command (``eaas attention-client`` configured by ``EAAS_*`` variables).
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 import json
 import os
 import signal
@@ -318,6 +319,10 @@ def test_models_health_and_metrics(service: AttentionService) -> None:
     assert http("GET", f"{service.url}/healthz") == (200, "ok\n")
     status, ready = http("GET", f"{service.url}/readyz")
     assert status == 200 and ready["ready"] and ready["live_servers"] == [0, 1]
+    assert http("GET", f"{service.url}/health") == (200, ready)  # vLLM's spelling, for gateways
+    assert http("GET", f"{service.url}/ping") == http("POST", f"{service.url}/ping") == (200, "ok\n")
+    assert http("GET", f"{service.url}/version") == (200, {"version": importlib.metadata.version("eaas")})
+    assert http("POST", f"{service.url}/health")[0] == 405
     text = http("GET", f"{service.url}/metrics")[1]
     assert metric(text, 'eaas_attention_requests_total{result="ok"}') >= 1
     assert metric(text, 'eaas_attention_requests_total{result="bad_request"}') >= 1
@@ -586,6 +591,8 @@ def test_ready_only_once_the_kv_cache_is_made_and_a_forward_went_through(
     placement_file = tmp_path / "placement.json"  # committed after the start, as by the operator
     with AttentionService(checkpoint, placement_file, static_discovery(cluster.urls), options) as late:
         assert http("GET", f"{late.url}/readyz")[0] == 503 and late.engine is None
+        status, health = http("GET", f"{late.url}/health")
+        assert status == 503 and "placement" in health["reason"]
         placement_file.write_text(cluster.placement_path.read_text())
         wait_for(lambda: late.readiness()[0], 30, "the placement to be read")
         engine, experts = late.engine, late.experts
@@ -597,6 +604,11 @@ def test_ready_only_once_the_kv_cache_is_made_and_a_forward_went_through(
         )
         assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
         assert engine.allocator.queries == 2 and late.worker is not None and late.worker.engine is engine
+        assert http("GET", f"{late.url}/health")[0] == 200
+        late.worker.stop()  # an engine worker that is gone: no endpoint picker should send here
+        status, health = http("GET", f"{late.url}/health")
+        assert status == 503 and "engine worker is not running" in health["reason"]
+        assert http("GET", f"{late.url}/healthz")[0] == http("GET", f"{late.url}/ping")[0] == 503
     discovery = static_discovery(cluster.urls)
     with AttentionService(checkpoint, cluster.placement_path, discovery, options) as early:
         # a placement there at the start: ready as soon as start() returns
@@ -617,6 +629,8 @@ def test_readyz_follows_the_expert_servers(
     assert status == 503 and "expert unavailable" in body["error"]["message"]
     status, ready = http("GET", f"{service.url}/readyz")
     assert status == 503 and ready["down_servers"] == [1] and "no connected expert server" in ready["reason"]
+    status, health = http("GET", f"{service.url}/health")
+    assert status == 503 and "no connected expert server" in health["reason"]
     cluster.restart(1)
     wait_for(lambda: http("GET", f"{service.url}/readyz")[0] == 200, 20, "the restarted server to rejoin")
     status, body = http(
