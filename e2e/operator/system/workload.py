@@ -667,7 +667,7 @@ def sigstop_drill(system: System, name: str = "drill 3 (SIGSTOP)") -> None:
 
 def assert_replaced_on_the_clients_word(replaced: float | None, name: str) -> None:
     """The placement without the victim was committed before its Lease could have expired: the
-    operator acted on its clients' word (issue 30's targets, 1.5 s after a SIGKILL and 2.5 s after
+    operator acted on its clients' word (the re-planning targets, 1.5 s after a SIGKILL and 2.5 s after
     a SIGSTOP, are printed by :func:`drill` and recorded in docs/benchmarks.md; a shared CI machine
     is held to the bound that tells the two paths apart)."""
     assert replaced is not None, f"{name}: no placement without the victim was committed"
