@@ -1,4 +1,5 @@
-"""The repository layout and packaging promises of CONVENTIONS.md."""
+"""The repository layout and packaging promises: the top-level directories, the ``eaas`` package
+mapping, the CLI's vocabulary and the Makefile's help."""
 
 from __future__ import annotations
 
