@@ -52,6 +52,7 @@ from eaas.runtime.placement import (
     SyntheticTrace,
     TraceConfig,
     cost_aware,
+    diff,
     failover_loads,
     ilp,
     imbalance,
@@ -138,7 +139,7 @@ def single_rebalance(trace: SyntheticTrace, repeats: int) -> list[dict[str, obje
     rows = []
     for name, placement in found.items():
         seconds = statistics.median(times[name])
-        change = current.diff(placement)
+        change = diff(current, placement)
         rows.append(
             {
                 "part": "A",

@@ -17,6 +17,7 @@ from kubernetes import client, watch
 from e2e.cluster import Cluster
 from e2e.operator.harness import ROOT, OperatorProcess
 from e2e.waiting import wait_until
+from eaas.runtime.placement.diff import diff
 from eaas.runtime.placement.placement import Placement
 
 pytestmark = pytest.mark.e2e
@@ -217,7 +218,7 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     pods = expert_pods(cluster, namespace)
     assert sorted(pods) == [f"{POOL}-{n}" for n in range(4)]
     assert all(pods[name].metadata.uid == uid for name, uid in uids.items())  # nobody restarted
-    assert first.diff(grown).num_moves == len(grown.experts_of(3))  # only the new server loads
+    assert diff(first, grown).num_moves == len(grown.experts_of(3))  # only the new server loads
 
     # -- scale down: experts re-homed and the placement published before the pod goes ------------
     since = cluster.core.list_namespaced_pod(namespace).metadata.resource_version

@@ -22,12 +22,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from eaas.runtime.placement.diff import PlacementDiff
 
 SCHEMA_VERSION = 1
 """Version of the JSON form written by `Placement.to_dict`; `from_dict` reads only this one."""
@@ -402,12 +399,6 @@ class Placement:
         return Placement.from_matrix(
             self._layers, self._num_experts, self._servers, self._matrix, self._replication, version
         )
-
-    def diff(self, new: Placement) -> PlacementDiff:
-        """Moves that turn this placement into ``new`` (see `eaas.runtime.placement.diff`)."""
-        from eaas.runtime.placement.diff import diff
-
-        return diff(self, new)
 
     def _hosted_tuples(self) -> tuple[tuple[LayerExpert, ...], ...]:
         if self._hosted is None:
