@@ -130,7 +130,7 @@ def test_one_cli_vocabulary() -> None:
     process started)."""
     from eaas.kernels.registry import SHIPPED_BACKENDS
     from eaas.runtime.cli import main
-    from eaas.runtime.serving.cli_options import LOG_LEVELS
+    from eaas.runtime.commands.options import LOG_LEVELS
 
     for words, command in every_command(main):
         shown = CliRunner().invoke(main, [*words, "--help"], terminal_width=80)
@@ -267,3 +267,24 @@ def test_no_import_cycles() -> None:
     assert "eaas.runtime.cli" in graph and "eaas.operator.crdgen" in graph
     cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_commands_sit_on_top() -> None:
+    """The runtime's commands (``eaas.runtime.commands``) import the packages they launch and the options
+    they share; nothing below imports a command (``python -m`` entry points aside), and the attention
+    client's data path never imports the serving front that runs on it."""
+    graph = import_graph()
+    below = {
+        name: sorted(t for t in targets if t.startswith("eaas.runtime.commands"))
+        for name, targets in graph.items()
+        if not name.startswith(("eaas.runtime.commands", "eaas.runtime.cli"))
+        and not name.endswith("__main__")
+    }
+    assert not {name: targets for name, targets in below.items() if targets}, "imports a command"
+    client = {
+        name: sorted(t for t in targets if t.startswith("eaas.runtime.serving"))
+        for name, targets in graph.items()
+        if name.startswith("eaas.runtime.client")
+    }
+    assert not {name: targets for name, targets in client.items() if targets}, "the client imports serving"
+    assert {"eaas.runtime.commands.expert_server", "eaas.runtime.commands.options"} <= set(graph)

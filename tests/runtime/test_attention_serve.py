@@ -676,7 +676,7 @@ def test_pod_command_serves_from_environment_and_waits_for_the_placement(
 
 # --- pure pieces -----------------------------------------------------------------------------------
 def test_a_leaving_attention_client_lingers_then_goes_once_nothing_is_in_flight() -> None:
-    from eaas.runtime.client.cli import LINGER_S, QUIET_S, Drain
+    from eaas.runtime.commands.attention_client import LINGER_S, QUIET_S, Drain
 
     drain = Drain(timeout_s=25)
     assert not drain.done(0.1, idle=True)  # requests may still come through stale endpoints

@@ -25,14 +25,14 @@ import click
 
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
-from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import (
+from eaas.runtime.commands.options import (
     apply_threads,
     log_level_option,
     model_revision_option,
     serving_feature_options,
     threads_option,
 )
+from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:

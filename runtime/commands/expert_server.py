@@ -15,14 +15,14 @@ import click
 from eaas.kernels import available_backends
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
-from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import (
+from eaas.runtime.commands.options import (
     apply_threads,
     check_kernel_backend,
     log_level_option,
     model_revision_option,
     threads_option,
 )
+from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
 from eaas.runtime.transport import transport_names
 
 
