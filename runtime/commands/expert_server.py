@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import click
@@ -22,7 +19,16 @@ from eaas.runtime.commands.options import (
     model_revision_option,
     threads_option,
 )
-from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
+from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options, pool_of
+from eaas.runtime.placement import PlacementError
+from eaas.runtime.server.process import (
+    ExpertServerOptions,
+    ExpertServerProcess,
+    OptionError,
+    peer_source,
+    peer_urls,
+)
+from eaas.runtime.serving.serve import expert_urls
 from eaas.runtime.transport import transport_names
 
 
@@ -130,204 +136,45 @@ from eaas.runtime.transport import transport_names
 @data_token_options
 @log_level_option
 def expert_server(
-    checkpoint: Path,
-    placement_path: Path | None,
-    placement_dir: Path | None,
-    placement_poll_seconds: float,
-    ordinal: int,
-    host: str,
-    control_port: int,
-    tcp_port: int,
     transports: str,
-    max_clients: int,
-    max_tokens: int,
-    kernel_backend: str,
-    dtype: str | None,
-    device: str,
-    batch_wait_us: float,
-    threads: int | None,
-    ready_file: Path | None,
-    exit_with_parent: int | None,
-    peers_service: str | None,
     peer_specs: tuple[str, ...],
-    drain_timeout_seconds: float,
-    model_revision: str | None,
     lease: LeaseOptions,
     data_tokens: tuple[str, ...],
     data_token_file: Path | None,
-    log_level: str,
+    **values: Any,
 ) -> None:
     """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
-    from eaas.runtime.lease import Heartbeat, pool_of
-    from eaas.runtime.placement import Placement, PlacementError
-    from eaas.runtime.server.client_leases import ClientLeaseWatch
-    from eaas.runtime.server.daemon import end_process
-    from eaas.runtime.server.departure import Departure
-    from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
-    from eaas.runtime.server.loop import LoopOptions
-    from eaas.runtime.server.peers import holders_in
-    from eaas.runtime.server.placement_watch import PlacementFiles, PlacementWatcher, initial_target
-
-    if (placement_path is None) == (placement_dir is None):
-        raise click.UsageError("give exactly one of --placement FILE and --placement-dir DIR")
-    heartbeat = lease.settings(contract.EXPERT_COMPONENT, pool_of(lease.pod_name or "", ordinal))
-
-    logging.basicConfig(
-        level=log_level.upper(), format=f"%(asctime)s expert-server[{ordinal}] %(levelname)s %(message)s"
-    )
-    apply_threads(threads)
-    files = PlacementFiles(placement_dir) if placement_dir is not None else None
-    tokens = data_tokens_from(data_tokens, data_token_file)
-    peers = peer_source(ordinal, peers_service, peer_specs, control_port, tokens)
+    ordinal, service, control_port = values["ordinal"], values["peers_service"], values["control_port"]
     try:
-        if files is not None:
-            target = initial_target(files, ordinal)
-            hosted, version = tuple(sorted(target.pairs)), target.version
-            if peers is not None:
-                peers.follow(holders_in(*files.read()))
-        else:
-            assert placement_path is not None
-            placement = Placement.from_json(placement_path.read_text())
-            hosted, version = tuple(placement.experts_of(ordinal)), placement.version
-            if peers is not None:
-                peers.follow(holders_in(placement, None))
-        server = ExpertServer(
-            ServerConfig(
-                checkpoint,
-                hosted,
-                ordinal=ordinal,
-                placement_version=version,
-                host=host,
-                control_port=control_port,
-                tcp_port=tcp_port,
-                transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
-                max_clients=max_clients,
-                max_tokens=max_tokens,
-                kernel_backend=kernel_backend,
-                dtype=dtype,
-                device=device,
-                loop=LoopOptions(batch_wait_s=batch_wait_us * 1e-6, exit_with_parent=exit_with_parent),
-                data_tokens=tokens,
-                peers=peers,
-                revision=model_revision,
-            )
+        options = ExpertServerOptions(
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            heartbeat=lease.settings(contract.EXPERT_COMPONENT, pool_of(lease.pod_name or "", ordinal)),
+            data_tokens=(tokens := data_tokens_from(data_tokens, data_token_file)),
+            peers=peer_source(ordinal, peer_urls(peer_specs), service_urls(service, control_port), tokens),
+            **values,
         )
+    except OptionError as exc:
+        if exc.flag is None:
+            raise click.UsageError(exc.message) from exc
+        raise click.BadParameter(exc.message, param_hint=exc.flag) from exc
+    logging.basicConfig(
+        level=options.log_level.upper(),
+        format=f"%(asctime)s expert-server[{ordinal}] %(levelname)s %(message)s",
+    )
+    apply_threads(options.threads)
+    try:
+        process = ExpertServerProcess(options)
     except (PlacementError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-
-    companions: list[PlacementWatcher | Heartbeat | ClientLeaseWatch | Departure] = []
-    beats = (
-        Heartbeat(
-            heartbeat,
-            lambda: server.placement_version,
-            lambda: server.loop.busy_seconds,
-            routed_tokens=server.load.total,
-        )
-        if heartbeat is not None
-        else None
-    )
-    watcher = (
-        PlacementWatcher(server, files, placement_poll_seconds, beats.nudge if beats is not None else None)
-        if files is not None
-        else None
-    )
-
-    def named() -> bool | None:
-        """Whether a placement still names this server: not once the operator wrote on its Lease
-        that a committed one does not (a terminating pod's mounted files are not refreshed any
-        more), else as the placement files last said."""
-        if beats is not None and beats.released:
-            return False
-        return watcher.named if watcher is not None else None
-
-    departure = (
-        Departure(
-            server, named, drain_timeout_seconds, beats.leave if beats is not None else lambda deadline: None
-        )
-        if watcher is not None
-        else None
-    )
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGTERM and departure is not None and departure.begin():
-            return  # leaving: serves on until its experts are taken over (departure.py)
-        server.loop.stop_event.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if ready_file is not None:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "control_port": server.control.port,
-                    "tcp_port": server.tcp_port,
-                    "pid": os.getpid(),
-                    "instance": server.instance,
-                    "url": server.url,
-                }
-            )
-        )
-        tmp.replace(ready_file)
-    logging.getLogger("eaas.server").info(
-        "serving %d experts at %s (transports %s)",
-        len(server.stack.pairs),
-        server.url,
-        ",".join(server.transports),
-    )
-    if watcher is not None:
-        companions.append(watcher.start())
-    if departure is not None:
-        companions.append(departure)
-    if heartbeat is not None:
-        assert beats is not None
-        companions.append(beats.start())
-        if heartbeat.service:  # its attention clients' Leases: free the slots of those that expired
-            watch = ClientLeaseWatch(
-                heartbeat.namespace,
-                heartbeat.service,
-                heartbeat.interval_s,
-                heartbeat.timeout_s,
-                server.reap_expired_leases,
-                heartbeat.kubeconfig,
-            )
-            companions.append(watch.start())
-    try:
-        server.serve_forever()
-    finally:
-        for companion in companions:
-            companion.stop()
-    end_process(0)  # served and closed: no interpreter teardown (its CPU is the node's)
+    process.run()
 
 
-def peer_source(
-    ordinal: int, service: str | None, specs: tuple[str, ...], control_port: int, tokens: Any
-) -> Any:
-    """The ``PeerSource`` of ``--peers-service``/``--peer`` (None: experts come from the checkpoint)."""
-    from eaas.runtime.server.peers import PeerSource
-    from eaas.runtime.serving.serve import expert_urls
-
-    urls: dict[int, str] = {}
-    for spec in specs:
-        number, sep, url = spec.partition("=")
-        if not sep or not number.strip().isdigit() or not url.startswith("http://"):
-            raise click.BadParameter(f"expected ORDINAL=http://HOST:PORT, got {spec!r}", param_hint="--peer")
-        urls[int(number)] = url.rstrip("/")
-    if service:
-        if control_port <= 0:
-            raise click.BadParameter(
-                "needs a fixed --control-port (the peers' port)", param_hint="--peers-service"
-            )
-        try:
-            expert_urls([], service, control_port)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--peers-service") from exc
-    if not urls and not service:
+def service_urls(service: str | None, control_port: int) -> Callable[[int], str] | None:
+    """Ordinal -> control URL of the servers behind ``--peers-service`` (None without one)."""
+    if not service or control_port <= 0:  # (no port: ExpertServerOptions refuses the pair)
         return None
-
-    def url_of(n: int) -> str | None:
-        if n in urls:
-            return urls[n]
-        return expert_urls([n], service, control_port)[n] if service else None
-
-    return PeerSource(url_of, ordinal, tokens)
+    try:
+        expert_urls([], service, control_port)
+    except ValueError as exc:
+        raise OptionError("--peers-service", str(exc)) from exc
+    return lambda n: expert_urls([n], service, control_port)[n]
