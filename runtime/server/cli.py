@@ -159,7 +159,7 @@ def expert_server(
 ) -> None:
     """Serve the (layer, expert) pairs that the placement gives ORDINAL."""
     from eaas.runtime.lease import Heartbeat, pool_of
-    from eaas.runtime.placement import Placement, PlacementError
+    from eaas.runtime.placement import PlacementError, stored
     from eaas.runtime.server.client_leases import ClientLeaseWatch
     from eaas.runtime.server.daemon import end_process
     from eaas.runtime.server.departure import Departure
@@ -187,7 +187,7 @@ def expert_server(
                 peers.follow(holders_in(*files.read()))
         else:
             assert placement_path is not None
-            placement = Placement.from_json(placement_path.read_text())
+            placement = stored.unpack(placement_path.read_bytes())
             hosted, version = tuple(placement.experts_of(ordinal)), placement.version
             if peers is not None:
                 peers.follow(holders_in(placement, None))
