@@ -158,6 +158,9 @@ class Rechecks:
         reconcile_expert_pool(key[1], key[2])
 
 
+LEASES = ("coordination.k8s.io", "leases")  # the Lease watch's resource, as kopf's settings name it
+
+
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={naming.COMPONENT_LABEL: kopf.PRESENT})
 def lease_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     """A Lease of one of our pods changed: reconcile the ExpertPools it concerns, if any."""
@@ -186,7 +189,9 @@ def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
     """Timeouts and storage prefixes (applied at startup; see :mod:`eaas.operator.main`).
 
     Watches are re-established every ~5 minutes by the server, and the client gives up on a silent
-    connection after ~6, so a stalled watch cannot go unnoticed (kopf issues #204, #698).
+    connection after ~6, so a stalled watch cannot go unnoticed (kopf issues #204, #698). The Lease
+    watch carries a label selector (:data:`~eaas.runtime.contract.HEARTBEAT_LEASE_SELECTOR`): a
+    cluster's other Leases (node heartbeats, leader elections) never reach the operator.
     """
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -201,6 +206,9 @@ def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
     )
     settings.posting.level = logging.WARNING  # our own Events are posted explicitly
     settings.scanning.disabled = True  # no cluster-wide CRD/namespace watching (least privilege)
+    # The Lease watch asks only for our pods' heartbeat Leases: the API server filters, not the
+    # operator (kopf's `labels=` filter above is applied to what arrives).
+    settings.watching.label_selectors[LEASES] = naming.HEARTBEAT_LEASE_SELECTOR
     settings.execution.max_workers = 8
 
 
