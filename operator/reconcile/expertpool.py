@@ -285,7 +285,8 @@ def publish(
 ) -> str:
     """Write the placement ConfigMap; "" when written, else why it cannot be stored (too large for
     a ConfigMap, by our count or the API server's). Other API errors are raised."""
-    version = (pending or committed).version if (pending or committed) is not None else 0
+    newest = pending if pending is not None else committed
+    version = newest.version if newest is not None else 0
     name = naming.placement_config_map_name(body["metadata"]["name"])
     try:
         config_map = build.placement_config_map(body, committed, pending)

@@ -17,7 +17,9 @@ MARGIN = 2  # the stored placements take at most half of what a ConfigMap holds
 @pytest.mark.parametrize("num_servers", [64, 320])
 @pytest.mark.parametrize("replication", [2, 3, 4])
 @pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2"])
-def test_committed_and_pending_placements_fit_with_margin(model: str, replication: int, num_servers: int) -> None:
+def test_committed_and_pending_placements_fit_with_margin(
+    model: str, replication: int, num_servers: int
+) -> None:
     config = preset("deepseek_v3", model)
     shape = planning.PoolShape(tuple(config.moe_layers), config.num_experts, replication)
     servers = {n: f"node-{n // 8}" for n in range(num_servers)}  # 8 GPUs a node
