@@ -379,12 +379,12 @@ def _one_shot(
 ) -> None:
     from eaas.runtime.client import AttentionClient, ExpertUnavailable, HandshakeError
     from eaas.runtime.model import ByteTokenizer
-    from eaas.runtime.placement import Placement, PlacementError
+    from eaas.runtime.placement import PlacementError, stored
     from eaas.runtime.serving.serve import expert_urls
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        placement = Placement.from_json(placement_path.read_text())
+        placement = stored.unpack(placement_path.read_bytes())
     except (OSError, PlacementError) as exc:
         raise click.BadParameter(str(exc), param_hint="--placement") from exc
     try:

@@ -15,7 +15,7 @@ from types import FrameType
 
 from eaas.runtime.auth import Tokens
 from eaas.runtime.lease import Heartbeat, LeaseSettings
-from eaas.runtime.placement import Placement
+from eaas.runtime.placement import stored
 from eaas.runtime.server.client_leases import ClientLeaseWatch
 from eaas.runtime.server.daemon import end_process
 from eaas.runtime.server.departure import Departure
@@ -116,7 +116,7 @@ class ExpertServerProcess:
                 peers.follow(holders_in(*self.files.read()))
         else:
             assert options.placement_path is not None
-            placement = Placement.from_json(options.placement_path.read_text())
+            placement = stored.unpack(options.placement_path.read_bytes())
             hosted, version = tuple(placement.experts_of(options.ordinal)), placement.version
             if peers is not None:
                 peers.follow(holders_in(placement, None))

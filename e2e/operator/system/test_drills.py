@@ -490,9 +490,8 @@ def owned_state(system: System) -> dict[str, Any]:
         deployment.metadata.generation,
         api.sanitize_for_serialization(deployment.spec),
     )
-    state["configmap/placement"] = cluster.core.read_namespaced_config_map(
-        f"{POOL}-placement", namespace
-    ).data
+    config_map = cluster.core.read_namespaced_config_map(f"{POOL}-placement", namespace)
+    state["configmap/placement"] = (config_map.data, config_map.binary_data)
     return state
 
 
