@@ -3,6 +3,7 @@ starting point the planners improve on)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 
@@ -115,6 +116,9 @@ class _Dealer:
         self.count = len(free)
         self.shared = [[0] * self.count for _ in range(self.count)]  # pairs two servers both host
         self.domain_shared = [[0] * num_domains for _ in range(num_domains)]  # the same per domain
+        self.members: list[list[int]] = [[] for _ in range(num_domains)]  # positions, ascending
+        for position, domain in enumerate(domain_of):
+            self.members[domain].append(position)
 
     def deal(self, g: int, replication: int, spread: int) -> list[int]:
         chosen: list[int] = []
@@ -141,30 +145,53 @@ class _Dealer:
         return chosen
 
     def _domain(self, start: int, covered: set[int]) -> int | None:
+        """The open domain not covered yet with the most free slots, then the fewest pairs shared
+        with the covered domains, then the first in cyclic order from ``start``."""
         num_domains = len(self.domain_free)
-        best, best_key = None, (0, 0)
-        for step in range(num_domains):
-            domain = (start + step) % num_domains
-            if domain in covered or self.domain_free[domain] <= 0:
+        shared = self._shared_with([self.domain_shared[other] for other in covered], num_domains)
+        best, best_free, best_shared = None, 0, 0
+        for step in range(start, start + num_domains):
+            domain = step % num_domains
+            free = self.domain_free[domain]
+            if free <= 0 or free < best_free or domain in covered:
                 continue
-            key = (self.domain_free[domain], -sum(self.domain_shared[other][domain] for other in covered))
-            if best is None or key > best_key:
-                best, best_key = domain, key
+            if best is None or free > best_free or shared[domain] < best_shared:
+                best, best_free, best_shared = domain, free, shared[domain]
         return best
 
     def _server(self, start: int, chosen: list[int], domain: int | None, covered: set[int]) -> int | None:
+        """The open server (in ``domain`` if given) with the most free slots, then outside the
+        covered domains, then sharing the fewest pairs with ``chosen``, then the first in cyclic
+        order from ``start``."""
+        rows = [self.shared[other] for other in chosen]
+        if domain is None:
+            candidates: Iterable[int] = range(start, start + self.count)  # all, cyclic from start
+            shared = self._shared_with(rows, self.count)
+        else:  # only the domain's servers (a few of many), in the same cyclic order
+            members = self.members[domain]
+            first = bisect.bisect_left(members, start)
+            candidates = members[first:] + members[:first]
+            shared = None
         best, best_key = None, (0, False, 0)
-        for step in range(self.count):
-            position = (start + step) % self.count
-            if self.free[position] <= 0 or position in chosen:
+        for step in candidates:
+            position = step % self.count
+            free = self.free[position]
+            if free <= 0 or free < best_key[0] or position in chosen:
                 continue
-            if domain is not None and self.domain_of[position] != domain:
-                continue
-            shared = -sum(self.shared[other][position] for other in chosen)
-            key = (self.free[position], self.domain_of[position] not in covered, shared)
+            pairs = shared[position] if shared is not None else sum(row[position] for row in rows)
+            key = (free, self.domain_of[position] not in covered, -pairs)
             if best is None or key > best_key:
                 best, best_key = position, key
         return best
+
+    @staticmethod
+    def _shared_with(rows: list[list[int]], size: int) -> list[int]:
+        """Column sums of ``rows`` (pairs shared with each of the chosen): ``[size]``."""
+        if not rows:
+            return [0] * size
+        if len(rows) == 1:
+            return rows[0]
+        return [sum(column) for column in zip(*rows, strict=True)]
 
 
 def _interleave_domains(servers: Sequence[Server]) -> list[Server]:

@@ -245,9 +245,12 @@ class Placement:
         domain_ids, num_domains = self.domain_ids()
         needed = self.required_spread
         if needed > 1 and num_domains < num_servers:
-            one_hot = np.zeros((num_domains, num_servers), dtype=np.int32)
+            # Replicas per (domain, pair) as one float32 matrix product (BLAS; exact for counts
+            # this small), not an integer tensordot, which numpy runs without BLAS.
+            one_hot = np.zeros((num_domains, num_servers), dtype=np.float32)
             one_hot[domain_ids, np.arange(num_servers)] = 1
-            covered = (np.tensordot(one_hot, self._matrix.astype(np.int32), axes=1) > 0).sum(axis=0)
+            per_domain = one_hot @ self._matrix.reshape(num_servers, -1).astype(np.float32)
+            covered = (per_domain > 0).sum(axis=0).reshape(self._matrix.shape[1:])
             bad = np.argwhere(covered < needed)
             if len(bad):
                 row, expert = (int(v) for v in bad[0])
