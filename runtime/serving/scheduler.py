@@ -41,6 +41,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     matcher: Any = None  # structured outputs: the grammar's matcher (llguidance), fed each new token
     error: str | None = None  # why it finished with "error"
+    server_fault: bool = False  # ... a fault of the server (a 500), not of the request (a 400)
 
     @property
     def tokens(self) -> list[int]:

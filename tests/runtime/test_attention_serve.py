@@ -32,6 +32,7 @@ from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_re
 from eaas.runtime.placement import round_robin
 from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
+from eaas.runtime.serving.engine import Engine
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 
@@ -488,6 +489,57 @@ def test_an_error_in_a_stream_is_an_event_then_done(service: AttentionService, f
     assert items[-1] == "[DONE]", items
     error = items[-2]["error"]
     assert error["type"] == "server_error" and "sampling failed" in error["message"], error
+
+
+def open_stream(url: str, body: dict[str, Any]) -> HTTPConnection:
+    """POSTs a streaming completion and reads the answer's head: the request is queued by then."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=30)
+    connection.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
+    connection.response = connection.getresponse()  # type: ignore[attr-defined]
+    assert connection.response.status == 200  # type: ignore[attr-defined]
+    return connection
+
+
+def read_stream(connection: HTTPConnection) -> list[Any]:
+    """The ``data:`` items of a stream ``open_stream`` opened, to its end ("[DONE]" kept)."""
+    items: list[Any] = []
+    for line in connection.response:  # type: ignore[attr-defined]
+        if line.startswith(b"data: "):
+            payload = line[6:].strip().decode()
+            items.append(payload if payload == "[DONE]" else json.loads(payload))
+    connection.close()
+    return items
+
+
+def test_a_request_whose_sampling_fails_fails_alone(
+    service: AttentionService, failing_sampler: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling fails for one request of a step (``failing_sampler``: its seed): that request gets
+    the error event, and the request sampled in the same steps gets its whole answer. The engine's
+    steps wait until both requests are queued, so they run together."""
+    queued = threading.Event()
+    real_step = Engine.step
+
+    def step(engine: Engine) -> list[Any]:
+        assert queued.wait(30), "the test never queued its requests"
+        return real_step(engine)
+
+    monkeypatch.setattr(Engine, "step", step)
+    good_body = {"prompt": "a good one", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    good = open_stream(service.url, good_body)
+    doomed = open_stream(service.url, {"prompt": "doomed", "max_tokens": 40, "seed": failing_sampler})
+    queued.set()
+    failed, answered = read_stream(doomed), read_stream(good)
+    assert failed[-1] == "[DONE]" and "sampling failed" in failed[-2]["error"]["message"], failed
+    assert answered[-1] == "[DONE]" and all("error" not in item for item in answered[:-1]), answered
+    choices = [item["choices"][0] for item in answered[:-1]]
+    assert [c["finish_reason"] for c in choices] == [None] * 40 + ["length"]  # a chunk per token, the end
+    status, alone = http("POST", f"{service.url}/v1/completions", good_body)
+    assert status == 200 and "".join(c["text"] for c in choices) == alone["choices"][0]["text"]
+    assert service.worker is not None and service.worker.kv_usage == 0.0
 
 
 def raw_post(url: str, head: bytes, body: bytes) -> tuple[int, Any]:
