@@ -102,12 +102,12 @@ class Scheduler:
                 seq.num_computed = self.allocator.match(seq.id, seq.tokens)
             want = min(seq.pending, budget)
             if not self.allocator.can_hold(seq.id, seq.num_computed + want):
-                if matched:  # not admitted: its hits go back (and are counted again next time)
+                if matched:  # not admitted: its hits go back (and are looked up again next time)
                     self.allocator.release(seq.id)
-                    self.allocator.queries -= len(seq.tokens)
-                    self.allocator.hits -= seq.num_computed
                     seq.num_computed = 0
                 break
+            if matched:  # counted now that it holds: the counters never go down
+                self.allocator.admitted(len(seq.tokens), seq.num_computed)
             self.waiting.popleft()
             self.allocator.grow(seq.id, seq.num_computed + want)
             seq.status = "running"
