@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.client import HTTPConnection
+from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
 
@@ -491,26 +491,27 @@ def test_an_error_in_a_stream_is_an_event_then_done(service: AttentionService, f
     assert error["type"] == "server_error" and "sampling failed" in error["message"], error
 
 
-def open_stream(url: str, body: dict[str, Any]) -> HTTPConnection:
-    """POSTs a streaming completion and reads the answer's head: the request is queued by then."""
+def open_stream(url: str, body: dict[str, Any]) -> HTTPResponse:
+    """POSTs a streaming completion and reads the answer's head: the request is queued by then.
+    Closing the answer hangs up."""
     host, port = url.removeprefix("http://").split(":")
     connection = HTTPConnection(host, int(port), timeout=30)
     connection.request(
         "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
     )
-    connection.response = connection.getresponse()  # type: ignore[attr-defined]
-    assert connection.response.status == 200  # type: ignore[attr-defined]
-    return connection
+    response = connection.getresponse()  # it holds the connection (the server closes it at the end)
+    assert response.status == 200
+    return response
 
 
-def read_stream(connection: HTTPConnection) -> list[Any]:
+def read_stream(response: HTTPResponse) -> list[Any]:
     """The ``data:`` items of a stream ``open_stream`` opened, to its end ("[DONE]" kept)."""
     items: list[Any] = []
-    for line in connection.response:  # type: ignore[attr-defined]
+    for line in response:
         if line.startswith(b"data: "):
             payload = line[6:].strip().decode()
             items.append(payload if payload == "[DONE]" else json.loads(payload))
-    connection.close()
+    response.close()
     return items
 
 
@@ -846,3 +847,50 @@ def test_a_burst_of_connections_is_answered_every_one(service: AttentionService)
     counts = collections.Counter(statuses)
     assert set(counts) <= {200, 429} and sum(counts.values()) == 300, counts
     assert counts[200] >= 8  # the queue's worth at least was served
+
+
+def test_a_stream_whose_client_hangs_up_while_queued_leaves_the_queue(
+    checkpoint: Path, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sequence at a time, a long request running: a stream queued behind it whose client
+    hangs up leaves the queue then (``GONE_CHECK_S``), before its turn, and never takes a step.
+    Once the long request runs, the engine's steps do nothing until the other one came and left
+    the queue: the long request stays ahead for as long as the test needs."""
+    monkeypatch.setattr(completions_module, "GONE_CHECK_S", 0.05)
+    added: list[Any] = []
+    real_add, real_step = Engine.add, Engine.step
+
+    def add(engine: Engine, *args: Any, **kwargs: Any) -> Any:
+        added.append(real_add(engine, *args, **kwargs))
+        return added[-1]
+
+    def step(engine: Engine) -> list[Any]:
+        if engine.num_running and (len(added) < 2 or engine.num_waiting):  # the long one holds
+            time.sleep(0.01)
+            return []
+        return real_step(engine)
+
+    options = ServeOptions(
+        host="127.0.0.1",
+        port=0,
+        model_name=MODEL,
+        max_batch_size=1,
+        max_tokens=64,
+        client=ClientOptions(transport="tcp", request_timeout_s=10.0),
+    )
+    with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
+        assert svc.worker is not None
+        monkeypatch.setattr(Engine, "add", add)
+        monkeypatch.setattr(Engine, "step", step)
+        ahead = {"prompt": "ahead", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        long = open_stream(svc.url, ahead)
+        abandoned = open_stream(svc.url, {"prompt": "behind", "max_tokens": 8})  # queued by now
+        worker = svc.worker
+        wait_for(lambda: len(added) == 2 and worker.queued == 1, 20, "it to wait in the engine")
+        abandoned.close()  # the client hangs up while its request waits
+        wait_for(lambda: worker.queued == 0, 20, "it to leave the queue")
+        items = read_stream(long)
+        assert items[-1] == "[DONE]" and items[-2]["choices"][0]["finish_reason"] == "length"
+        behind = added[1]
+        assert behind.finish_reason == "abort" and behind.num_computed == 0 and behind.output == []
+        assert worker.running == 0 and worker.kv_usage == 0.0
