@@ -6,8 +6,10 @@ different ids decode alike."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.completions import Completions
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.engine_worker import EngineWorker, Request
+from eaas.runtime.serving.grammar import Grammars
 from eaas.runtime.serving.http_api import ApiError, CompletionRequest, Limits, parse_completion
 from eaas.runtime.serving.metrics import AttentionMetrics
 from eaas.runtime.serving.serve import _api_error
 from eaas.runtime.serving.text_stream import token_bytes
+from eaas.runtime.serving.tools import FORMATS, parse_tools
 
 PROMPT = "experts as a service"
 
@@ -229,3 +233,36 @@ def test_an_answer_whose_client_went_away_stops_and_frees_its_sequences(
         assert time.monotonic() < deadline, "the cancelled choices still run"
         time.sleep(0.01)
     assert all(len(request.tokens) < 64 for request in requests)  # stopped, not run to the end
+
+
+@pytest.mark.parametrize("content", ["Sure.\n", "Sure. \n\n", ""], ids=["newline", "blanks", "none"])
+def test_content_before_a_tool_call_is_the_same_streamed_and_whole(front: Completions, content: str) -> None:
+    """The model writes content, then a call (its text forced by a regex, so both answers generate
+    the same text): the content streamed before the call equals the whole answer's, trailing
+    whitespace stripped in both."""
+    tokenizer = ByteTokenizer(320)
+    answer = content + '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert tools is not None
+    with_tools = Completions(
+        front.worker,
+        tokenizer.decode,
+        "tiny",
+        60.0,
+        front.metrics,
+        _api_error,
+        grammars=Grammars(tokenizer, 320),
+    )
+    base = parse(front, max_tokens=64, guided_regex=re.escape(answer))
+    whole_call = replace(base, tools=tools, tool_format=FORMATS["hermes"])
+    whole = with_tools.chat_collect(whole_call, with_tools.submit(whole_call), time.monotonic())
+    [choice] = whole["choices"]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+    stream_call = replace(whole_call, stream=True)
+    chunks = list(with_tools.chat_chunks(stream_call, with_tools.submit(stream_call), time.monotonic()))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed = "".join(d.get("content", "") for d in deltas)
+    assert streamed == (choice["message"]["content"] or "") == content.rstrip()
+    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [
+        c["function"] for c in choice["message"]["tool_calls"]
+    ]
