@@ -167,7 +167,7 @@ class Completions:
         except ApiError as exc:
             self._count_failed(start, exc)
             raise
-        except GeneratorExit:  # the client went away: its times so far still count
+        except (GeneratorExit, ClientGone):  # the client went away: its times so far still count
             for request in unfinished:
                 self._observe(request)
             raise

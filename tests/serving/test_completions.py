@@ -218,16 +218,18 @@ def test_an_answer_whose_client_went_away_stops_and_frees_its_sequences(
     ``GONE_CHECK_S``; here at every event): its choices are cancelled, not generated to the end for
     nobody, as vLLM aborts them."""
     monkeypatch.setattr(completions_module, "GONE_CHECK_S", 0.0)
-    looks: list[bool] = []
+    metrics = front.metrics.registry
 
-    def gone() -> bool:
-        looks.append(len(looks) >= 3)  # away after a few tokens
-        return looks[-1]
+    def gone() -> bool:  # away once every choice has a few tokens
+        return all(len(request.tokens) >= 3 for request in requests)
 
     call = parse(front, max_tokens=64, n=2, ignore_eos=True)
     requests = front.submit(call)
+    first_tokens = metrics.get_sample_value("eaas_attention_time_to_first_token_seconds_count")
     with pytest.raises(ClientGone):
         (front.chat_collect if chat else front.collect)(call, requests, time.monotonic(), gone=gone)
+    # the times so far still count (as for a stream found gone at a write)
+    assert metrics.get_sample_value("eaas_attention_time_to_first_token_seconds_count") == first_tokens + 2
     deadline = time.monotonic() + 20
     while front.worker.running or front.worker.kv_usage:
         assert time.monotonic() < deadline, "the cancelled choices still run"
