@@ -73,7 +73,8 @@ class JsonHandler(BaseHTTPRequestHandler):
     def send_event_stream(self, events: Iterator[Any]) -> None:
         """200 with server-sent events: ``data: <json>`` per item, then ``data: [DONE]``; the
         connection closes at the end. An error after the headers is an event of its own (then
-        ``[DONE]``, as vLLM ends a stream). A client that goes away closes ``events`` (its
+        ``[DONE]``, as vLLM ends a stream). A client that goes away (found at a write, or by
+        ``events`` raising ``ClientGone``) is written nothing more, and ``events`` is closed (its
         ``finally`` can cancel the work)."""
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
@@ -88,7 +89,7 @@ class JsonHandler(BaseHTTPRequestHandler):
                     self.wfile.flush()
             except HttpError as exc:  # after the headers: the error goes into the stream
                 self.wfile.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
-            except (BrokenPipeError, ConnectionResetError):
+            except (BrokenPipeError, ConnectionResetError, ClientGone):
                 raise
             except Exception as exc:  # a bug: a 500 in the stream (the headers said 200 already)
                 log.exception("a stream of %s failed", self.path)
@@ -96,8 +97,8 @@ class JsonHandler(BaseHTTPRequestHandler):
                 self.wfile.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            log.info("a streaming client went away: %s", exc)
+        except (BrokenPipeError, ConnectionResetError, ClientGone) as exc:
+            log.info("a streaming client went away: %s", str(exc) or type(exc).__name__)
         finally:
             close = getattr(events, "close", None)
             if close is not None:

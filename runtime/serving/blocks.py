@@ -46,6 +46,8 @@ class BlockAllocator:
         self.names: dict[int, list[bytes]] = {}  # seq -> the names of its computed full blocks
         self.named: dict[bytes, int] = {}  # name -> the block holding that prefix
         self.name_of: dict[int, bytes] = {}  # block -> its name
+        # Counters (Prometheus counters: they never go down), counted by ``admitted`` once a
+        # sequence's admission holds, never for a lookup that is undone.
         self.queries = 0  # tokens of admitted sequences looked up in the cache
         self.hits = 0  # ... of which were found computed
 
@@ -75,9 +77,9 @@ class BlockAllocator:
 
     def match(self, seq: int, tokens: list[int]) -> int:
         """Gives ``seq`` (holding no block yet) the computed blocks its ``tokens`` start with;
-        returns how many positions they hold (a multiple of the block size, below ``len(tokens)``)."""
+        returns how many positions they hold (a multiple of the block size, below ``len(tokens)``).
+        Counted in ``queries`` and ``hits`` only when the sequence is ``admitted``."""
         assert not self.tables.get(seq), f"sequence {seq} already holds blocks"
-        self.queries += len(tokens)
         table: list[int] = []
         names: list[bytes] = []
         if self.prefix_caching:
@@ -96,9 +98,13 @@ class BlockAllocator:
                 parent = name
         self.tables[seq] = table
         self.names[seq] = names
-        hit = len(table) * self.block_size
-        self.hits += hit
-        return hit
+        return len(table) * self.block_size
+
+    def admitted(self, num_tokens: int, num_hits: int) -> None:
+        """Counts the lookup (``match``) of a sequence whose admission holds: ``num_tokens`` looked
+        up, ``num_hits`` of them found computed."""
+        self.queries += num_tokens
+        self.hits += num_hits
 
     def uncommitted(self, seq: int, num_computed: int) -> bool:
         """Whether ``seq`` has full computed blocks not yet named (``commit`` has work)."""

@@ -5,7 +5,9 @@ Both forms come from the same chunks: each sampled token is turned into final te
 ``TextStream`` (held back while a character or a stop string is incomplete). A stop string ends
 its choice at once and cancels the rest of its generation; a stop token ends it without being
 shown. Closing the chunk iterator early (a streaming client that went away) cancels every
-choice still running, which frees its KV cache.
+choice still running, which frees its KV cache. A client that goes away while nothing is written
+to it (its choices still queued behind a full engine) is found between events, every
+``GONE_CHECK_S``: its choices leave the queue without taking a step.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from eaas.runtime.serving.text_stream import TextStream
 from eaas.runtime.serving.tools import StreamedCalls
 
 Chunk = dict[str, Any]
-# How often a non-streaming answer looks whether its client went away (the choices are then
-# cancelled, as vLLM aborts a request whose client disconnected).
+# How often an answer looks whether its client went away (the choices are then cancelled, as vLLM
+# aborts a request whose client disconnected): a stream's queued choices too, before any write.
 GONE_CHECK_S = 0.5
 
 
@@ -100,8 +102,9 @@ class Completions:
     ) -> Iterator[Chunk]:
         """The answer as stream chunks: per token per choice, then the usage if asked. A chunk's
         ``logprobs`` is completions' object, or with ``chat`` the entries of chat's ``content``.
-        ``gone`` says whether the client went away (``ClientGone``: the choices are cancelled); a
-        stream finds out on its next write instead."""
+        ``gone`` says whether the client went away (``ClientGone``: the choices are cancelled),
+        looked at every ``GONE_CHECK_S`` while the choices run or wait in the queue (a stream also
+        finds out on its next write)."""
         decode = self.decode if call.skip_special_tokens else self._decode_special
         texts = {
             r: TextStream(decode, call.stop, call.params.min_tokens, call.include_stop) for r in requests
@@ -171,7 +174,7 @@ class Completions:
         except ApiError as exc:
             self._count_failed(start, exc)
             raise
-        except GeneratorExit:  # the client went away: its times so far still count
+        except (GeneratorExit, ClientGone):  # the client went away: its times so far still count
             for request in unfinished:
                 self._observe(request)
             raise
@@ -217,7 +220,13 @@ class Completions:
             "usage": usage_of(call, requests),
         }
 
-    def chat_chunks(self, call: CompletionRequest, requests: list[Request], start: float) -> Iterator[Chunk]:
+    def chat_chunks(
+        self,
+        call: CompletionRequest,
+        requests: list[Request],
+        start: float,
+        gone: Callable[[], bool] | None = None,
+    ) -> Iterator[Chunk]:
         """The chat form of ``chunks``: ``chat.completion.chunk`` objects whose choices carry a
         ``delta`` (the role first, then content pieces). A reasoning model's thinking goes out as
         ``reasoning_content`` (and ``reasoning``) deltas. With tools, content is held from where a
@@ -228,7 +237,7 @@ class Completions:
             streams = {r.index: StreamedCalls(call.tool_format, call.tools.parameters) for r in requests}
         style = self.reasoning if call.thinking else None
         thinking = {r.index: style.stream() for r in requests} if style else {}
-        for item in self.chunks(call, requests, start, chat=True):
+        for item in self.chunks(call, requests, start, chat=True, gone=gone):
             choices = []
             for piece in item["choices"]:
                 index, finish = piece["index"], piece["finish_reason"]

@@ -15,14 +15,17 @@ chunks and decodes mixed), so every MoE layer sends one request per expert serve
 running. A sequence whose prompt is fully through the model gets a token sampled; it finishes on
 a stop token, at ``max_tokens``, or when aborted, and its blocks go back to the pool. A sequence
 with a grammar (structured outputs, ``grammar``) samples only what its grammar allows and ends
-with ``stop`` once the grammar can take nothing more. Not thread-safe: one thread owns an engine
-(the service's worker).
+with ``stop`` once the grammar can take nothing more. A failure tied to one sequence (its
+sampling, its grammar's matcher, NaN logits in its row) finishes that sequence with ``error``; the
+rest of the step goes on. A failed forward pass fails every sequence of its step. Not thread-safe:
+one thread owns an engine (the service's worker).
 Legend: B = sequences in the step, S = longest chunk of the step, V = vocabulary.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,8 @@ from eaas.runtime.serving.paged_cache import KVPool, PagedView
 from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample
 from eaas.runtime.serving.scheduler import Scheduler, Sequence
 
+log = logging.getLogger("eaas.client.engine")
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -47,8 +52,8 @@ class EngineOptions:
 
 
 class StepFailed(RuntimeError):
-    """A step's forward pass (or its sampling) failed; the sequences it cost were finished with
-    reason ``error``."""
+    """A step's forward pass failed; the sequences it cost were finished with reason ``error``.
+    (A failure to sample a row finishes that row's sequence alone: ``Engine._sample``.)"""
 
     def __init__(self, seqs: list[Sequence], cause: BaseException) -> None:
         super().__init__(str(cause))
@@ -163,48 +168,84 @@ class Engine:
         if not ready:
             return []
         events: list[Event] = []
-        stepped = [seq for _, seq in ready]
-        try:
-            ready, allowed = self._constrain(ready, events)
-            if not ready:
-                return events
-            sampled = sample(
-                logits[[row for row, _ in ready]],
-                [seq.params for _, seq in ready],
-                [self._generators[seq.id] for _, seq in ready],
-                [self._counts[seq.id] for _, seq in ready],
-                allowed,
-            )
-        except Exception as exc:
-            # Not the request's fault (it was validated): a bug, or a grammar engine's limit. These
-            # sequences' logits are spent (``num_computed`` moved on) and no token came of them, so
-            # none can step again; the rest of the batch (prefill chunks) and later requests go on.
-            # A RuntimeError, so it is answered as a server error (500) whatever the cause's type.
-            for seq in stepped:
-                if seq.status != "finished":
-                    self._finish(seq, "error")
-            raise StepFailed(stepped, RuntimeError(f"sampling failed: {exc!r}")) from exc
-        for (_, seq), choice in zip(ready, sampled, strict=True):
-            seq.output.append(choice.token)
-            self._counts[seq.id][choice.token] += 1
-            reason = None
-            if seq.matcher is not None:
-                if not seq.matcher.consume_token(choice.token):
-                    why = first_line(seq.matcher.get_error())
-                    reason, seq.error = (
-                        "error",
-                        f"structured outputs: the grammar refused token {choice.token}: {why}",
-                    )
-                elif seq.matcher.is_stopped():
-                    reason = "stop"  # the grammar is complete (or the model ended where it may)
-            if reason is None and choice.token in seq.params.stop_token_ids:
-                reason = "stop"
-            elif reason is None and len(seq.output) >= seq.params.max_tokens:
-                reason = "length"
-            if reason is not None:
-                self._finish(seq, reason)
-            events.append(Event(seq, choice, reason is not None))
+        for (_, seq), choice in self._sample(ready, logits, events):
+            self._take(seq, choice, events)
         return events
+
+    def _sample(
+        self, ready: list[tuple[int, Sequence]], logits: torch.Tensor, events: list[Event]
+    ) -> list[tuple[tuple[int, Sequence], Sampled]]:
+        """One token for each ready row (``logits`` [B, V]), the rows sampled together. When that
+        fails, each row is sampled alone (its generator as it was before the batch's attempt), so
+        a failure tied to one row (its parameters, its grammar's matcher, NaN logits) fails that
+        sequence only: it finishes with ``error`` and an event, and the other rows go on."""
+        states = {seq.id: self._generators[seq.id].get_state() for _, seq in ready}
+        try:
+            return self._sample_rows(ready, logits, events)
+        except Exception as exc:
+            if len(ready) == 1:
+                self._fail(ready[0][1], f"sampling failed: {exc!r}", events)
+                return []
+        log.warning("sampling a step of %d sequences failed: each sampled alone", len(ready))
+        sampled = []
+        for row, seq in ready:
+            if seq.status == "finished":  # its grammar allowed nothing (an event is out already)
+                continue
+            self._generators[seq.id].set_state(states[seq.id])
+            try:
+                sampled += self._sample_rows([(row, seq)], logits, events)
+            except Exception as exc:
+                self._fail(seq, f"sampling failed: {exc!r}", events)
+        return sampled
+
+    def _sample_rows(
+        self, ready: list[tuple[int, Sequence]], logits: torch.Tensor, events: list[Event]
+    ) -> list[tuple[tuple[int, Sequence], Sampled]]:
+        ready, allowed = self._constrain(ready, events)
+        if not ready:
+            return []
+        sampled = sample(
+            logits[[row for row, _ in ready]],
+            [seq.params for _, seq in ready],
+            [self._generators[seq.id] for _, seq in ready],
+            [self._counts[seq.id] for _, seq in ready],
+            allowed,
+        )
+        return list(zip(ready, sampled, strict=True))
+
+    def _take(self, seq: Sequence, choice: Sampled, events: list[Event]) -> None:
+        """Appends the sampled token to ``seq`` (its grammar consumes it) and finishes ``seq`` where
+        it ends."""
+        seq.output.append(choice.token)
+        self._counts[seq.id][choice.token] += 1
+        reason = None
+        if seq.matcher is not None:
+            try:
+                accepted = seq.matcher.consume_token(choice.token)
+            except Exception as exc:  # the grammar engine failed on this sequence: it alone ends
+                self._fail(seq, f"structured outputs: the grammar engine failed: {exc!r}", events, choice)
+                return
+            if not accepted:
+                why = first_line(seq.matcher.get_error())
+                reason, seq.error = (
+                    "error",
+                    f"structured outputs: the grammar refused token {choice.token}: {why}",
+                )
+            elif seq.matcher.is_stopped():
+                reason = "stop"  # the grammar is complete (or the model ended where it may)
+        if reason is None and choice.token in seq.params.stop_token_ids:
+            reason = "stop"
+        elif reason is None and len(seq.output) >= seq.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        events.append(Event(seq, choice, reason is not None))
+
+    def _fail(self, seq: Sequence, error: str, events: list[Event], sampled: Sampled | None = None) -> None:
+        """Finishes ``seq`` with ``error`` for a fault of the server (not of the request)."""
+        seq.error, seq.server_fault = error, True
+        self._finish(seq, "error")
+        events.append(Event(seq, sampled, True))
 
     def _constrain(
         self, ready: list[tuple[int, Sequence]], events: list[Event]

@@ -217,8 +217,10 @@ class EngineWorker:
                 request.sampled.append(event.sampled)
                 request.events.put((request, event.sampled))
             if event.finished and event.seq.finish_reason == "error":
-                # the request's grammar led nowhere (its fault: a 400), or the grammar engine failed
-                self._fail(request, self._on_error(ValueError(event.seq.error or "the sequence failed")))
+                # the request's grammar led nowhere (its fault: a 400), or its sampling failed (a 500)
+                why = event.seq.error or "the sequence failed"
+                error = RuntimeError(why) if event.seq.server_fault else ValueError(why)
+                self._fail(request, self._on_error(error))
             elif event.finished:
                 self._finish(request, event.seq.finish_reason or "length")
 

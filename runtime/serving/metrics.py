@@ -130,7 +130,8 @@ class AttentionMetrics:
 class EngineCounters(Collector):
     """The engine's own counters, read at scrape time: ``eaas_attention_prefix_cache_queries_total``
     and ``..._hits_total`` (tokens of admitted sequences looked up in the prefix cache, and those
-    found computed) and ``eaas_attention_preemptions_total``."""
+    found computed; ``BlockAllocator.admitted`` counts them once an admission holds, so a scrape
+    never sees them go down) and ``eaas_attention_preemptions_total``."""
 
     def __init__(self) -> None:
         self.read: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)  # queries, hits, preemptions

@@ -86,8 +86,13 @@ def sample(
 ) -> list[Sampled]:
     """One token per row, the whole batch at once. Log-probabilities are those of the model
     (before penalties, temperature, truncation and a grammar's mask), as OpenAI reports them.
-    A row of ``allowed`` must allow at least one token."""
+    A row of ``allowed`` must allow at least one token. Logits with NaN or +inf (a model's numeric
+    failure) are a ValueError naming the row, never a token drawn from them."""
     logits = logits.to(torch.float32)
+    broken = (logits.isnan() | (logits == float("inf"))).any(dim=-1)  # [B]
+    if broken.any():
+        row = int(broken.nonzero()[0, 0])
+        raise ValueError(f"logits: row {row} holds NaN or +inf (the model's output for it is broken)")
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     scores = logits
     if any(p.presence_penalty or p.frequency_penalty for p in params):

@@ -41,6 +41,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     matcher: Any = None  # structured outputs: the grammar's matcher (llguidance), fed each new token
     error: str | None = None  # why it finished with "error"
+    server_fault: bool = False  # ... a fault of the server (a 500), not of the request (a 400)
 
     @property
     def tokens(self) -> list[int]:
@@ -101,12 +102,12 @@ class Scheduler:
                 seq.num_computed = self.allocator.match(seq.id, seq.tokens)
             want = min(seq.pending, budget)
             if not self.allocator.can_hold(seq.id, seq.num_computed + want):
-                if matched:  # not admitted: its hits go back (and are counted again next time)
+                if matched:  # not admitted: its hits go back (and are looked up again next time)
                     self.allocator.release(seq.id)
-                    self.allocator.queries -= len(seq.tokens)
-                    self.allocator.hits -= seq.num_computed
                     seq.num_computed = 0
                 break
+            if matched:  # counted now that it holds: the counters never go down
+                self.allocator.admitted(len(seq.tokens), seq.num_computed)
             self.waiting.popleft()
             self.allocator.grow(seq.id, seq.num_computed + want)
             seq.status = "running"

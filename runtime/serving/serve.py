@@ -571,10 +571,10 @@ class AttentionService:
             raise
         if chat:
             if call.stream:
-                return self.completions.chat_chunks(call, requests, start)
+                return self.completions.chat_chunks(call, requests, start, gone)
             return self.completions.chat_collect(call, requests, start, gone)
         if call.stream:
-            return self.completions.chunks(call, requests, start)
+            return self.completions.chunks(call, requests, start, gone=gone)
         return self.completions.collect(call, requests, start, gone=gone)
 
     def _complete_static(self, request: CompletionRequest, start: float) -> dict[str, Any]:

@@ -554,7 +554,9 @@ def tool_format(parser: str | None, family: str, tokenizer: Tokenizer | None = N
 
 class StreamedCalls:
     """Streaming with tools: content is released until a call may be starting, then held. The
-    calls are parsed when the choice ends and sent as whole ``tool_calls`` deltas."""
+    calls are parsed when the choice ends and sent as whole ``tool_calls`` deltas. Trailing
+    whitespace is held too until more content follows it: the content before a call ends without
+    it, as ``parse`` gives it to an answer that is not streamed."""
 
     def __init__(self, form: ToolFormat, parameters: Parameters | None = None) -> None:
         self.form = form
@@ -571,11 +573,10 @@ class StreamedCalls:
         marker = self.form.start
         start = self.text.find(marker, self.released)
         if start >= 0:
-            out, self.released, self.calling = self.text[self.released : start], start, True
-            return out
-        pending = self.text[self.released :]
-        keep = partial_suffix(pending, marker)
-        out = pending[: len(pending) - keep]
+            out, self.calling = self.text[self.released : start].rstrip(), True
+        else:
+            pending = self.text[self.released :]
+            out = pending[: len(pending) - partial_suffix(pending, marker)].rstrip()
         self.released += len(out)
         return out
 

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.client import HTTPConnection
+from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_re
 from eaas.runtime.placement import round_robin, stored
 from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
+from eaas.runtime.serving.engine import Engine
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, expert_urls, static_discovery
 
@@ -512,6 +513,58 @@ def test_an_error_in_a_stream_is_an_event_then_done(service: AttentionService, f
     assert error["type"] == "server_error" and "sampling failed" in error["message"], error
 
 
+def open_stream(url: str, body: dict[str, Any]) -> HTTPResponse:
+    """POSTs a streaming completion and reads the answer's head: the request is queued by then.
+    Closing the answer hangs up."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=30)
+    connection.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()  # it holds the connection (the server closes it at the end)
+    assert response.status == 200
+    return response
+
+
+def read_stream(response: HTTPResponse) -> list[Any]:
+    """The ``data:`` items of a stream ``open_stream`` opened, to its end ("[DONE]" kept)."""
+    items: list[Any] = []
+    for line in response:
+        if line.startswith(b"data: "):
+            payload = line[6:].strip().decode()
+            items.append(payload if payload == "[DONE]" else json.loads(payload))
+    response.close()
+    return items
+
+
+def test_a_request_whose_sampling_fails_fails_alone(
+    service: AttentionService, failing_sampler: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling fails for one request of a step (``failing_sampler``: its seed): that request gets
+    the error event, and the request sampled in the same steps gets its whole answer. The engine's
+    steps wait until both requests are queued, so they run together."""
+    queued = threading.Event()
+    real_step = Engine.step
+
+    def step(engine: Engine) -> list[Any]:
+        assert queued.wait(30), "the test never queued its requests"
+        return real_step(engine)
+
+    monkeypatch.setattr(Engine, "step", step)
+    good_body = {"prompt": "a good one", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    good = open_stream(service.url, good_body)
+    doomed = open_stream(service.url, {"prompt": "doomed", "max_tokens": 40, "seed": failing_sampler})
+    queued.set()
+    failed, answered = read_stream(doomed), read_stream(good)
+    assert failed[-1] == "[DONE]" and "sampling failed" in failed[-2]["error"]["message"], failed
+    assert answered[-1] == "[DONE]" and all("error" not in item for item in answered[:-1]), answered
+    choices = [item["choices"][0] for item in answered[:-1]]
+    assert [c["finish_reason"] for c in choices] == [None] * 40 + ["length"]  # a chunk per token, the end
+    status, alone = http("POST", f"{service.url}/v1/completions", good_body)
+    assert status == 200 and "".join(c["text"] for c in choices) == alone["choices"][0]["text"]
+    assert service.worker is not None and service.worker.kv_usage == 0.0
+
+
 def raw_post(url: str, head: bytes, body: bytes) -> tuple[int, Any]:
     """POSTs ``body`` after ``head`` (headers, without the blank line) on a raw socket; the status
     and the JSON answer."""
@@ -825,3 +878,50 @@ def test_a_burst_of_connections_is_answered_every_one(service: AttentionService)
     counts = collections.Counter(statuses)
     assert set(counts) <= {200, 429} and sum(counts.values()) == 300, counts
     assert counts[200] >= 8  # the queue's worth at least was served
+
+
+def test_a_stream_whose_client_hangs_up_while_queued_leaves_the_queue(
+    checkpoint: Path, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sequence at a time, a long request running: a stream queued behind it whose client
+    hangs up leaves the queue then (``GONE_CHECK_S``), before its turn, and never takes a step.
+    Once the long request runs, the engine's steps do nothing until the other one came and left
+    the queue: the long request stays ahead for as long as the test needs."""
+    monkeypatch.setattr(completions_module, "GONE_CHECK_S", 0.05)
+    added: list[Any] = []
+    real_add, real_step = Engine.add, Engine.step
+
+    def add(engine: Engine, *args: Any, **kwargs: Any) -> Any:
+        added.append(real_add(engine, *args, **kwargs))
+        return added[-1]
+
+    def step(engine: Engine) -> list[Any]:
+        if engine.num_running and (len(added) < 2 or engine.num_waiting):  # the long one holds
+            time.sleep(0.01)
+            return []
+        return real_step(engine)
+
+    options = ServeOptions(
+        host="127.0.0.1",
+        port=0,
+        model_name=MODEL,
+        max_batch_size=1,
+        max_tokens=64,
+        client=ClientOptions(transport="tcp", request_timeout_s=10.0),
+    )
+    with AttentionService(checkpoint, cluster.placement_path, static_discovery(cluster.urls), options) as svc:
+        assert svc.worker is not None
+        monkeypatch.setattr(Engine, "add", add)
+        monkeypatch.setattr(Engine, "step", step)
+        ahead = {"prompt": "ahead", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        long = open_stream(svc.url, ahead)
+        abandoned = open_stream(svc.url, {"prompt": "behind", "max_tokens": 8})  # queued by now
+        worker = svc.worker
+        wait_for(lambda: len(added) == 2 and worker.queued == 1, 20, "it to wait in the engine")
+        abandoned.close()  # the client hangs up while its request waits
+        wait_for(lambda: worker.queued == 0, 20, "it to leave the queue")
+        items = read_stream(long)
+        assert items[-1] == "[DONE]" and items[-2]["choices"][0]["finish_reason"] == "length"
+        behind = added[1]
+        assert behind.finish_reason == "abort" and behind.num_computed == 0 and behind.output == []
+        assert worker.running == 0 and worker.kv_usage == 0.0

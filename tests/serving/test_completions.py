@@ -6,8 +6,10 @@ different ids decode alike."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.completions import Completions
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.engine_worker import EngineWorker, Request
+from eaas.runtime.serving.grammar import Grammars
 from eaas.runtime.serving.http_api import ApiError, CompletionRequest, Limits, parse_completion
 from eaas.runtime.serving.metrics import AttentionMetrics
 from eaas.runtime.serving.serve import _api_error
 from eaas.runtime.serving.text_stream import token_bytes
+from eaas.runtime.serving.tools import FORMATS, parse_tools
 
 PROMPT = "experts as a service"
 
@@ -151,17 +155,17 @@ def test_a_stop_string_ends_the_counted_and_returned_tokens(
 def test_a_failed_sampling_step_is_a_server_error_and_the_engine_goes_on(
     front: Completions, failing_sampler: int
 ) -> None:
+    """The request whose sampling fails gets a 500; the one sampled in the same steps (both reach
+    the worker at once: its lock is held while they are queued) gets its whole answer."""
     expected = complete(front, max_tokens=30)["choices"][0]["token_ids"]
     good_call, bad_call = parse(front, max_tokens=30), parse(front, max_tokens=30, seed=failing_sampler)
-    good, bad = front.submit(good_call), front.submit(bad_call)
+    with front.worker._lock:
+        good, bad = front.submit(good_call), front.submit(bad_call)
     with pytest.raises(ApiError) as failed:
         front.collect(bad_call, bad, time.monotonic())
     assert failed.value.status == 500 and failed.value.kind == "server_error"
     assert "sampling failed" in failed.value.message
-    try:  # sampled in the same step as the bad one, or not: either way an answer, no 400
-        assert front.collect(good_call, good, time.monotonic())["choices"][0]["token_ids"] == expected
-    except ApiError as exc:
-        assert exc.status == 500, exc.message
+    assert front.collect(good_call, good, time.monotonic())["choices"][0]["token_ids"] == expected
     assert complete(front, max_tokens=30)["choices"][0]["token_ids"] == expected
     assert front.worker.kv_usage == 0
 
@@ -214,16 +218,18 @@ def test_an_answer_whose_client_went_away_stops_and_frees_its_sequences(
     ``GONE_CHECK_S``; here at every event): its choices are cancelled, not generated to the end for
     nobody, as vLLM aborts them."""
     monkeypatch.setattr(completions_module, "GONE_CHECK_S", 0.0)
-    looks: list[bool] = []
+    metrics = front.metrics.registry
 
-    def gone() -> bool:
-        looks.append(len(looks) >= 3)  # away after a few tokens
-        return looks[-1]
+    def gone() -> bool:  # away once every choice has a few tokens
+        return all(len(request.tokens) >= 3 for request in requests)
 
     call = parse(front, max_tokens=64, n=2, ignore_eos=True)
     requests = front.submit(call)
+    first_tokens = metrics.get_sample_value("eaas_attention_time_to_first_token_seconds_count")
     with pytest.raises(ClientGone):
         (front.chat_collect if chat else front.collect)(call, requests, time.monotonic(), gone=gone)
+    # the times so far still count (as for a stream found gone at a write)
+    assert metrics.get_sample_value("eaas_attention_time_to_first_token_seconds_count") == first_tokens + 2
     deadline = time.monotonic() + 20
     while front.worker.running or front.worker.kv_usage:
         assert time.monotonic() < deadline, "the cancelled choices still run"
@@ -338,3 +344,36 @@ def test_special_tokens_decode_to_their_text_when_not_skipped(tmp_path: Path, tr
     ids = [*tokenizer.encode("hello"), tokenizer.marker_id("</s>") or 0]
     assert tokenizer.decode(ids) == "hello"
     assert tokenizer.decode(ids, skip_special_tokens=False) == "hello</s>"
+
+
+@pytest.mark.parametrize("content", ["Sure.\n", "Sure. \n\n", ""], ids=["newline", "blanks", "none"])
+def test_content_before_a_tool_call_is_the_same_streamed_and_whole(front: Completions, content: str) -> None:
+    """The model writes content, then a call (its text forced by a regex, so both answers generate
+    the same text): the content streamed before the call equals the whole answer's, trailing
+    whitespace stripped in both."""
+    tokenizer = ByteTokenizer(320)
+    answer = content + '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert tools is not None
+    with_tools = Completions(
+        front.worker,
+        tokenizer.decode,
+        "tiny",
+        60.0,
+        front.metrics,
+        _api_error,
+        grammars=Grammars(tokenizer, 320),
+    )
+    base = parse(front, max_tokens=64, guided_regex=re.escape(answer))
+    whole_call = replace(base, tools=tools, tool_format=FORMATS["hermes"])
+    whole = with_tools.chat_collect(whole_call, with_tools.submit(whole_call), time.monotonic())
+    [choice] = whole["choices"]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+    stream_call = replace(whole_call, stream=True)
+    chunks = list(with_tools.chat_chunks(stream_call, with_tools.submit(stream_call), time.monotonic()))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed = "".join(d.get("content", "") for d in deltas)
+    assert streamed == (choice["message"]["content"] or "") == content.rstrip()
+    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [
+        c["function"] for c in choice["message"]["tool_calls"]
+    ]

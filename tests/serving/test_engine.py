@@ -4,12 +4,14 @@ with decodes, a paged KV cache small enough to preempt, every attention variant.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from eaas.runtime.model import load_reference
 from eaas.runtime.model.decoder import Decoder
+from eaas.runtime.serving import engine as engine_module
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.sampling import SamplingParams
@@ -99,3 +101,69 @@ def test_requests_that_can_never_fit_are_refused(tiny_checkpoints: dict[str, Pat
         engine.add(PROMPTS[0], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match=r"prompt: token ids must be in \[0, 320\)"):
         engine.add([400], SamplingParams())
+
+
+NAN_TOKEN = 301  # a row whose new tokens end with it gets NaN logits (``NanOnMarker``)
+
+
+class NanOnMarker:
+    """The decoder, except that a row whose last new token is ``NAN_TOKEN`` comes out NaN (a
+    model's numeric failure on one sequence)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.config, self.side = decoder.config, decoder.side
+
+    def forward(self, tokens: torch.Tensor, num_new: torch.Tensor, view: Any) -> torch.Tensor:
+        logits = self.decoder.forward(tokens, num_new, view)  # [B, V]
+        last = tokens.gather(1, (num_new - 1)[:, None])[:, 0]  # [B]
+        return logits.masked_fill((last == NAN_TOKEN)[:, None], float("nan"))
+
+
+class BrokenMatcher:
+    """A grammar matcher on which the grammar engine fails (``allowed_tokens`` raises, as a bug or
+    a limit of llguidance would)."""
+
+
+def test_a_row_that_cannot_be_sampled_fails_its_sequence_alone(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaN logits in one row, a grammar matcher that raises in another: those two sequences finish
+    with ``error`` (the server's fault); the rows sampled in the same steps, greedy and seeded,
+    come out as they do alone."""
+
+    def allowed_tokens(matchers: list[Any], vocab_size: int) -> torch.Tensor:
+        if any(isinstance(m, BrokenMatcher) for m in matchers):
+            raise RuntimeError("the grammar engine failed")
+        raise AssertionError("no other row has a grammar")
+
+    monkeypatch.setattr(engine_module, "allowed_tokens", allowed_tokens)
+    decoder = load_reference(tiny_checkpoints["mixtral"])
+    good = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3)]
+    alone = []
+    for params in good:
+        engine = Engine(decoder, options_for(decoder, 64))
+        alone.append(engine.add(PROMPTS[0], params))
+        while engine.has_work():
+            engine.step()
+    engine = Engine(NanOnMarker(decoder), options_for(decoder, 64))  # type: ignore[arg-type]
+    together = [engine.add(PROMPTS[0], params) for params in good]
+    nan = engine.add([5, 6, NAN_TOKEN], SamplingParams(max_tokens=8))
+    broken = engine.add([5, 6, 7], SamplingParams(max_tokens=8), matcher=BrokenMatcher())
+    failed_beside: dict[int, set[int]] = {}  # failed sequence -> those given a token in its step
+    for _ in range(100):
+        if not engine.has_work():
+            break
+        events = engine.step()
+        sampled = {event.seq.id for event in events if event.sampled is not None}
+        for event in events:
+            if event.finished and event.seq.finish_reason == "error":
+                failed_beside[event.seq.id] = sampled
+    assert [seq.output for seq in together] == [seq.output for seq in alone]
+    assert all(seq.finish_reason == "length" for seq in together)
+    both = {seq.id for seq in together}
+    assert failed_beside == {nan.id: both, broken.id: both}  # failed in a step that sampled the others
+    for seq, why in ((nan, "NaN"), (broken, "the grammar engine failed")):
+        assert seq.finish_reason == "error" and seq.server_fault and seq.output == []
+        assert seq.error is not None and "sampling failed" in seq.error and why in seq.error
+    assert engine.allocator.used_fraction == 0

@@ -4,7 +4,9 @@ cache equal those without it and those of each prompt alone."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ from eaas.runtime.serving.blocks import BlockAllocator
 from eaas.runtime.serving.engine import Engine, EngineOptions
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.sampling import SamplingParams
+from eaas.runtime.serving.scheduler import Scheduler, Sequence
 
 SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]  # 4.5 blocks of 4
 
@@ -31,7 +34,9 @@ def test_blocks_are_named_by_their_whole_prefix_and_shared() -> None:
     assert allocator.match(2, [9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0
     # A whole-block prompt leaves its last token to compute (its logits are needed).
     assert allocator.match(3, a[:8]) == 4
-    assert allocator.queries == 9 + 9 + 9 + 8 and allocator.hits == 8 + 4
+    assert allocator.queries == allocator.hits == 0  # counted when a sequence is admitted
+    allocator.admitted(9, 8)
+    assert allocator.queries == 9 and allocator.hits == 8
     for seq in (0, 1, 2, 3):
         allocator.release(seq)
     assert allocator.used_fraction == 0 and allocator.cached_blocks == 2  # free, but still cached
@@ -49,6 +54,57 @@ def test_free_blocks_go_unnamed_first_then_least_recently_freed_tails_first() ->
     allocator.grow(1, 3)  # takes the unnamed block 3, then block 2 (the old tail: evicted)
     assert allocator.tables[1] == [3, 2] and allocator.cached_blocks == 2
     assert allocator.match(2, tokens) == 4  # the head of the old prefix is still there
+
+
+def test_the_cache_counters_never_go_down_while_an_admission_is_undone() -> None:
+    """A waiting sequence takes its cached blocks, then finds too few free blocks for the rest and
+    gives them back, step after step, until a running sequence finishes. Read after every call the
+    scheduler makes to the allocator (where a Prometheus scrape may read them), its query and hit
+    counters never go down; the lookup is counted once, when the sequence is admitted."""
+    allocator = BlockAllocator(num_blocks=6, block_size=4)
+    scraped: list[tuple[int, int]] = []
+    lookups: list[int] = []  # the sequences ``match`` was called for
+    for name in ("match", "can_hold", "grow", "missing", "release", "commit", "uncommitted"):
+        method = getattr(allocator, name)
+
+        def scrape_around(*args: Any, _method: Any = method, _name: str = name) -> Any:
+            if _name == "match":
+                lookups.append(args[0])
+            scraped.append((allocator.queries, allocator.hits))
+            result = _method(*args)
+            scraped.append((allocator.queries, allocator.hits))
+            return result
+
+        setattr(allocator, name, scrape_around)
+    scheduler = Scheduler(allocator, max_batch_tokens=16, max_seqs=4)
+
+    def step() -> list[Sequence]:
+        plan = scheduler.schedule()
+        for seq, want in plan:  # as the engine: the chunk computed, named; a token when caught up
+            seq.num_computed += want
+            allocator.commit(seq.id, seq.tokens, seq.num_computed)
+            if seq.pending == 0:
+                seq.output.append(99)
+                if len(seq.output) >= seq.params.max_tokens:
+                    scheduler.remove(seq)
+        return [seq for seq, _ in plan]
+
+    first = Sequence(0, [*SYSTEM[:8], 1], SamplingParams(max_tokens=1))
+    scheduler.add(first)
+    step()  # computed, named (2 full blocks), finished: its blocks stay cached
+    running = Sequence(1, [5] * 11, SamplingParams(max_tokens=3))  # 3 blocks, a 4th once it decodes
+    scheduler.add(running)
+    step()
+    waiting = Sequence(2, SYSTEM[:8] + [2] * 8, SamplingParams(max_tokens=1))  # 2 cached blocks of 4
+    scheduler.add(waiting)
+    for _ in range(10):
+        if waiting.status != "waiting":
+            break
+        step()
+    assert waiting.status == "running" and waiting.num_computed == 16
+    assert lookups.count(waiting.id) > 1  # it took its cached blocks and gave them back, then was admitted
+    assert all(a <= b for a, b in itertools.pairwise(scraped)), scraped
+    assert (allocator.queries, allocator.hits) == (9 + 11 + 16, 0 + 0 + 8)
 
 
 def test_without_prefix_caching_nothing_is_named() -> None:
