@@ -90,7 +90,7 @@ def score(
     """Each token's log-probability (the log-softmax of the logits before it), its rank and the
     ``num_top`` most likely tokens there."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [T, V]
-    chosen = logprobs.gather(1, tokens[:, None])  # [T, 1]
+    chosen = logprobs.gather(1, tokens.to(logprobs.device)[:, None])  # [T, 1]
     ranks = (logprobs >= chosen).sum(dim=-1)  # [T]
     top_values, top_ids = torch.topk(logprobs, num_top)  # [T, N]
     return [
