@@ -43,7 +43,8 @@ from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
-from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.placement import Placement, PlacementError, stored
+from eaas.runtime.serving import responses
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull
 from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
 from eaas.runtime.serving.completions import Completions, result_of
@@ -64,6 +65,7 @@ from eaas.runtime.serving.http_api import (
 from eaas.runtime.serving.metrics import AttentionMetrics
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.reasoning import reasoning_style
+from eaas.runtime.serving.response_output import response_events, response_object
 from eaas.runtime.serving.sampling import SamplingParams
 from eaas.runtime.serving.text_stream import token_bytes
 from eaas.runtime.serving.tools import parse_tools, tool_format
@@ -174,7 +176,7 @@ class AttentionService:
         self.placement: Placement | None = None
         self.leaving_since: float | None = None  # monotonic time of SIGTERM (:meth:`begin_leaving`)
         self.placement_error = "no placement read yet"
-        self._placement_text: str | None = None
+        self._placement_text: bytes | None = None
         self._next: tuple[Placement, RemoteExperts] | None = None  # prepared, swapped in by the worker
         # the experts of the last step and their expert seconds then (``_on_step``)
         self._stepped: tuple[RemoteExperts | None, float] = (None, 0.0)
@@ -293,7 +295,7 @@ class AttentionService:
     def _poll_placement(self) -> None:
         """Reads the placement file; a changed one gets connected ``RemoteExperts`` for the worker."""
         try:
-            text = self.placement_file.read_text()
+            text = self.placement_file.read_bytes()
         except OSError as exc:
             if self.placement is None:
                 self.placement_error = f"placement file not readable yet: {exc}"
@@ -302,7 +304,7 @@ class AttentionService:
             return
         self._placement_text = text
         try:
-            placement = Placement.from_json(text)
+            placement = stored.unpack(text)
             client_options = replace(self.options.client, client_id=f"attention-{uuid.uuid4().hex[:8]}")
             experts = RemoteExperts(self.config, placement, self.discovery(placement), client_options)
         except (PlacementError, ValueError) as exc:
@@ -440,7 +442,9 @@ class AttentionService:
             "down_servers": down,
             "unserved_experts": len(unserved),
         }
-        if unserved:
+        if not self.is_healthy():
+            detail["reason"] = "the engine worker is not running (see this process's log)"
+        elif unserved:
             layer, expert = unserved[0]
             detail["reason"] = (
                 f"{len(unserved)} (layer, expert) pair(s) have no connected expert server, "
@@ -466,6 +470,26 @@ class AttentionService:
         self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         return self._answer(read_body, chat=True, gone=gone)
+
+    def responses(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """OpenAI's Responses API: the request as a chat request (``responses.py``), its answer
+        as a Response or its events (``response_output.py``)."""
+        body: dict[str, Any] = {}
+
+        def read_chat_body() -> dict[str, Any]:
+            nonlocal body
+            body = read_body()
+            return responses.chat_body(body)
+
+        try:
+            answer = self._answer(read_chat_body, chat=True, gone=gone)
+        except ApiError as exc:
+            raise responses.renamed(exc) from None
+        if isinstance(answer, dict):
+            return response_object(body, answer)
+        return response_events(body, answer, self.options.model_name)
 
     def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         body = read_body()
@@ -563,10 +587,13 @@ class AttentionService:
         for name, value in (
             ("presence_penalty", p.presence_penalty),
             ("frequency_penalty", p.frequency_penalty),
+            ("min_tokens", p.min_tokens),
+            ("include_stop_str_in_output", request.include_stop),
+            ("skip_special_tokens", not request.skip_special_tokens),
         ):
             if value:
                 raise bad(
-                    name, "static batching has no penalties (start the server with continuous batching)"
+                    name, "static batching has no such option (start the server with continuous batching)"
                 )
         if p.prompt_logprobs is not None:
             raise bad(
