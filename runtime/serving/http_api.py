@@ -173,7 +173,7 @@ COMPLETION_FIELDS = frozenset(
         "stream_options", "user", "suffix", "ignore_eos", "response_format", "structured_outputs",
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
         "guided_whitespace_pattern", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
-        "spaces_between_special_tokens", "priority",
+        "spaces_between_special_tokens", "priority", "prompt_logprobs",
     }
 )  # fmt: skip
 # vLLM's and OpenAI's sampling fields that change nothing at these values (SDKs send defaults):
@@ -205,14 +205,15 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     ids, or a list of either), ``max_tokens`` (default 16), ``temperature`` (default 1, as OpenAI;
     0 is greedy), ``top_p``, ``top_k`` (vLLM's extension), ``seed``, ``presence_penalty``,
     ``frequency_penalty``, ``n``, ``best_of`` (only equal to ``n``), ``stop`` (string or up to 4
-    strings), ``stop_token_ids``, ``logprobs`` (0-20), ``echo``, ``stream``, ``stream_options``,
-    ``user``, ``ignore_eos``, and structured outputs (``response_format``, ``structured_outputs``,
-    ``guided_*``: ``grammar.parse_constraint``). vLLM's extensions: ``min_tokens``,
-    ``include_stop_str_in_output``, ``skip_special_tokens``, ``stream_options.continuous_usage_stats``
-    (honoured), ``spaces_between_special_tokens`` and ``priority`` (checked, then ignored: this
-    server's tokenizers are fast ones, which vLLM does not apply it to either, and its queue is
-    first come, first served). ``suffix`` is refused, and so is any other field
-    (``refuse_unknown_fields``): never answered as if it were absent.
+    strings), ``stop_token_ids``, ``logprobs`` (0-20; with ``echo`` the prompt's tokens too, and
+    ``max_tokens`` may be 0), ``prompt_logprobs`` (vLLM's, 0-20; not with ``stream``), ``echo``,
+    ``stream``, ``stream_options``, ``user``, ``ignore_eos``, and structured outputs
+    (``response_format``, ``structured_outputs``, ``guided_*``: ``grammar.parse_constraint``).
+    vLLM's extensions: ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+    ``stream_options.continuous_usage_stats`` (honoured), ``spaces_between_special_tokens`` and
+    ``priority`` (checked, then ignored: this server's tokenizers are fast ones, which vLLM does not
+    apply it to either, and its queue is first come, first served). ``suffix`` is refused, and so
+    is any other field (``refuse_unknown_fields``): never answered as if it were absent.
     """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object", "body")
@@ -232,8 +233,13 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     max_tokens = body.get("max_tokens", 16)
     if max_tokens is None:
         max_tokens = 16
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens:
-        raise bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}], got {max_tokens!r}")
+    echo = _flag(body, "echo")
+    if not _is_int(max_tokens) or not (0 if echo else 1) <= max_tokens <= limits.max_tokens:
+        raise bad(
+            "max_tokens",
+            f"must be an integer in [1, {limits.max_tokens}] (0 only with echo: the prompt alone, "
+            f"scored with logprobs), got {max_tokens!r}",
+        )
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > limits.max_context:
         raise bad(
@@ -265,7 +271,6 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
-    echo = _flag(body, "echo")
     _flag(body, "ignore_eos")  # read by the service (it keeps the tokenizer's EOS out); checked here
     _flag(body, "spaces_between_special_tokens")  # checked; see the docstring
     priority = body.get("priority")
@@ -281,9 +286,17 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         skip_special = True
     if not isinstance(skip_special, bool):
         raise bad("skip_special_tokens", f"must be true or false, got {skip_special!r}")
-    if echo and logprobs is not None:
-        raise bad("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
     stream = _flag(body, "stream")
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(
+                "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs!r}"
+            )
+        if stream and prompt_logprobs > 0:  # as vLLM: the list is no stream chunk's (echo's are)
+            raise bad("prompt_logprobs", "is not available with stream: true (echo with logprobs is)")
+    elif echo:  # the echoed prompt's tokens get their log-probabilities too (as vLLM)
+        prompt_logprobs = logprobs
     options = body.get("stream_options")
     include_usage = continuous_usage = False
     if options is not None:
@@ -332,6 +345,7 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         min_tokens=min_tokens,
     )
     try:
