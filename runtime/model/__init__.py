@@ -6,9 +6,9 @@ from eaas.runtime.model.config import FAMILIES, MoEConfig
 from eaas.runtime.model.decoder import Decoder, MoEExecutor
 from eaas.runtime.model.expert_side import ExpertStack, LocalExperts
 from eaas.runtime.model.kv_cache import KVCache, KVCacheFull
-from eaas.runtime.model.presets import preset, preset_names
+from eaas.runtime.model.presets import preset, preset_names, preset_of_spec
 from eaas.runtime.model.reference import load_reference
-from eaas.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from eaas.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, write_byte_tokenizer
 
 __all__ = [
     "FAMILIES",
@@ -28,5 +28,7 @@ __all__ = [
     "load_tokenizer",
     "preset",
     "preset_names",
+    "preset_of_spec",
+    "write_byte_tokenizer",
     "write_random_checkpoint",
 ]
