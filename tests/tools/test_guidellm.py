@@ -1,0 +1,50 @@
+"""GuideLLM (the vLLM project's load and SLO benchmark), unmodified, against ``eaas serve``: a short
+``concurrent`` run on synthetic prompts; every request completes and its report's TTFT and ITL
+figures are sane."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tool_helpers import Served, run_tool
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+REQUESTS = 6
+PROMPT_TOKENS = 16
+OUTPUT_TOKENS = 8
+
+
+def test_a_concurrent_run_completes_every_request(tool_venv: Path, served: Served, tmp_path: Path) -> None:
+    report = tmp_path / "guidellm.json"
+    command = [
+        str(tool_venv / "bin" / "guidellm"), "run",
+        "--backend", f"kind=openai_http,target={served.url},model={served.model}",
+        "--profile", "kind=concurrent,streams=2",
+        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+        "--tokenizer", f"kind=huggingface_auto,model={served.tokenizer}",
+        "--constraint", f"kind=max_requests,count={REQUESTS}",
+        "--output", f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+    run_tool(command, cwd=tmp_path, home=tmp_path)
+    [benchmark] = json.loads(report.read_text())["benchmarks"]
+    requests = benchmark["requests"]
+    errors = [r["info"].get("error") for r in requests["errored"] + requests["incomplete"]]
+    assert not errors, errors
+    assert len(requests["successful"]) == REQUESTS
+    metrics = benchmark["metrics"]
+    for name in ("time_to_first_token_ms", "inter_token_latency_ms", "request_latency"):
+        figures: dict[str, Any] = metrics[name]["successful"]
+        assert figures["count"] == REQUESTS, (name, figures)
+        assert 0 < figures["min"] <= figures["median"] <= figures["max"], (name, figures)
+    # The first token comes before the last: a request's latency exceeds its TTFT.
+    assert (
+        metrics["request_latency"]["successful"]["max"] * 1000
+        > metrics["time_to_first_token_ms"]["successful"]["min"]
+    )
+    assert metrics["prompt_token_count"]["successful"]["min"] == PROMPT_TOKENS
+    assert metrics["output_token_count"]["successful"]["total_sum"] == REQUESTS * OUTPUT_TOKENS

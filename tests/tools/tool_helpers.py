@@ -1,0 +1,38 @@
+"""Helpers of the tool tests: what the served preset is, and running a tool as its own process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str  # http://127.0.0.1:PORT (no /v1)
+    model: str
+    tokenizer: Path  # the preset's tokenizer directory, as `eaas model tokenizer` writes it
+
+
+def tool_env(home: Path) -> dict[str, str]:
+    """The tools' environment: nothing from a model hub (offline; caches under `home`)."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(home / "hf"),
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+
+
+def run_tool(command: list[str], cwd: Path, home: Path, timeout_s: float = 600) -> str:
+    """Run a tool to its end; its combined output, or a test failure that shows it."""
+    result = subprocess.run(
+        command, cwd=cwd, env=tool_env(home), capture_output=True, text=True, timeout=timeout_s
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command[0]} exited {result.returncode}:\n{output[-6000:]}"
+    return output
