@@ -43,6 +43,20 @@ class Decoder:
         cache: Cache,
         all_logits: bool = False,
     ) -> torch.Tensor:  # [B, V] logits of each row's last valid token, or [B, S, V]
+        h = self.hidden(tokens, num_new, cache)  # [B, S, H]
+        if all_logits:
+            return self.side.logits(h)
+        return self.side.logits(h[torch.arange(tokens.shape[0]), num_new - 1])
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        tokens: torch.Tensor,  # [B, S] int64, right-padded
+        num_new: torch.Tensor,  # [B] valid tokens per row (>= 1)
+        cache: Cache,
+    ) -> torch.Tensor:  # [B, S, H] the last layer's output (``side.logits`` turns it into logits)
+        """The forward pass up to the final norm: callers that need the logits of more positions
+        than each row's last (prompt log-probabilities) take them from here."""
         batch, steps = tokens.shape
         if batch == 0 or steps == 0:
             raise ValueError("forward needs at least one sequence and one token")
@@ -56,9 +70,7 @@ class Decoder:
             x = self.side.ffn_norm(layer, h)[valid]  # [T, H]
             h[valid] += self.ffn(layer, x)
         cache.advance(num_new)
-        if all_logits:
-            return self.side.logits(h)
-        return self.side.logits(h[torch.arange(batch), num_new - 1])
+        return h
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The FFN half of ``layer`` for valid tokens x [T, H] -> [T, H]."""

@@ -104,6 +104,12 @@ class Completions:
         stream finds out on its next write instead."""
         texts = {r: TextStream(self.decode, call.stop) for r in requests}
         offsets = dict.fromkeys(requests, 0)  # characters of each choice's tokens so far (text_offset)
+        # echo: a choice's first chunk starts with its prompt (and the prompt's logprobs), as vLLM's
+        echoing = set(requests) if call.echo else set()
+        prompt_tokens: dict[Request, list[str]] = {}
+        if call.echo and call.params.logprobs is not None:
+            prompt_tokens = {r: [self.decode([token]) for token in r.prompt] for r in requests}
+            offsets = {r: sum(len(token) for token in prompt_tokens[r]) for r in requests}
         unfinished = set(requests)
         deadline = start + self.timeout_s
         header = {
@@ -115,13 +121,16 @@ class Completions:
         }
 
         def chunk(request: Request, text: str, logprobs: Any, finish: str | None) -> Chunk:
+            if request in echoing:
+                echoing.discard(request)
+                text = self.decode(request.prompt) + text
+                if request in prompt_tokens:
+                    echoed = self._echo_logprobs(request, prompt_tokens[request])
+                    logprobs = _merge([echoed, logprobs] if logprobs else [echoed])
             choice = {"index": request.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return {**header, "choices": [choice]}
 
         try:
-            if call.echo:
-                for request in requests:
-                    yield chunk(request, self.decode(request.prompt), None, None)
             check_at = time.monotonic() + GONE_CHECK_S
             while unfinished:
                 if gone is not None and time.monotonic() >= check_at:
@@ -200,6 +209,8 @@ class Completions:
             if call.params.logprobs is not None:
                 joined = pieces[request.index]  # chat's are lists of entries
                 choices[request.index]["logprobs"] = list(chain(*joined)) if chat else _merge(joined)
+            if call.params.prompt_logprobs is not None:  # vLLM's extension
+                choices[request.index]["prompt_logprobs"] = self._prompt_logprobs(request)
         return {
             "id": completion_id,
             "object": "text_completion",
@@ -298,11 +309,14 @@ class Completions:
                     "token_ids": choice["token_ids"],
                 }
             )
+        # vLLM's extension: the conversation's prompt, scored once for the answer (not per choice)
+        scored = answer["choices"][0].get("prompt_logprobs", None) if answer["choices"] else None
         return {
             **answer,
             "id": answer["id"].replace("cmpl-", "chatcmpl-"),
             "object": "chat.completion",
             "choices": choices,
+            **({"prompt_logprobs": scored} if call.params.prompt_logprobs is not None else {}),
         }
 
     def _next(
@@ -333,6 +347,43 @@ class Completions:
             "top_logprobs": [top],
             "text_offset": [offset],
         }
+
+    def _echo_logprobs(self, request: Request, tokens: list[str]) -> dict[str, Any]:
+        """The completions ``logprobs`` object of an echoed prompt (``tokens``: its tokens' texts):
+        the first token has none (null), each other its own and, as vLLM, ``top_logprobs`` with it
+        first and then the N most likely (keyed by text: of two ids that read alike, the likelier)."""
+        top: list[dict[str, float] | None] = [None]
+        for entry in request.prompt_logprobs or []:
+            alternatives: dict[str, float] = {}
+            for token, logprob in [(entry.token, entry.logprob), *entry.top]:
+                text = self.decode([token])
+                alternatives[text] = max(alternatives.get(text, -FLOOR), _floored(logprob))
+            top.append(alternatives)
+        offsets = [0]
+        for token in tokens[:-1]:
+            offsets.append(offsets[-1] + len(token))
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [_floored(entry.logprob) for entry in request.prompt_logprobs or []],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _prompt_logprobs(self, request: Request) -> list[dict[int, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: null for the first token, then per token a map from token id
+        to ``logprob``, ``rank`` and ``decoded_token``: the token's own first, then the N most likely."""
+        out: list[dict[int, dict[str, Any]] | None] = [None]
+        for entry in request.prompt_logprobs or []:
+            ranked = {entry.token: (entry.logprob, entry.rank)}
+            for rank, (token, logprob) in enumerate(entry.top, start=1):
+                ranked.setdefault(token, (logprob, rank))
+            out.append(
+                {
+                    token: {"logprob": _floored(logprob), "rank": rank, "decoded_token": self.decode([token])}
+                    for token, (logprob, rank) in ranked.items()
+                }
+            )
+        return out
 
     def _chat_logprob(self, sampled: Sampled) -> dict[str, Any]:
         """Chat's ``logprobs.content`` entry for one token: its ``top_logprobs`` has one entry per
@@ -392,6 +443,13 @@ def result_of(exc: ApiError) -> str:
     if exc.status == HTTPStatus.GATEWAY_TIMEOUT:
         return "timeout"
     return "bad_request" if exc.status < 500 else "error"
+
+
+FLOOR = 9999.0  # -inf is no JSON number: a log-probability below -FLOOR reads -FLOOR (as OpenAI and vLLM)
+
+
+def _floored(logprob: float) -> float:
+    return max(logprob, -FLOOR)
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -17,7 +17,15 @@ a stop token, at ``max_tokens``, or when aborted, and its blocks go back to the 
 with a grammar (structured outputs, ``grammar``) samples only what its grammar allows and ends
 with ``stop`` once the grammar can take nothing more. Not thread-safe: one thread owns an engine
 (the service's worker).
-Legend: B = sequences in the step, S = longest chunk of the step, V = vocabulary.
+
+Prompt log-probabilities (``SamplingParams.prompt_logprobs``) come from the same pass: for a row
+that asks for them, the step keeps the hidden states of its whole chunk and scores each prompt
+position of it (``sampling.score``) into ``Sequence.prompt_logprobs``, chunk after chunk; other
+rows keep the last-position logits only. Such a sequence never starts from cached blocks
+(``scheduler``). ``max_tokens`` 0 ends a sequence with ``length`` once its prompt is through.
+
+Legend: B = sequences in the step, S = longest chunk of the step, T = prompt positions scored at
+once, H = hidden, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from eaas.runtime.model.decoder import Decoder
 from eaas.runtime.serving.blocks import BlockAllocator
 from eaas.runtime.serving.grammar import allowed_tokens, first_line
 from eaas.runtime.serving.paged_cache import KVPool, PagedView
-from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample
+from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample, score
 from eaas.runtime.serving.scheduler import Scheduler, Sequence
 
 
@@ -147,22 +155,34 @@ class Engine:
             steps,
         )
         num_new = torch.tensor([want for _, want in plan], dtype=torch.int64)
+        scored = [row for row, (seq, want) in enumerate(plan) if self._to_score(seq, want)]
         try:
-            logits = self.decoder.forward(tokens, num_new, view)  # [B, V]: each row's last new token
+            if scored:  # the same pass: prompt positions' logits come from its hidden states
+                hidden = self.decoder.hidden(tokens, num_new, view)  # [B, S, H]
+                with torch.inference_mode():
+                    logits = self.decoder.side.logits(hidden[torch.arange(len(plan)), num_new - 1])
+                    for row in scored:
+                        self._score_prompt(plan[row][0], plan[row][1], hidden[row])
+            else:
+                logits = self.decoder.forward(tokens, num_new, view)  # [B, V]: each row's last new token
         except Exception as exc:  # the sequences of this step cannot go on; the others can
             for seq, _ in plan:
                 self._finish(seq, "error")
             raise StepFailed([seq for seq, _ in plan], exc) from exc
         ready = []
+        finished: list[Event] = []
         for row, (seq, want) in enumerate(plan):
             seq.num_computed += want
             if self.allocator.uncommitted(seq.id, seq.num_computed):  # it filled a block: name it
                 self.allocator.commit(seq.id, seq.tokens, seq.num_computed)
-            if seq.pending == 0:  # caught up: the row's logits predict its next token
+            if seq.pending == 0 and seq.params.max_tokens == 0:  # the prompt scored: all it asked
+                self._finish(seq, "length")
+                finished.append(Event(seq, None, True))
+            elif seq.pending == 0:  # caught up: the row's logits predict its next token
                 ready.append((row, seq))
+        events = finished
         if not ready:
-            return []
-        events: list[Event] = []
+            return events
         stepped = [seq for _, seq in ready]
         try:
             ready, allowed = self._constrain(ready, events)
@@ -205,6 +225,33 @@ class Engine:
                 self._finish(seq, reason)
             events.append(Event(seq, choice, reason is not None))
         return events
+
+    @staticmethod
+    def _to_score(seq: Sequence, want: int) -> bool:
+        """Whether this step's chunk of ``seq`` holds prompt positions still to score."""
+        if seq.params.prompt_logprobs is None:
+            return False
+        return (
+            seq.num_computed + want > len(seq.prompt_logprobs)
+            and len(seq.prompt_logprobs) < len(seq.prompt) - 1
+        )
+
+    # Positions scored at once: bounds the [positions, V] log-softmax of a long prefill chunk.
+    SCORE_POSITIONS = 256
+
+    def _score_prompt(self, seq: Sequence, want: int, hidden: torch.Tensor) -> None:
+        """Appends the prompt tokens this chunk predicts to ``seq.prompt_logprobs``; hidden [S, H]
+        is the row's. Position p's logits predict token p + 1; a sequence recomputed after a
+        preemption skips the positions it already has."""
+        start = seq.num_computed
+        first = len(seq.prompt_logprobs)  # the next position to score (it predicts token first + 1)
+        end = min(start + want, len(seq.prompt) - 1)
+        num_top = seq.params.prompt_logprobs or 0
+        for lo in range(first, end, self.SCORE_POSITIONS):
+            hi = min(lo + self.SCORE_POSITIONS, end)
+            logits = self.decoder.side.logits(hidden[lo - start : hi - start])  # [T, V]
+            following = torch.tensor(seq.prompt[lo + 1 : hi + 1], dtype=torch.int64)  # [T]
+            seq.prompt_logprobs += score(logits, following, num_top)
 
     def _constrain(
         self, ready: list[tuple[int, Sequence]], events: list[Event]

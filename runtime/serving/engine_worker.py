@@ -20,7 +20,7 @@ from typing import Any
 
 from eaas.runtime.serving.batch_scheduler import QueueFull
 from eaas.runtime.serving.engine import Engine, StepFailed
-from eaas.runtime.serving.sampling import Sampled, SamplingParams
+from eaas.runtime.serving.sampling import Sampled, SamplingParams, Scored
 from eaas.runtime.serving.scheduler import Sequence
 
 log = logging.getLogger("eaas.client.engine")
@@ -53,6 +53,8 @@ class Request:
     error: BaseException | None = None
     seq: Sequence | None = None
     matcher: Any = None  # structured outputs: this choice's own grammar matcher
+    # params.prompt_logprobs: the prompt's tokens 1, 2, ... scored (set before its first event)
+    prompt_logprobs: list[Scored] | None = None
 
     def wait(self, timeout: float) -> bool:
         return self.done.wait(timeout)
@@ -207,6 +209,8 @@ class EngineWorker:
             request = self._live.get(event.seq.id)
             if request is None:
                 continue
+            if request.prompt_logprobs is None and event.seq.params.prompt_logprobs is not None:
+                request.prompt_logprobs = event.seq.prompt_logprobs  # complete: the prompt is through
             if event.sampled is not None:
                 if request.first_token_at is None:
                     request.first_token_at = time.monotonic()

@@ -163,7 +163,7 @@ COMPLETION_FIELDS = frozenset(
         "frequency_penalty", "n", "best_of", "stop", "stop_token_ids", "logprobs", "echo", "stream",
         "stream_options", "user", "suffix", "ignore_eos", "response_format", "structured_outputs",
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern",
+        "guided_whitespace_pattern", "prompt_logprobs",
     }
 )  # fmt: skip
 # vLLM's and OpenAI's sampling fields that change nothing at these values (SDKs send defaults):
@@ -199,10 +199,12 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     ids, or a list of either), ``max_tokens`` (default 16), ``temperature`` (default 1, as OpenAI;
     0 is greedy), ``top_p``, ``top_k`` (vLLM's extension), ``seed``, ``presence_penalty``,
     ``frequency_penalty``, ``n``, ``best_of`` (only equal to ``n``), ``stop`` (string or up to 4
-    strings), ``stop_token_ids``, ``logprobs`` (0-20), ``echo``, ``stream``, ``stream_options``,
-    ``user``, ``ignore_eos``, and structured outputs (``response_format``, ``structured_outputs``,
-    ``guided_*``: ``grammar.parse_constraint``). ``suffix`` is refused, and so is any other field
-    (``refuse_unknown_fields``): never answered as if it were absent.
+    strings), ``stop_token_ids``, ``logprobs`` (0-20; with ``echo`` the prompt's tokens too, and
+    ``max_tokens`` may be 0), ``prompt_logprobs`` (vLLM's, 0-20; not with ``stream``), ``echo``,
+    ``stream``, ``stream_options``, ``user``, ``ignore_eos``, and structured outputs
+    (``response_format``, ``structured_outputs``, ``guided_*``: ``grammar.parse_constraint``).
+    ``suffix`` is refused, and so is any other field (``refuse_unknown_fields``): never answered as
+    if it were absent.
     """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object", "body")
@@ -222,8 +224,13 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     max_tokens = body.get("max_tokens", 16)
     if max_tokens is None:
         max_tokens = 16
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens:
-        raise bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}], got {max_tokens!r}")
+    echo = _flag(body, "echo")
+    if not _is_int(max_tokens) or not (0 if echo else 1) <= max_tokens <= limits.max_tokens:
+        raise bad(
+            "max_tokens",
+            f"must be an integer in [1, {limits.max_tokens}] (0 only with echo: the prompt alone, "
+            f"scored with logprobs), got {max_tokens!r}",
+        )
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > limits.max_context:
         raise bad(
@@ -255,11 +262,18 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
-    echo = _flag(body, "echo")
     _flag(body, "ignore_eos")  # read by the service (it keeps the tokenizer's EOS out); checked here
-    if echo and logprobs is not None:
-        raise bad("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
     stream = _flag(body, "stream")
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(
+                "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs!r}"
+            )
+        if stream and prompt_logprobs > 0:  # as vLLM: the list is no stream chunk's (echo's are)
+            raise bad("prompt_logprobs", "is not available with stream: true (echo with logprobs is)")
+    elif echo:  # the echoed prompt's tokens get their log-probabilities too (as vLLM)
+        prompt_logprobs = logprobs
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -301,6 +315,7 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         constraint = parse_constraint(body)

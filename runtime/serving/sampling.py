@@ -1,12 +1,14 @@
 """Sampling parameters and the sampler: temperature, top-k, top-p, presence and frequency
-penalties (OpenAI's definitions), per-request seeds, log-probabilities.
+penalties (OpenAI's definitions), per-request seeds, log-probabilities (of the tokens sampled, and
+with ``score`` of a prompt's own tokens).
 
 Reproducibility: each seeded request owns a ``torch.Generator`` and draws exactly one number per
 generated token, so its tokens do not depend on what else is in the batch. Everything else is one
 set of tensor operations over the batch (no per-row pass over the vocabulary). Greedy decoding
 (``temperature`` below ``GREEDY_BELOW``, 0 included) takes the arg-max of the penalised logits. A
 ``top_k`` at or above the vocabulary keeps every token.
-Legend: B = sequences in the step, V = vocabulary, N = top alternatives reported.
+Legend: B = sequences in the step, T = prompt positions scored, V = vocabulary, N = top alternatives
+reported.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ GREEDY_BELOW = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: nothing generated (the prompt goes through the model, to be scored)
     temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: all tokens (so is anything >= the vocabulary)
@@ -32,13 +34,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; N: the chosen token's and the N most likely
+    # None: none; N: each prompt token's (after the first) and the N most likely at its position
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
             raise ValueError(f"{field}: {message}")
 
-        if self.max_tokens < 1:
-            fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            fail(
+                "max_tokens",
+                f"must be >= 0 (0: the prompt only, scored with prompt_logprobs), got {self.max_tokens}",
+            )
         if not 0.0 <= self.temperature <= 2.0:
             fail("temperature", f"must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -48,8 +55,10 @@ class SamplingParams:
         for field in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, field) <= 2.0:
                 fail(field, f"must be in [-2, 2], got {getattr(self, field)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                fail(field, f"must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +70,40 @@ class Sampled:
     token: int
     logprob: float  # of the chosen token under the model's distribution
     top: list[tuple[int, float]]  # the N most likely (token, logprob), most likely first
+
+
+@dataclass
+class Scored:
+    """A prompt token under the model's distribution at its position (vLLM's prompt logprobs)."""
+
+    token: int
+    logprob: float
+    rank: int  # 1: the most likely; ties count against the token (as vLLM ranks)
+    top: list[tuple[int, float]]  # the N most likely (token, logprob), most likely first
+
+
+def score(
+    logits: torch.Tensor,  # [T, V]: the logits at T positions
+    tokens: torch.Tensor,  # [T] int64: the token that follows each position
+    num_top: int,
+) -> list[Scored]:
+    """Each token's log-probability (the log-softmax of the logits before it), its rank and the
+    ``num_top`` most likely tokens there."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [T, V]
+    chosen = logprobs.gather(1, tokens[:, None])  # [T, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [T]
+    top_values, top_ids = torch.topk(logprobs, num_top)  # [T, N]
+    return [
+        Scored(token, logprob, rank, list(zip(ids, values, strict=True)))
+        for token, logprob, rank, ids, values in zip(
+            tokens.tolist(),
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_values.tolist(),
+            strict=True,
+        )
+    ]
 
 
 def new_generator(params: SamplingParams) -> torch.Generator:

@@ -11,7 +11,9 @@ Every step has a budget of ``max_batch_tokens`` new tokens over at most ``max_se
 2. Then waiting sequences, first come first served, while budget, sequence slots and free blocks
    last (admission control: a new sequence never preempts a running one). A sequence admitted
    with nothing computed first takes the cached blocks its tokens start with (prefix caching,
-   ``blocks.BlockAllocator.match``): those positions are not computed again.
+   ``blocks.BlockAllocator.match``): those positions are not computed again. A sequence that asks
+   for its prompt's log-probabilities takes none (as vLLM): every prompt position goes through the
+   model, which is where they come from.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from eaas.runtime.serving.blocks import BlockAllocator
-from eaas.runtime.serving.sampling import SamplingParams
+from eaas.runtime.serving.sampling import SamplingParams, Scored
 
 Status = Literal["waiting", "running", "finished"]
 
@@ -41,6 +43,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     matcher: Any = None  # structured outputs: the grammar's matcher (llguidance), fed each new token
     error: str | None = None  # why it finished with "error"
+    # params.prompt_logprobs: prompt tokens 1, 2, ... scored so far (token 0 has nothing before it)
+    prompt_logprobs: list[Scored] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -96,7 +100,11 @@ class Scheduler:
             budget -= want
         while self.waiting and budget and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            matched = seq.num_computed == 0 and not self.allocator.tables.get(seq.id)
+            matched = (
+                seq.num_computed == 0
+                and not self.allocator.tables.get(seq.id)
+                and seq.params.prompt_logprobs is None
+            )
             if matched:  # the computed blocks its tokens start with (prefix caching)
                 seq.num_computed = self.allocator.match(seq.id, seq.tokens)
             want = min(seq.pending, budget)

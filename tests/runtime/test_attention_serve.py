@@ -202,7 +202,7 @@ def test_stop_strings_cut_the_text(service: AttentionService, reference: Decoder
         ({"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
         ({"prompt": "hi", "frequency_penalty": "x"}, "frequency_penalty"),
         ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
-        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "hi", "best_of": 3}, "best_of"),
         ({"prompt": "hi", "best_of": True}, "best_of"),

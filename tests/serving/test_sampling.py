@@ -156,7 +156,8 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
         ("top_k", -1, "top_k: must be >= 0"),
         ("presence_penalty", 2.5, r"presence_penalty: must be in \[-2, 2\]"),
         ("logprobs", 21, r"logprobs: must be in \[0, 20\]"),
-        ("max_tokens", 0, "max_tokens: must be >= 1"),
+        ("max_tokens", -1, "max_tokens: must be >= 0"),
+        ("prompt_logprobs", 21, r"prompt_logprobs: must be in \[0, 20\]"),
     ],
 )
 def test_bad_parameters_name_the_field(field: str, value: object, message: str) -> None:
