@@ -80,16 +80,19 @@ def test_local_completions_loglikelihoods_and_answers_match_the_reference(
     correct = 0
     for sample in mc:
         requests = sample["arguments"]
-        answers = [resp[0] for resp in sample["resps"]]  # per choice: [loglikelihood, is_greedy]
+        # Per choice: [loglikelihood, is_greedy], as the sample log writes them (strings).
+        answers = [(float(resp[0][0]), resp[0][1] == "True") for resp in sample["resps"]]
         assert len(answers) == len(requests) == len(sample["doc"]["choices"])
         expected = []
         for request, (loglikelihood, is_greedy) in zip(requests.values(), answers, strict=True):
             context, continuation = request["arg_0"], request["arg_1"]
             want, want_greedy = reference_loglikelihood(reference, context, continuation)
-            assert loglikelihood == pytest.approx(want, abs=1e-3), (context, continuation)
+            assert loglikelihood == pytest.approx(want, abs=1e-4), (context, continuation)
             assert is_greedy == want_greedy, (context, continuation)
             expected.append(want)
-        correct += int(max(range(len(expected)), key=expected.__getitem__) == sample["target"])
+        right = max(range(len(expected)), key=expected.__getitem__) == int(sample["target"])
+        assert sample["acc"] == float(right), sample
+        correct += int(right)
     assert results(out)["eaas_tiny_mc"]["acc,none"] == pytest.approx(correct / len(mc))
 
     gen = samples(out, "eaas_tiny_gen")
