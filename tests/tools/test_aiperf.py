@@ -27,7 +27,9 @@ def test_a_streamed_chat_run_completes_every_request(tool_venv: Path, served: Se
         "--concurrency", "2", "--request-count", str(REQUESTS), "--random-seed", "0",
         "--artifact-dir", str(artifacts), "--ui", "none",
     ]  # fmt: skip
-    run_tool(command, cwd=tmp_path, home=tmp_path)
+    # Not HF_HUB_OFFLINE: AIPerf 0.13.0 then resolves --tokenizer as a hub repository id (its
+    # _resolve_local_snapshot) and refuses a directory. The tokenizer is a local directory either way.
+    run_tool(command, cwd=tmp_path, home=tmp_path, offline=False)
     report = json.loads((artifacts / "profile_export_aiperf.json").read_text())
     assert report["error_summary"] == []
     assert report["request_count"]["avg"] == REQUESTS

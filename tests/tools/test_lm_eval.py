@@ -117,7 +117,8 @@ def test_local_chat_completions_answers_match_the_reference(
     assert len(gen) == 2
     matches = 0
     for sample in gen:
-        messages = json.loads(sample["arguments"]["gen_args_0"]["arg_0"])
+        [rendered] = sample["arguments"]["gen_args_0"]["arg_0"]  # the sample log's JSON of the messages
+        messages = json.loads(rendered)
         assert messages[-1]["role"] == "user" and messages[-1]["content"] == sample["doc"]["question"]
         # The prompt as the server renders it (its chat template), from its /tokenize.
         body = json.dumps({"model": served.model, "messages": messages, "add_generation_prompt": True})

@@ -15,24 +15,24 @@ class Served:
     tokenizer: Path  # the preset's tokenizer directory, as `eaas model tokenizer` writes it
 
 
-def tool_env(home: Path) -> dict[str, str]:
-    """The tools' environment: nothing from a model hub (offline; caches under `home`)."""
-    return {
+def tool_env(home: Path, offline: bool = True) -> dict[str, str]:
+    """The tools' environment: caches under `home`; with `offline`, the Hugging Face libraries are
+    told not to reach a hub (the tokenizer and the datasets are local files anyway)."""
+    env = {
         **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
         "HF_HOME": str(home / "hf"),
         "NO_PROXY": "127.0.0.1,localhost",
         "no_proxy": "127.0.0.1,localhost",
     }
+    if offline:
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
 
 
-def run_tool(command: list[str], cwd: Path, home: Path, timeout_s: float = 600) -> str:
+def run_tool(command: list[str], cwd: Path, home: Path, offline: bool = True, timeout_s: float = 600) -> str:
     """Run a tool to its end; its combined output, or a test failure that shows it."""
-    result = subprocess.run(
-        command, cwd=cwd, env=tool_env(home), capture_output=True, text=True, timeout=timeout_s
-    )
+    env = tool_env(home, offline)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command[0]} exited {result.returncode}:\n{output[-6000:]}"
     return output
