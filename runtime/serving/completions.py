@@ -360,8 +360,8 @@ class Completions:
                 alternatives[text] = max(alternatives.get(text, -FLOOR), _floored(logprob))
             top.append(alternatives)
         offsets = [0]
-        for token in tokens[:-1]:
-            offsets.append(offsets[-1] + len(token))
+        for piece in tokens[:-1]:
+            offsets.append(offsets[-1] + len(piece))
         return {
             "tokens": tokens,
             "token_logprobs": [None] + [_floored(entry.logprob) for entry in request.prompt_logprobs or []],

@@ -568,6 +568,10 @@ class AttentionService:
                 raise bad(
                     name, "static batching has no penalties (start the server with continuous batching)"
                 )
+        if p.prompt_logprobs is not None:
+            raise bad(
+                "prompt_logprobs", "static batching scores no prompts (start it with continuous batching)"
+            )
         name = self.options.model_name
         jobs = [Job(prompt, request.max_tokens) for prompt in request.prompts]
         try:

@@ -552,6 +552,7 @@ def test_static_batching_stays_selectable(
         for extra, field in (
             ({"presence_penalty": 0.5}, "presence_penalty"),
             ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+            ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ):
             status, answer = http("POST", f"{static.url}/v1/completions", {**body, **extra})
             assert status == 400 and answer["error"]["param"] == field, answer
