@@ -29,7 +29,10 @@ class Tokenizer(Protocol):
     bos_id: int | None  # the id ``encode`` puts first (None: it puts none)
 
     def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; with ``skip_special_tokens`` false, special tokens as their text."""
+        ...
+
     def marker_id(self, text: str) -> int | None:
         """The id of the added token (special or not) whose text is `text`, if there is one:
         grammars write such a marker as its token (llguidance's lexer spells no added token)."""
@@ -51,8 +54,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")  # none special
 
     def marker_id(self, text: str) -> int | None:
         return None  # every id that decodes to text is a byte
@@ -94,7 +97,9 @@ class HFTokenizer:
             ids = [self.bos_id, *ids]
         return list(ids)  # ids past the model's vocabulary are refused by the engine, naming the prompt
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            return str(self.backend.decode(ids, skip_special_tokens=False))
         if self.dropped is None:
             return str(self.backend.decode(ids, skip_special_tokens=True))
         return str(self.backend.decode([i for i in ids if i not in self.dropped], skip_special_tokens=False))

@@ -40,7 +40,7 @@ class Completions:
     def __init__(
         self,
         worker: EngineWorker,
-        decode: Callable[[list[int]], str],
+        decode: Callable[..., str],  # (ids, skip_special_tokens=True) -> text: ``Tokenizer.decode``
         model_name: str,
         timeout_s: float,
         metrics: AttentionMetrics,
@@ -102,7 +102,10 @@ class Completions:
         ``logprobs`` is completions' object, or with ``chat`` the entries of chat's ``content``.
         ``gone`` says whether the client went away (``ClientGone``: the choices are cancelled); a
         stream finds out on its next write instead."""
-        texts = {r: TextStream(self.decode, call.stop) for r in requests}
+        decode = self.decode if call.skip_special_tokens else self._decode_special
+        texts = {
+            r: TextStream(decode, call.stop, call.params.min_tokens, call.include_stop) for r in requests
+        }
         offsets = dict.fromkeys(requests, 0)  # characters of each choice's tokens so far (text_offset)
         # echo: a choice's first chunk starts with its prompt (and the prompt's logprobs), as vLLM's
         echoing = set(requests) if call.echo else set()
@@ -128,6 +131,8 @@ class Completions:
                     echoed = self._echo_logprobs(request, prompt_tokens[request])
                     logprobs = _merge([echoed, logprobs] if logprobs else [echoed])
             choice = {"index": request.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if call.continuous_usage:  # vLLM's: the choice's own usage so far
+                return {**header, "choices": [choice], "usage": _usage(len(request.prompt), request.answered)}
             return {**header, "choices": [choice]}
 
         try:
@@ -154,7 +159,9 @@ class Completions:
                     yield chunk(request, tail, None, finish)
                     continue
                 request.answered += 1
-                delta = "" if item.token in call.params.stop_token_ids else text.push(item.token)
+                # a stop token's text is left out, unless include_stop_str_in_output
+                stop_token = item.token in call.params.stop_token_ids and not call.include_stop
+                delta = "" if stop_token else text.push(item.token)
                 logprobs: Any = None
                 if call.params.logprobs is not None and chat:
                     logprobs = [self._chat_logprob(item)]
@@ -332,6 +339,10 @@ class Completions:
                 HTTPStatus.GATEWAY_TIMEOUT, f"no answer within {self.timeout_s:.0f} s", kind="timeout"
             ) from None
 
+    def _decode_special(self, ids: list[int]) -> str:
+        """``ids`` to text with the special tokens' text in it (``skip_special_tokens: false``)."""
+        return self.decode(ids, skip_special_tokens=False)
+
     def _logprobs(self, sampled: Sampled, offset: int) -> dict[str, Any]:
         """OpenAI's completions ``logprobs`` object for one token. ``offset``: the characters of the
         choice's tokens before it (as vLLM: the sum of their ``tokens`` texts, whatever a stop string
@@ -425,8 +436,10 @@ class Completions:
 def usage_of(call: CompletionRequest, requests: list[Request]) -> dict[str, int]:
     """OpenAI's ``usage``: each prompt counts once, however many choices (``n``) it has; a choice
     counts the tokens its answer took (``Request.answered``)."""
-    prompt_tokens = sum(len(prompt) for prompt in call.prompts)
-    completion_tokens = sum(r.answered for r in requests)
+    return _usage(sum(len(prompt) for prompt in call.prompts), sum(r.answered for r in requests))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -6,8 +6,13 @@
 | POST | ``/v1/chat/completions`` | the same for a conversation, through the checkpoint's chat template |
 | GET | ``/v1/models`` | the one served model |
 | POST | ``/tokenize``, ``/detokenize`` | vLLM's: a prompt or messages to token ids, and back |
+| POST | ``/v1/responses`` | OpenAI's Responses API over the chat path (``responses.py``) |
 | GET | ``/healthz`` | 200 while the process and its batch worker run (liveness) |
-| GET | ``/readyz`` | 200 when every expert of the current placement has a connected server, else 503 |
+| GET | ``/readyz``, ``/health`` | 200 when every expert of the current placement has a connected server
+  and the engine worker runs, else 503 with the reason (``/health`` is vLLM's spelling, which
+  gateways and benchmark tools probe) |
+| GET, POST | ``/ping`` | vLLM's and SageMaker's liveness ping: 200 as ``/healthz`` |
+| GET | ``/version`` | ``{"version": ...}``: the ``eaas`` package's version |
 | GET | ``/metrics`` | Prometheus text |
 
 With API keys configured, every ``/v1/`` route (and ``/tokenize``, ``/detokenize``) needs
@@ -22,6 +27,7 @@ experts are unavailable, 504 when a request outlives ``request_timeout_s``.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -109,6 +115,9 @@ class CompletionRequest:
     tools: Any = None  # chat: the request's ``tools.ToolRequest`` when its calls are to be parsed
     tool_format: Any = None  # ... and the model's ``tools.ToolFormat``
     thinking: bool = True  # chat: a reasoning model thinks (chat_template_kwargs can switch it off)
+    include_stop: bool = False  # include_stop_str_in_output: the stop string (or stop token's text) kept
+    skip_special_tokens: bool = True  # False: special tokens decode to their text
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage in every chunk
 
     @property
     def max_tokens(self) -> int:
@@ -163,7 +172,8 @@ COMPLETION_FIELDS = frozenset(
         "frequency_penalty", "n", "best_of", "stop", "stop_token_ids", "logprobs", "echo", "stream",
         "stream_options", "user", "suffix", "ignore_eos", "response_format", "structured_outputs",
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "prompt_logprobs",
+        "guided_whitespace_pattern", "prompt_logprobs", "min_tokens", "skip_special_tokens",
+        "include_stop_str_in_output", "spaces_between_special_tokens", "priority",
     }
 )  # fmt: skip
 # vLLM's and OpenAI's sampling fields that change nothing at these values (SDKs send defaults):
@@ -173,10 +183,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "min_p": (0, 0.0),
     "repetition_penalty": (1, 1.0),
     "length_penalty": (1, 1.0),
-    "min_tokens": (0,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
 }
 
 
@@ -203,8 +209,11 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     ``max_tokens`` may be 0), ``prompt_logprobs`` (vLLM's, 0-20; not with ``stream``), ``echo``,
     ``stream``, ``stream_options``, ``user``, ``ignore_eos``, and structured outputs
     (``response_format``, ``structured_outputs``, ``guided_*``: ``grammar.parse_constraint``).
-    ``suffix`` is refused, and so is any other field (``refuse_unknown_fields``): never answered as
-    if it were absent.
+    vLLM's extensions: ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+    ``stream_options.continuous_usage_stats`` (honoured), ``spaces_between_special_tokens`` and
+    ``priority`` (checked, then ignored: this server's tokenizers are fast ones, which vLLM does not
+    apply it to either, and its queue is first come, first served). ``suffix`` is refused, and so
+    is any other field (``refuse_unknown_fields``): never answered as if it were absent.
     """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object", "body")
@@ -263,6 +272,20 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
     _flag(body, "ignore_eos")  # read by the service (it keeps the tokenizer's EOS out); checked here
+    _flag(body, "spaces_between_special_tokens")  # checked; see the docstring
+    priority = body.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise bad("priority", f"must be an integer, got {priority!r}")
+    min_tokens = body.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise bad("min_tokens", f"must be an integer in [0, max_tokens = {max_tokens}], got {min_tokens!r}")
+    skip_special = body.get("skip_special_tokens", True)
+    if skip_special is None:
+        skip_special = True
+    if not isinstance(skip_special, bool):
+        raise bad("skip_special_tokens", f"must be true or false, got {skip_special!r}")
     stream = _flag(body, "stream")
     prompt_logprobs = body.get("prompt_logprobs")
     if prompt_logprobs is not None:
@@ -275,15 +298,22 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
     elif echo:  # the echoed prompt's tokens get their log-probabilities too (as vLLM)
         prompt_logprobs = logprobs
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise bad("stream_options", "is only allowed with stream: true")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad("stream_options", "must be an object with at most include_usage")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad("stream_options", f"include_usage must be true or false, got {include_usage!r}")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise bad(
+                "stream_options", "must be an object with at most include_usage and continuous_usage_stats"
+            )
+        for name in ("include_usage", "continuous_usage_stats"):
+            if options.get(name) is not None and not isinstance(options[name], bool):
+                raise bad("stream_options", f"{name} must be true or false, got {options[name]!r}")
+        continuous_usage = bool(options.get("continuous_usage_stats"))
+        # asked for continuous usage and silent on include_usage: usage, as vLLM defaults it
+        asked = options.get("include_usage")
+        include_usage = continuous_usage if asked is None else asked
+        continuous_usage = continuous_usage and include_usage
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -316,12 +346,26 @@ def parse_completion(body: Any, limits: Limits, encode: Any) -> CompletionReques
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        min_tokens=min_tokens,
     )
     try:
         constraint = parse_constraint(body)
     except GrammarError as exc:
         raise bad(exc.field, exc.message) from None
-    return CompletionRequest(prompts, params, stops, model, n, stream, include_usage, echo, constraint)
+    return CompletionRequest(
+        prompts,
+        params,
+        stops,
+        model,
+        n,
+        stream,
+        include_usage,
+        echo,
+        constraint,
+        include_stop=_flag(body, "include_stop_str_in_output"),
+        skip_special_tokens=skip_special,
+        continuous_usage=continuous_usage,
+    )
 
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -351,6 +395,12 @@ class ApiTarget(Protocol):
         """Answers a chat completion (as ``complete``)."""
         ...
 
+    def responses(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Answers OpenAI's Responses API (as ``complete``; a stream's items are its events)."""
+        ...
+
     def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         """vLLM's ``/tokenize``: a prompt or chat messages -> ``count``, ``max_model_len``, ``tokens``."""
         ...
@@ -358,6 +408,15 @@ class ApiTarget(Protocol):
     def detokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         """vLLM's ``/detokenize``: ``tokens`` -> ``prompt`` (the text)."""
         ...
+
+
+# The routes that generate: path -> the ``ApiTarget`` method that answers it.
+GENERATION_ROUTES = {
+    "/v1/completions": "complete",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
+VERSION = importlib.metadata.version("eaas")
 
 
 class InFlight:
@@ -401,20 +460,20 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
                     "a valid API key is required (Authorization: Bearer <key>)",
                     kind="invalid_api_key",
                 )
-            if method == "GET" and path == "/healthz":
+            if (method == "GET" and path == "/healthz") or (method in ("GET", "POST") and path == "/ping"):
                 self.send_probe(target.is_healthy(), "ok", "unhealthy")
-            elif method == "GET" and path == "/readyz":
+            elif method == "GET" and path in ("/readyz", "/health"):
                 ok, detail = target.readiness()
                 self.send_json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, detail)
+            elif method == "GET" and path == "/version":
+                self.send_json(HTTPStatus.OK, {"version": VERSION})
             elif method == "GET" and path == "/metrics":
                 self.send_bytes(HTTPStatus.OK, target.metrics_text(), CONTENT_TYPE_LATEST)
             elif method == "GET" and path == "/v1/models":
                 self.send_json(HTTPStatus.OK, target.models())
-            elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            elif method == "POST" and path in GENERATION_ROUTES:
                 with in_flight.request():
-                    answer = (target.complete if path == "/v1/completions" else target.chat)(
-                        self.read_json, self.client_gone
-                    )
+                    answer = getattr(target, GENERATION_ROUTES[path])(self.read_json, self.client_gone)
                     if isinstance(answer, dict):
                         self.send_json(HTTPStatus.OK, answer)
                     else:
@@ -427,10 +486,12 @@ def _handler(target: ApiTarget, in_flight: InFlight, api_keys: tuple[str, ...] =
             elif path in (
                 "/healthz",
                 "/readyz",
+                "/health",
+                "/ping",
+                "/version",
                 "/metrics",
                 "/v1/models",
-                "/v1/completions",
-                "/v1/chat/completions",
+                *GENERATION_ROUTES,
                 "/tokenize",
                 "/detokenize",
             ):

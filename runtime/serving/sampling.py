@@ -1,6 +1,7 @@
 """Sampling parameters and the sampler: temperature, top-k, top-p, presence and frequency
 penalties (OpenAI's definitions), per-request seeds, log-probabilities (of the tokens sampled, and
-with ``score`` of a prompt's own tokens).
+with ``score`` of a prompt's own tokens), and vLLM's ``min_tokens`` (a row's stop tokens are barred
+until it has generated that many).
 
 Reproducibility: each seeded request owns a ``torch.Generator`` and draws exactly one number per
 generated token, so its tokens do not depend on what else is in the batch. Everything else is one
@@ -36,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: the chosen token's and the N most likely
     # None: none; N: each prompt token's (after the first) and the N most likely at its position
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # the stop tokens (stop_token_ids, EOS among them) are barred before this many
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
@@ -55,6 +57,8 @@ class SamplingParams:
         for field in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, field) <= 2.0:
                 fail(field, f"must be in [-2, 2], got {getattr(self, field)}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -136,6 +140,12 @@ def sample(
         scores = scores - frequency * seen - presence * (seen > 0).float()
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    barred = _early_stops(params, counts, scores.shape[1])
+    if barred is not None:
+        kept = scores.masked_fill(barred, float("-inf"))
+        # a row left with no token (a grammar that allows only a stop token now) keeps its stops
+        stuck = torch.isneginf(kept).all(dim=-1)  # [B]
+        scores = torch.where(stuck[:, None], scores, kept)
     tokens = torch.argmax(scores, dim=-1)  # [B]: the greedy rows' answer
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
@@ -150,6 +160,23 @@ def sample(
         n = params[row].logprobs or 0
         out.append(Sampled(token, logprob, list(zip(ids[:n], values[:n], strict=True))))
     return out
+
+
+def _early_stops(params: list[SamplingParams], counts: list[torch.Tensor], vocab: int) -> torch.Tensor | None:
+    """[B, V] bool: the stop tokens of the rows that have generated fewer than ``min_tokens``
+    (``counts[row]`` sums to the tokens it generated); None when no row bars any."""
+    rows = [
+        row
+        for row, p in enumerate(params)
+        if p.min_tokens and p.stop_token_ids and int(counts[row].sum()) < p.min_tokens
+    ]
+    if not rows:
+        return None
+    barred = torch.zeros(len(params), vocab, dtype=torch.bool)
+    for row in rows:
+        ids = [t for t in params[row].stop_token_ids if t < vocab]
+        barred[row, ids] = True
+    return barred
 
 
 def _draw(

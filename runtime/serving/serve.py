@@ -44,6 +44,7 @@ from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
 from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.serving import responses
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull
 from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
 from eaas.runtime.serving.completions import Completions, result_of
@@ -64,6 +65,7 @@ from eaas.runtime.serving.http_api import (
 from eaas.runtime.serving.metrics import AttentionMetrics
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.reasoning import reasoning_style
+from eaas.runtime.serving.response_output import response_events, response_object
 from eaas.runtime.serving.sampling import SamplingParams
 from eaas.runtime.serving.text_stream import token_bytes
 from eaas.runtime.serving.tools import parse_tools, tool_format
@@ -440,7 +442,9 @@ class AttentionService:
             "down_servers": down,
             "unserved_experts": len(unserved),
         }
-        if unserved:
+        if not self.is_healthy():
+            detail["reason"] = "the engine worker is not running (see this process's log)"
+        elif unserved:
             layer, expert = unserved[0]
             detail["reason"] = (
                 f"{len(unserved)} (layer, expert) pair(s) have no connected expert server, "
@@ -466,6 +470,26 @@ class AttentionService:
         self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         return self._answer(read_body, chat=True, gone=gone)
+
+    def responses(
+        self, read_body: Callable[[], Any], gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """OpenAI's Responses API: the request as a chat request (``responses.py``), its answer
+        as a Response or its events (``response_output.py``)."""
+        body: dict[str, Any] = {}
+
+        def read_chat_body() -> dict[str, Any]:
+            nonlocal body
+            body = read_body()
+            return responses.chat_body(body)
+
+        try:
+            answer = self._answer(read_chat_body, chat=True, gone=gone)
+        except ApiError as exc:
+            raise responses.renamed(exc) from None
+        if isinstance(answer, dict):
+            return response_object(body, answer)
+        return response_events(body, answer, self.options.model_name)
 
     def tokenize(self, read_body: Callable[[], Any]) -> dict[str, Any]:
         body = read_body()
@@ -563,10 +587,13 @@ class AttentionService:
         for name, value in (
             ("presence_penalty", p.presence_penalty),
             ("frequency_penalty", p.frequency_penalty),
+            ("min_tokens", p.min_tokens),
+            ("include_stop_str_in_output", request.include_stop),
+            ("skip_special_tokens", not request.skip_special_tokens),
         ):
             if value:
                 raise bad(
-                    name, "static batching has no penalties (start the server with continuous batching)"
+                    name, "static batching has no such option (start the server with continuous batching)"
                 )
         if p.prompt_logprobs is not None:
             raise bad(

@@ -23,9 +23,21 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
+    """``min_tokens``: stop strings count only once more tokens than this have come (vLLM's
+    ``min_tokens``; the text before is released as it is). ``include_stop``: a stop string that
+    ends the text stays in it (vLLM's ``include_stop_str_in_output``)."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stops: list[str],
+        min_tokens: int = 0,
+        include_stop: bool = False,
+    ) -> None:
         self.decode = decode
         self.stops = stops
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.tokens: list[int] = []
         self.text = ""  # the decoded text of tokens[:read], every character complete
         self.prefix = 0  # the decoding window starts here
@@ -65,10 +77,14 @@ class TextStream:
     def _release(self) -> str:
         """Text up to a completed stop string (then ``stopped``), or up to what may still change."""
         start = self.emitted  # released text holds no stop's beginning, so a match starts here or later
-        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        if len(self.tokens) <= self.min_tokens:  # too early for a stop string: all of it is final
+            delta, self.emitted = self.text[start:], len(self.text)
+            return delta
+        found = [(i, -len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
+        if found:
             self.stopped = True
-            end = cut
+            cut, minus_length = min(found)  # the first stop string (the longest one there)
+            end = cut - minus_length if self.include_stop else cut
         else:
             end = len(self.text) - self._held()
         delta = self.text[start:end]

@@ -8,6 +8,7 @@ command (``eaas attention-client`` configured by ``EAAS_*`` variables).
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 import json
 import os
 import signal
@@ -318,6 +319,10 @@ def test_models_health_and_metrics(service: AttentionService) -> None:
     assert http("GET", f"{service.url}/healthz") == (200, "ok\n")
     status, ready = http("GET", f"{service.url}/readyz")
     assert status == 200 and ready["ready"] and ready["live_servers"] == [0, 1]
+    assert http("GET", f"{service.url}/health") == (200, ready)  # vLLM's spelling, for gateways
+    assert http("GET", f"{service.url}/ping") == http("POST", f"{service.url}/ping") == (200, "ok\n")
+    assert http("GET", f"{service.url}/version") == (200, {"version": importlib.metadata.version("eaas")})
+    assert http("POST", f"{service.url}/health")[0] == 405
     text = http("GET", f"{service.url}/metrics")[1]
     assert metric(text, 'eaas_attention_requests_total{result="ok"}') >= 1
     assert metric(text, 'eaas_attention_requests_total{result="bad_request"}') >= 1
@@ -356,13 +361,15 @@ def test_metrics_also_carry_the_names_vllm_dashboards_and_routers_read(service: 
     assert f'vllm:time_to_first_token_seconds_bucket{{le="0.005",model_name="{MODEL}"}}' in text
 
 
-def stream(url: str, body: dict[str, Any], max_chunks: int | None = None) -> list[Any]:
+def stream(
+    url: str, body: dict[str, Any], max_chunks: int | None = None, path: str = "/v1/completions"
+) -> list[Any]:
     """POSTs a streaming completion; returns the parsed ``data:`` items ("[DONE]" kept as a string).
     With ``max_chunks``, hangs up after that many (a client that goes away)."""
     host, port = url.removeprefix("http://").split(":")
     connection = HTTPConnection(host, int(port), timeout=30)
     connection.request(
-        "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
     )
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
@@ -405,6 +412,21 @@ def test_streaming_equals_the_whole_answer(service: AttentionService, reference:
     assert [c["token_ids"] for c in whole["choices"]] == expected(
         reference, [tokenizer.encode("Hello"), [42, 7]], [7, 7]
     )
+
+
+def test_guidellms_streamed_requests_are_served(service: AttentionService) -> None:
+    """What GuideLLM sends (vLLM's extensions): usage in every chunk, EOS ignored, a minimum."""
+    extensions = {
+        "max_tokens": 6, "min_tokens": 6, "ignore_eos": True, "temperature": 0,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello", **extensions}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], **extensions}),
+    ):
+        items = stream(service.url, body, path=path)
+        assert items[-1] == "[DONE]" and all("usage" in item for item in items[:-1]), items
+        assert items[-2]["choices"] == [] and items[-2]["usage"]["completion_tokens"] == 6
 
 
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(service: AttentionService) -> None:
@@ -570,6 +592,8 @@ def test_ready_only_once_the_kv_cache_is_made_and_a_forward_went_through(
     placement_file = tmp_path / "placement.json"  # committed after the start, as by the operator
     with AttentionService(checkpoint, placement_file, static_discovery(cluster.urls), options) as late:
         assert http("GET", f"{late.url}/readyz")[0] == 503 and late.engine is None
+        status, health = http("GET", f"{late.url}/health")
+        assert status == 503 and "placement" in health["reason"]
         placement_file.write_text(cluster.placement_path.read_text())
         wait_for(lambda: late.readiness()[0], 30, "the placement to be read")
         engine, experts = late.engine, late.experts
@@ -581,6 +605,11 @@ def test_ready_only_once_the_kv_cache_is_made_and_a_forward_went_through(
         )
         assert status == 200 and body["choices"][0]["token_ids"] == expected(reference, [[5, 6]], [3])[0]
         assert engine.allocator.queries == 2 and late.worker is not None and late.worker.engine is engine
+        assert http("GET", f"{late.url}/health")[0] == 200
+        late.worker.stop()  # an engine worker that is gone: no endpoint picker should send here
+        status, health = http("GET", f"{late.url}/health")
+        assert status == 503 and "engine worker is not running" in health["reason"]
+        assert http("GET", f"{late.url}/healthz")[0] == http("GET", f"{late.url}/ping")[0] == 503
     discovery = static_discovery(cluster.urls)
     with AttentionService(checkpoint, cluster.placement_path, discovery, options) as early:
         # a placement there at the start: ready as soon as start() returns
@@ -601,6 +630,8 @@ def test_readyz_follows_the_expert_servers(
     assert status == 503 and "expert unavailable" in body["error"]["message"]
     status, ready = http("GET", f"{service.url}/readyz")
     assert status == 503 and ready["down_servers"] == [1] and "no connected expert server" in ready["reason"]
+    status, health = http("GET", f"{service.url}/health")
+    assert status == 503 and "no connected expert server" in health["reason"]
     cluster.restart(1)
     wait_for(lambda: http("GET", f"{service.url}/readyz")[0] == 200, 20, "the restarted server to rejoin")
     status, body = http(

@@ -29,7 +29,7 @@ from eaas.runtime.client import ClientOptions
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import CheckpointReader, Decoder, load_reference, load_tokenizer
 from eaas.runtime.placement import round_robin
-from eaas.runtime.serving import harmony
+from eaas.runtime.serving import harmony, responses
 from eaas.runtime.serving.chat import ChatTemplate
 from eaas.runtime.serving.http_api import ApiError
 from eaas.runtime.serving.serve import AttentionService, ServeOptions, static_discovery
@@ -845,3 +845,253 @@ def test_harmony_channels_and_calls_through_the_openai_client(harmony_client: An
     message = answer.choices[0].message
     assert answer.choices[0].finish_reason == "stop" and message.content in ("yes", "no"), message
     assert message.reasoning_content.isalpha() and "<|" not in message.content + message.reasoning_content
+
+
+# --- the Responses API ----------------------------------------------------------------------------
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # Responses' flat shape
+
+
+def test_responses_answer_as_the_chat_path(client: Any) -> None:
+    """``instructions`` + ``input`` are the chat's system and user messages; the text, the usage
+    and a cut-short answer's status are those of the chat answer."""
+    response = client.responses.create(
+        model=MODEL, instructions="be brief", input="experts", max_output_tokens=6, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=6,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "experts"}],
+    )
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == MODEL
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == 6 and response.usage.total_tokens == chat.usage.total_tokens
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    as_list = client.responses.create(
+        model=MODEL,
+        max_output_tokens=6,
+        temperature=0,
+        input=[
+            {"role": "system", "content": "be brief"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "experts"}]},
+        ],
+    )
+    assert as_list.output_text == response.output_text
+
+
+def test_responses_stream_the_events_the_openai_client_reads(client: Any) -> None:
+    whole = client.responses.create(model=MODEL, input="experts", max_output_tokens=8, temperature=0)
+    events = list(
+        client.responses.create(model=MODEL, input="experts", max_output_tokens=8, temperature=0, stream=True)
+    )
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.id == events[0].response.id
+    assert events[-1].response.usage.output_tokens == 8
+    # the client's stream helper accumulates the same answer (a grammar ends it: completed)
+    schema = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
+    with client.responses.stream(
+        model=MODEL,
+        input="answer in JSON",
+        max_output_tokens=64,
+        temperature=1.0,
+        text={"format": schema},
+        extra_body={"seed": 3},
+    ) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    jsonschema.validate(json.loads(final.output_text), ANSWER)
+
+
+def test_responses_structured_output_is_the_chat_paths(client: Any) -> None:
+    """``text.format`` json_schema (and ``parse`` with a pydantic model) and json_object."""
+    schema = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
+    for seed in (3, 4):
+        response = client.responses.create(
+            model=MODEL,
+            input="answer in JSON",
+            max_output_tokens=64,
+            temperature=1.0,
+            text={"format": schema},
+            extra_body={"seed": seed},
+        )
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "answer in JSON"}],
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {k: v for k, v in schema.items() if k != "type"},
+            },
+        )
+        assert response.status == "completed" and response.output_text == chat.choices[0].message.content
+        jsonschema.validate(json.loads(response.output_text), ANSWER)
+    parsed = client.responses.parse(
+        model=MODEL,
+        input="answer in JSON",
+        max_output_tokens=64,
+        temperature=1.0,
+        text_format=Answer,
+        extra_body={"seed": 5},
+    )
+    assert isinstance(parsed.output_parsed, Answer)
+    loose = client.responses.create(
+        model=MODEL,
+        input="JSON",
+        max_output_tokens=48,
+        temperature=1.0,
+        text={"format": {"type": "json_object"}},
+        extra_body={"seed": 6},
+    )
+    if loose.status == "completed":  # a free JSON object may run past the bound; a finished one parses
+        assert isinstance(json.loads(loose.output_text), dict)
+
+
+def test_responses_call_function_tools(tool_client: Any) -> None:
+    """Function tools become ``function_call`` items (whole and streamed) whose arguments validate;
+    the calls and their outputs go back as input items."""
+    question = [{"role": "user", "content": "what is the weather?"}]
+    response = tool_client.responses.create(
+        model=MODEL,
+        input=question,
+        tools=RESPONSE_TOOLS,
+        tool_choice="required",
+        temperature=1.0,
+        max_output_tokens=256,
+        extra_body={"seed": 11},
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and response.status == "completed"
+    for call in calls:
+        assert call.call_id.startswith("call_") and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    named = tool_client.responses.create(
+        model=MODEL,
+        input=question,
+        tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "add"},
+        temperature=1.0,
+        max_output_tokens=256,
+        extra_body={"seed": 12},
+    )
+    assert {item.name for item in named.output if item.type == "function_call"} == {"add"}
+    with tool_client.responses.stream(
+        model=MODEL,
+        input=question,
+        tools=RESPONSE_TOOLS,
+        tool_choice="required",
+        temperature=1.0,
+        max_output_tokens=256,
+        extra_body={"seed": 11},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    assert [(c.name, c.arguments) for c in streamed.output if c.type == "function_call"] == [
+        (c.name, c.arguments) for c in calls
+    ]  # the same seed: the same calls
+    follow_up = [
+        *question,
+        *(
+            {"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+            for c in calls
+        ),
+        *({"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls),
+    ]
+    answer = tool_client.responses.create(
+        model=MODEL,
+        input=follow_up,
+        tools=RESPONSE_TOOLS,
+        tool_choice="none",
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert answer.usage.input_tokens > response.usage.input_tokens
+
+
+def test_a_responses_stream_closed_early_frees_its_kv_cache(client: Any, service: AttentionService) -> None:
+    stream = client.responses.create(
+        model=MODEL, input="hello", max_output_tokens=60, temperature=0, stream=True
+    )
+    events = iter(stream)
+    kinds = [next(events).type for _ in range(3)]  # the third follows the first text
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added"]
+    stream.close()
+    assert service.worker is not None
+    deadline = time.monotonic() + 20
+    while service.worker.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.worker.running == 0 and service.worker.kv_usage == 0.0
+
+
+def test_reasoning_items_sent_back_reach_the_template_as_the_assistants_thinking() -> None:
+    """An earlier answer's items as the next input (what agent loops send): the reasoning item
+    becomes the reasoning_content of the assistant message its calls make."""
+    calls = [
+        {"type": "function_call", "call_id": f"call_{i}", "name": "add", "arguments": "{}"} for i in (1, 2)
+    ]
+    body = {
+        "input": [
+            {"role": "user", "content": "add"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "hm"}],
+            },
+            *calls,
+            {
+                "type": "function_call_output",
+                "call_id": "call_1",
+                "output": [{"type": "input_text", "text": "3"}],
+            },
+        ]
+    }
+    messages = responses.chat_body(body)["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["reasoning_content"] == "hm" and len(messages[1]["tool_calls"]) == 2
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "3"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ],
+)
+def test_unsupported_responses_features_are_400s_naming_the_field(
+    client: Any, fields: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 4, **fields}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/responses", body=body, cast_to=dict)
+    assert refused.value.param == param, refused.value

@@ -97,3 +97,49 @@ def test_each_token_decodes_a_short_window() -> None:
     for token in BYTES.encode("mixture of experts, served € by the token " * 50):
         text.push(token)
     assert max(lengths) <= 4, f"decoded windows of up to {max(lengths)} tokens: not incremental"
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts, st.lists(st.text(alphabet=st.sampled_from(list("ab é😀")), min_size=1, max_size=3), max_size=2))
+def test_include_stop_keeps_the_stop_string_that_ended_the_text(text: str, stops: list[str]) -> None:
+    """vLLM's ``include_stop_str_in_output``: the text up to the end of the stop string that ended it."""
+    tokens = BYTES.encode(text)
+    stream = TextStream(BYTES.decode, stops, include_stop=True)
+    deltas = []
+    for token in tokens:
+        deltas.append(stream.push(token))
+        if stream.stopped:
+            break
+    deltas.append(stream.flush())
+    kept = "".join(deltas)
+    without = expected(BYTES.decode, tokens, stops)
+    if stream.stopped:
+        assert any(kept == without + s for s in stops) and kept.endswith(tuple(stops))
+    else:
+        assert kept == without
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from(list("ab c")), max_size=30),
+    st.lists(st.text(alphabet=st.sampled_from(list("ab ")), min_size=1, max_size=3), max_size=2),
+    st.integers(0, 12),
+)
+def test_stop_strings_count_only_after_min_tokens(text: str, stops: list[str], min_tokens: int) -> None:
+    """vLLM's ``min_tokens``: no stop string ends the text before that many tokens; after them, the
+    first stop that the text from there holds ends it."""
+    tokens = BYTES.encode(text)  # one character per token
+    stream = TextStream(BYTES.decode, stops, min_tokens=min_tokens)
+    deltas = []
+    for token in tokens:
+        deltas.append(stream.push(token))
+        if stream.stopped:
+            break
+    deltas.append(stream.flush())
+    want = text
+    for n in range(min_tokens + 1, len(text) + 1):
+        cut = min((i for i in (text[:n].find(s, min_tokens) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            want = text[:cut]
+            break
+    assert "".join(deltas) == want

@@ -229,3 +229,112 @@ def test_an_answer_whose_client_went_away_stops_and_frees_its_sequences(
         assert time.monotonic() < deadline, "the cancelled choices still run"
         time.sleep(0.01)
     assert all(len(request.tokens) < 64 for request in requests)  # stopped, not run to the end
+
+
+def streamed_with(
+    front: Completions, chat: bool, options: dict[str, Any], **body: Any
+) -> list[dict[str, Any]]:
+    call = parse(front, stream=True, stream_options=options, **body)
+    requests = front.submit(call)
+    return list((front.chat_chunks if chat else front.chunks)(call, requests, time.monotonic()))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(front: Completions, chat: bool) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (GuideLLM sends it): every chunk carries the
+    usage of its choice so far; the last chunk, the request's usage, as with ``include_usage``."""
+    prompt_tokens = len(PROMPT.encode())
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = streamed_with(front, chat, options, n=2, max_tokens=5)
+    *per_choice, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    so_far: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in per_choice:
+        [choice] = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        so_far[choice["index"]].append(usage["completion_tokens"])
+    for counts in so_far.values():
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 5
+    # without include_usage (explicitly false) there is no usage at all; left out, it is implied
+    assert all("usage" not in c for c in streamed_with(front, chat, {"include_usage": False, **{
+        "continuous_usage_stats": True}}, max_tokens=3))  # fmt: skip
+    assert all(
+        "usage" in c for c in streamed_with(front, chat, {"continuous_usage_stats": True}, max_tokens=3)
+    )
+    assert all(
+        "usage" not in c for c in streamed_with(front, chat, {"include_usage": True}, max_tokens=3)[:-1]
+    )
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(front: Completions) -> None:
+    """vLLM's ``min_tokens``: neither a stop token nor a stop string ends a choice before it has
+    that many tokens; greedy, the tokens up to there are those of the answer without stops."""
+    plain = complete(front, max_tokens=30)["choices"][0]["token_ids"]
+    stop_id = plain[2]
+    assert len(complete(front, max_tokens=30, stop_token_ids=[stop_id])["choices"][0]["token_ids"]) <= 3
+    held = complete(front, max_tokens=30, stop_token_ids=[stop_id], min_tokens=12)["choices"][0]
+    assert len(held["token_ids"]) >= 12 and stop_id not in held["token_ids"][:12]
+    text = complete(front, max_tokens=30)["choices"][0]["text"]
+    stop = text[1:3]  # a stop string that the first tokens already complete
+    assert len(complete(front, max_tokens=30, stop=[stop])["choices"][0]["token_ids"]) < 12
+    late = complete(front, max_tokens=30, stop=[stop], min_tokens=12)["choices"][0]
+    assert late["token_ids"][:12] == plain[:12]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(front: Completions) -> None:
+    text = complete(front, max_tokens=30)["choices"][0]["text"]
+    stop = text[4:6]
+    without = complete(front, max_tokens=30, stop=[stop])["choices"][0]
+    kept = complete(front, max_tokens=30, stop=[stop], include_stop_str_in_output=True)["choices"][0]
+    assert without["finish_reason"] == kept["finish_reason"] == "stop"
+    assert kept["text"] == without["text"] + stop and kept["token_ids"] == without["token_ids"]
+    streamed = stream(front, max_tokens=30, stop=[stop], include_stop_str_in_output=True)
+    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == kept["text"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"priority": "high"}, "priority"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
+        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+        ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),  # without stream
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),  # not implemented: refused, not ignored
+    ],
+)
+def test_vllm_extensions_with_bad_values_are_400s_naming_the_field(
+    front: Completions, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse(front, **body)
+    assert refused.value.status == 400 and refused.value.param == param, refused.value.message
+
+
+def test_vllm_extensions_are_accepted() -> None:
+    call = parse_completion(
+        {
+            "prompt": "x", "max_tokens": 8, "min_tokens": 8, "ignore_eos": True, "priority": -3,
+            "skip_special_tokens": False, "spaces_between_special_tokens": False,
+            "include_stop_str_in_output": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        Limits(vocab_size=320, max_context=256, max_tokens=64),
+        ByteTokenizer(320).encode,
+    )  # fmt: skip
+    assert call.params.min_tokens == 8 and call.include_stop and not call.skip_special_tokens
+    assert call.include_usage and call.continuous_usage
+
+
+def test_special_tokens_decode_to_their_text_when_not_skipped(tmp_path: Path, train_tokenizer: Any) -> None:
+    train_tokenizer(["hello world"] * 20).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path, 320)
+    ids = [*tokenizer.encode("hello"), tokenizer.marker_id("</s>") or 0]
+    assert tokenizer.decode(ids) == "hello"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "hello</s>"
