@@ -6,13 +6,12 @@ monolithic reference model of the same weights: every loglikelihood it got, ever
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tool_helpers import Served, run_tool
+from tool_helpers import Served, run_tool, tokenize_chat
 
 from eaas.runtime.model import ByteTokenizer, Decoder
 
@@ -120,13 +119,7 @@ def test_local_chat_completions_answers_match_the_reference(
         [rendered] = sample["arguments"]["gen_args_0"]["arg_0"]  # the sample log's JSON of the messages
         messages = json.loads(rendered)
         assert messages[-1]["role"] == "user" and messages[-1]["content"] == sample["doc"]["question"]
-        # The prompt as the server renders it (its chat template), from its /tokenize.
-        body = json.dumps({"model": served.model, "messages": messages, "add_generation_prompt": True})
-        request = urllib.request.Request(
-            f"{served.url}/tokenize", body.encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            prompt_ids = json.load(answer)["tokens"]
+        prompt_ids = tokenize_chat(served, messages)  # as the server's chat template renders it
         want = reference_answer(reference, prompt_ids)
         assert sample["resps"][0][0] == want, messages
         matches += int(want == sample["target"])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,3 +39,13 @@ def run_tool(command: list[str], cwd: Path, home: Path, offline: bool = True, ti
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command[0]} exited {result.returncode}:\n{output[-6000:]}"
     return output
+
+
+def tokenize_chat(served: Served, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt ids of `messages` as the server renders them (its chat template), from its /tokenize."""
+    body = json.dumps({"model": served.model, "messages": messages, "add_generation_prompt": True})
+    request = urllib.request.Request(
+        f"{served.url}/tokenize", body.encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return list(json.load(answer)["tokens"])
