@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.eaas-deps
-# Installed as a strict editable link tree so mypy can follow it (see CONVENTIONS.md).
+# Installed as a strict editable link tree (build/__editable__.eaas-*): mypy cannot follow
+# setuptools' default editable install (an import hook), but it reads the link tree.
 EDITABLE := --config-settings editable_mode=strict
 
 .PHONY: help install serve demo test lint typecheck unit e2e crds clean image tools-venv

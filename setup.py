@@ -1,4 +1,4 @@
-"""Maps operator/, runtime/ and kernels/ into the ``eaas`` package (see CONVENTIONS.md).
+"""Maps operator/, runtime/ and kernels/ into the ``eaas`` package (``package_dir`` below).
 
 ``eaas`` and ``eaas.operator`` are namespace packages: ``operator/`` must never get an
 ``__init__.py`` or it would shadow the standard library's ``operator`` from the repo root.

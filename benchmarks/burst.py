@@ -1,6 +1,6 @@
 """A burst of simultaneous streaming clients against one attention client: every one answered.
 
-What issue 37 found before the fix: 400 simultaneous connections to ``eaas serve`` left 32 waiting
+What a report found before the fix: 400 simultaneous connections to ``eaas serve`` left 32 waiting
 past a 60-second timeout (the listen backlog was the standard library's 5: resets and one-second
 SYN retransmits before the server could answer), 1,000 left 329. Here, for each burst size, that
 many client threads (on loopback, each its own connection) are released at once by a barrier and

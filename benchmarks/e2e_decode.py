@@ -18,7 +18,7 @@ client: a ``nixl`` client polls its channels while it waits) and of the servers 
 Every run's tokens are compared with the monolithic run: a "failed request" is a step that raised
 or a token that differs.
 
-Targets (issue 4): eaas >= 0.7x monolithic at batch 32; zero failed requests under the kill (and
+Targets: eaas >= 0.7x monolithic at batch 32; zero failed requests under the kill (and
 in every other EaaS run). ``nixl`` against ``tcp`` is reported (``vs_tcp``), without a target.
 ``nixl`` needs the NIXL library (``pip install 'eaas[nixl]'``): without it the script stops and
 says so (``--compare tcp`` runs without it).

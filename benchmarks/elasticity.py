@@ -63,7 +63,7 @@ reading); every step with ``D > n`` (TPOT above the SLO) is an SLO-violating ste
   fraction measured at the capacity (Part A's busy curve, made non-decreasing): it shows what a
   signal that is not monotone in the load does to the pool's size.
 
-Targets (issues 18 and 31): on ``peaked``, per-GPU scaling saves >= 37.5% of the GPU-hours of
+Targets: on ``peaked``, per-GPU scaling saves >= 37.5% of the GPU-hours of
 fixed 8-GPU units (the finest, so hardest, fixed units) with no more SLO-violating steps; on
 ``sinusoid`` >= 25%; the most GPUs at once within ceil(1.15 x the demand peak).
 

@@ -11,7 +11,7 @@ stream; the client copies y out. Measured in the same run:
   around each replay (the client's stream waits on the flag; no CPU on the client's path);
 - ``floor``: the same bytes copied there and back inside one process, captured in one graph.
 
-Target (issue 17): captured round trip within 2x of the floor at 128 tokens.
+Target: captured round trip within 2x of the floor at 128 tokens.
 Needs CUDA and cuda-python; without CUDA it prints that and reports nothing measured.
 
 Usage: python benchmarks/gpu_rtt.py [--quick] [--json-out PATH]

@@ -14,7 +14,7 @@ synchronisation are timed as CUDA-graph replays, as the server runs them, unless
 - ``roofline``: bytes that must move (A expert weights + x + y) ÷ the device's copy bandwidth,
   measured in the same run (device-to-device copy of 1 GiB, read + write bytes).
 
-Targets (issue 5): triton ≥ 70% of the roofline at T ≤ 128; never slower than grouped_mm;
+Targets: triton ≥ 70% of the roofline at T ≤ 128; never slower than grouped_mm;
 ≥ 1.3× grouped_mm where most groups are empty (cases with at most 8 of 256 groups active).
 
 Without CUDA the script still runs: Triton executes in its CPU interpreter (TRITON_INTERPRET=1)

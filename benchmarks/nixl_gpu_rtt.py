@@ -253,7 +253,7 @@ def main() -> None:
                 "value": worst_over_raw,
                 "target": 1.3,
                 "met": None if worst_over_raw is None else worst_over_raw <= 1.3,
-                "note": "issue 35's nixl <= 1.3x raw, here with both ends in GPU memory",
+                "note": "the host-memory target nixl <= 1.3x raw, here with both ends in GPU memory",
             },
             "transport_over_cuda_ipc_eager_at_128": {
                 "value": over_ipc,

@@ -1,4 +1,4 @@
-"""Expert placement planners: EPLB baseline vs cost-aware (seed 002) vs the ILP oracle.
+"""Expert placement planners: EPLB baseline vs cost-aware (the latency-optimal rebalance) vs the ILP oracle.
 
 Three parts, all on synthetic routing loads (`eaas.runtime.placement.traces`) and the latency
 model of `eaas.runtime.placement.cost` (defaults: 0.25 us per routed token, 50 us per layer, 1 ms
@@ -9,8 +9,9 @@ A. One rebalance, DeepSeek-V3 shape (58 MoE layers x 256 experts, 64 servers in 
    load = mean of 100 steps: per-server max/mean, expert moves, planner runtime.
 B. The drifting trace (chat -> code -> math phases, slow drift, per-step noise), rebalancing every
    1, 10, 100, 1000 steps with the mean load of the last 100 steps: modelled MoE latency per step
-   including the weight-movement stall and the planner's runtime (charged as a stall, as seed 002
-   does), moves per rebalance, realised max/mean. Each rebalance also gets the relative error of
+   including the weight-movement stall and the planner's runtime (charged as a stall, as
+   “Latency-Optimal Load Balancing for Distributed MoE Inference” does), moves per rebalance,
+   realised max/mean. Each rebalance also gets the relative error of
    the planner's previous forecast against the load served since (`prediction_error`, the
    `CostModel.load_error` that `cost_aware` weighs shares by).
 C. A small shape (2 layers x 8 experts, 4 servers) where the ILP finishes: objective of each
@@ -51,6 +52,7 @@ from eaas.runtime.placement import (
     SyntheticTrace,
     TraceConfig,
     cost_aware,
+    diff,
     failover_loads,
     ilp,
     imbalance,
@@ -137,7 +139,7 @@ def single_rebalance(trace: SyntheticTrace, repeats: int) -> list[dict[str, obje
     rows = []
     for name, placement in found.items():
         seconds = statistics.median(times[name])
-        change = current.diff(placement)
+        change = diff(current, placement)
         rows.append(
             {
                 "part": "A",
@@ -379,7 +381,7 @@ def targets(rows: list[dict[str, object]]) -> dict[str, dict[str, object]]:
     unbalanced = get("A", "none", "max_over_mean")
     target("A.unbalanced_max_over_mean", unbalanced, 2.5, abs(unbalanced - 2.5) <= 0.25)
     # Modelled latency = compute + weight-movement stall (the planner runs in the operator, off the
-    # data path); the "+planner" variants also charge the planner's runtime as a stall (seed 002).
+    # data path); the "+planner" variants also charge the planner's runtime as a stall (as that paper does).
     for key, suffix, planner in (
         ("latency_ms_per_step", "", "cost_aware"),
         ("latency_ms_per_step_with_planner", "+planner", "cost_aware+p"),

@@ -16,10 +16,10 @@ continuous the time per output token after the first (TPOT, vLLM's definition). 
 completed requests / (last completion - first arrival). Every answer is checked against the
 single-process reference (a mismatch counts as a failed request).
 
-Target (issue 14): continuous >= 2x static's request throughput at a rate where static
+Target: continuous >= 2x static's request throughput at a rate where static
 saturates, with p99 per-output-token latency no worse.
 
-Part B, prefix caching (issue 37): continuous streamed, with the cache and without it
+Part B, prefix caching: continuous streamed, with the cache and without it
 (``--no-enable-prefix-caching``), on two workloads: every prompt starting with the same
 ``SYSTEM_LEN``-token system prompt (most prompt tokens shared) at a sixth of the rate (one the
 pool sustains without the cache too), and the prompts of Part A (none shared) as one burst, so

@@ -52,8 +52,8 @@ Sizes: T in 1, 8, 16, 32, 128, 512 (the ``nixl`` targets' 1, 8, 32, 128, 512, an
 earlier runs), H in 2048 and 7168, every method at every size, 100 round trips each (the whole
 run takes about a minute on the 2-core CPU machine); the ``nixl`` targets read H = 7168 only.
 
-Targets (issue 4): shm within 3x of the copy floor at 512 x 7168; tcp at least 5x faster than the
-naive baseline at 512 x 7168 (both on the copying round trips). ``nixl`` (issue 35, on the in-place
+Targets: shm within 3x of the copy floor at 512 x 7168; tcp at least 5x faster than the
+naive baseline at 512 x 7168 (both on the copying round trips). ``nixl`` (on the in-place
 round trips, which like NIXL's raw one copy nothing in or out): within 1.3x of NIXL's raw round
 trip at 128 and 512 x 7168; faster than ``tcp`` at 32, 128 and 512 x 7168 (value: the largest
 nixl/tcp ratio of the three) and within 1.2x of ``tcp`` below 32 tokens (value: the largest of 1,

@@ -3,7 +3,8 @@
 An *entry* is one (token, k) pair of ``group_of[T, K]``, numbered ``t * K + k``. Alignment sorts
 the valid entries by group so each group's entries are contiguous, and **group shrink** compacts
 the groups that have entries to the front of three small arrays (id, count, start) with a
-prefix scan, so the GEMMs walk only active groups and stop after the last one (seed 000 §4.1).
+prefix scan, so the GEMMs walk only active groups and stop after the last one (the
+Expert-as-a-Service paper, §4.1).
 
 Tiles never straddle two groups: the GEMMs cut each group's run of entries into ``BLOCK_M`` rows
 and mask the tail, which is what padding every group to ``BLOCK_M`` achieves elsewhere, without

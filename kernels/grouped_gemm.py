@@ -17,14 +17,15 @@ inside one scale block (``SCALE_COLS % BLOCK_K == 0``, true for DeepSeek's 128 x
 every tuned tile) that takes one scale per output column; otherwise a scale is gathered per
 element, so any tile shape works with any block shape.
 
-Schedule (seed 000, Algorithm 1): the grid is a fixed number of programs (SMs × occupancy, or the
-number of tiles if smaller). Program p starts at tile p of the first group and walks the group
-list; a group with n tiles consumes n tile numbers, so a program's cursor drops by n when it moves
-on, and every ``num_programs``-th tile is the program's. Empty groups consume none. With
-``SHRINK`` the walk is over the compacted active groups and ends after the last one; without it
-the walk visits all G groups and reads each one's count from global memory (the baseline the
-group-shrink ablation compares against). Tiles inside a group are numbered output-column-major
-so programs running at the same time share a weight slice (one HBM read, the rest from L2).
+Schedule (the Expert-as-a-Service paper, Algorithm 1): the grid is a fixed number of programs
+(SMs × occupancy, or the number of tiles if smaller). Program p starts at tile p of the first
+group and walks the group list; a group with n tiles consumes n tile numbers, so a program's
+cursor drops by n when it moves on, and every ``num_programs``-th tile is the program's. Empty
+groups consume none. With ``SHRINK`` the walk is over the compacted active groups and ends after
+the last one; without it the walk visits all G groups and reads each one's count from global
+memory (the baseline the group-shrink ablation compares against). Tiles inside a group are
+numbered output-column-major so programs running at the same time share a weight slice (one HBM
+read, the rest from L2).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from eaas.operator.api.kinds import API_VERSION, KINDS, Kind
-from eaas.operator.crdgen import crd
+from eaas.operator.crdschema import crd
 
 HEADER = """# CRD reference (`{api}`)
 

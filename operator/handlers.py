@@ -2,8 +2,10 @@
 
 Every kind gets two triggers of the same level-based reconcile:
 
-* ``@kopf.on.event`` — react at once to any change (creation, spec edits, ``/scale`` writes,
-  status updates of children). Event handlers persist nothing on the objects.
+* ``@kopf.on.event`` — react at once to a change of the object: creation, spec edits, ``/scale``
+  writes, labels and annotations (:mod:`eaas.operator.triggers`). A change of its status alone,
+  the operator's own status patches above all, triggers nothing. Event handlers persist nothing
+  on the objects.
 * ``@kopf.timer`` — resync every ``EAAS_OPERATOR_RESYNC_SECONDS``: pods becoming Ready, Leases
   expiring, drift, and retries after errors (exponential backoff via ``kopf.TemporaryError``).
   The ExpertPool's timer also considers a load-based rebalance (``spec.placement``), at most
@@ -78,24 +80,35 @@ def run_reconcile(kind: Kind, reconcile: Reconcile, body: Mapping[str, Any], ret
             raise kopf.TemporaryError(f"{kind.kind} {metadata['name']}: {error}", delay=delay) from error
 
 
-def _register(kind: Kind, reconcile: Reconcile, resync: Reconcile | None = None) -> None:
-    """Event handler → `reconcile`; resync timer → `resync` (default: the same reconcile)."""
+def event_handler(kind: Kind, reconcile: Reconcile) -> Callable[..., None]:
+    """The ``@kopf.on.event`` handler of `kind`: `reconcile` when the event changes what the
+    reconcile reads of the object (:meth:`~eaas.operator.triggers.Triggers.due`), never on a
+    change of its status alone."""
 
     def on_event(body: kopf.Body, type: str | None, retry: int = 0, **_: Any) -> None:
+        ctx = context()
         if type == "DELETED":
-            context().forget(kind.kind, body["metadata"]["namespace"], body["metadata"]["name"])
+            ctx.forget(kind.kind, body["metadata"]["namespace"], body["metadata"]["name"])
             return
+        if not ctx.triggers.due(kind.kind, body):
+            return  # a status patch (the operator's own, mostly): the resync looks at it anyway
         try:
             run_reconcile(kind, reconcile, body, 0)
         except kopf.TemporaryError as error:
             logger.info("%s (the resync timer retries)", error)
 
+    on_event.__name__ = on_event.__qualname__ = f"{kind.singular}_event"
+    return on_event
+
+
+def _register(kind: Kind, reconcile: Reconcile, resync: Reconcile | None = None) -> None:
+    """Event handler → `reconcile`; resync timer → `resync` (default: the same reconcile)."""
+
     def on_timer(body: kopf.Body, **kwargs: Any) -> None:
         run_reconcile(kind, resync or reconcile, body, int(kwargs.get("retry", 0)))
 
-    on_event.__name__ = on_event.__qualname__ = f"{kind.singular}_event"
     on_timer.__name__ = on_timer.__qualname__ = f"{kind.singular}_resync"
-    kopf.on.event(GROUP, VERSION, kind.plural)(on_event)
+    kopf.on.event(GROUP, VERSION, kind.plural)(event_handler(kind, reconcile))
     kopf.timer(GROUP, VERSION, kind.plural, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)(on_timer)
 
 
@@ -145,6 +158,9 @@ class Rechecks:
         reconcile_expert_pool(key[1], key[2])
 
 
+LEASES = ("coordination.k8s.io", "leases")  # the Lease watch's resource, as kopf's settings name it
+
+
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={naming.COMPONENT_LABEL: kopf.PRESENT})
 def lease_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     """A Lease of one of our pods changed: reconcile the ExpertPools it concerns, if any."""
@@ -173,7 +189,9 @@ def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
     """Timeouts and storage prefixes (applied at startup; see :mod:`eaas.operator.main`).
 
     Watches are re-established every ~5 minutes by the server, and the client gives up on a silent
-    connection after ~6, so a stalled watch cannot go unnoticed (kopf issues #204, #698).
+    connection after ~6, so a stalled watch cannot go unnoticed (kopf issues #204, #698). The Lease
+    watch carries a label selector (:data:`~eaas.runtime.contract.HEARTBEAT_LEASE_SELECTOR`): a
+    cluster's other Leases (node heartbeats, leader elections) never reach the operator.
     """
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -188,6 +206,9 @@ def configure(settings: kopf.OperatorSettings, request_timeout: float) -> None:
     )
     settings.posting.level = logging.WARNING  # our own Events are posted explicitly
     settings.scanning.disabled = True  # no cluster-wide CRD/namespace watching (least privilege)
+    # The Lease watch asks only for our pods' heartbeat Leases: the API server filters, not the
+    # operator (kopf's `labels=` filter above is applied to what arrives).
+    settings.watching.label_selectors[LEASES] = naming.HEARTBEAT_LEASE_SELECTOR
     settings.execution.max_workers = 8
 
 

@@ -11,7 +11,8 @@ Two steps, each a plain function the collector (:mod:`eaas.operator.collector`) 
   (clients spread an expert's tokens over its replicas); a pair none of whose hosts answered makes
   the window incomplete.
 * :func:`plan` re-plans the committed placement for that load with the pool's policy:
-  ``cost_aware`` (seed 002: few moves, and the current placement when the gain does not pay) or
+  ``cost_aware`` (the latency-optimal rebalance: few moves, and the current placement when the
+  gain does not pay) or
   ``eplb`` (DeepSeek's replicate-and-pack, adopted only when its predicted gain pays for its moves
   too, so a flat load never reshuffles the pool). R is never lowered; the version is bumped only
   when the assignment changes.

@@ -24,25 +24,31 @@ ROLES = ("Run locally", "Serve", "Operate on Kubernetes", "Tools")
 
 COMMANDS: dict[str, Entry] = {
     "model": Entry(
-        "eaas.runtime.model.cli",
+        "eaas.runtime.commands.model",
         "model",
         "Tools",
         "Random checkpoints, presets, inspecting a checkpoint, reference generation.",
     ),
     "serve": Entry(
-        "eaas.runtime.local.serve",
+        "eaas.runtime.commands.serve",
         "serve",
         "Run locally",
         "Serve a model (OpenAI API) from a local EaaS cluster of processes.",
     ),
     "local": Entry(
-        "eaas.runtime.local.cli", "local", "Run locally", "A local EaaS cluster of processes; shows failover."
+        "eaas.runtime.commands.local",
+        "local",
+        "Run locally",
+        "A local EaaS cluster of processes; shows failover.",
     ),
     "expert-server": Entry(
-        "eaas.runtime.server.cli", "expert_server", "Serve", "Serve one ordinal's experts."
+        "eaas.runtime.commands.expert_server", "expert_server", "Serve", "Serve one ordinal's experts."
     ),
     "attention-client": Entry(
-        "eaas.runtime.client.cli", "attention_client", "Serve", "Generate with the experts on expert servers."
+        "eaas.runtime.commands.attention_client",
+        "attention_client",
+        "Serve",
+        "Generate with the experts on expert servers.",
     ),
     "operator": Entry(
         "eaas.operator.cli", "operator", "Operate on Kubernetes", "Run the operator (MoEService, pools)."

@@ -26,6 +26,9 @@ APP = "eaas"
 MANAGED_BY = "eaas-operator"
 EXPERT_COMPONENT = "expert-server"
 ATTENTION_COMPONENT = "attention-client"
+# The heartbeat Leases of expert servers and attention clients (:mod:`eaas.runtime.lease` labels
+# each with its component), as a label selector: all the operator's Lease watch asks the API for.
+HEARTBEAT_LEASE_SELECTOR = f"{COMPONENT_LABEL} in ({EXPERT_COMPONENT},{ATTENTION_COMPONENT})"
 
 # Annotations -------------------------------------------------------------------------------------
 TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"

@@ -1,4 +1,5 @@
-"""The repository layout and packaging promises of CONVENTIONS.md."""
+"""The repository layout and packaging promises: the top-level directories, the ``eaas`` package
+mapping, the CLI's vocabulary and the Makefile's help."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def test_one_cli_vocabulary() -> None:
     process started)."""
     from eaas.kernels.registry import SHIPPED_BACKENDS
     from eaas.runtime.cli import main
-    from eaas.runtime.serving.cli_options import LOG_LEVELS
+    from eaas.runtime.commands.options import LOG_LEVELS
 
     for words, command in every_command(main):
         shown = CliRunner().invoke(main, [*words, "--help"], terminal_width=80)
@@ -150,3 +151,140 @@ def test_one_cli_vocabulary() -> None:
         refused = CliRunner().invoke(main, [*words, "--kernel-backend", "no-such-backend"])
         assert refused.exit_code == 2, (words, refused.output)
         assert "unknown kernel backend 'no-such-backend'; available: grouped_mm, " in refused.output
+
+
+def module_name(path: Path) -> str:
+    """``operator/api/kinds.py`` -> ``eaas.operator.api.kinds``; a package's ``__init__.py`` is it."""
+    parts = ("eaas", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports that never run."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def import_statements(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs: at module level and inside functions and classes alike (a deferred import is
+    still a dependency), but not under ``if TYPE_CHECKING:`` (names for annotations, never imported)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif not is_type_checking_block(node):
+            pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module of the ``eaas`` package -> the modules of the package it imports. ``from a import b`` is an
+    edge to the module ``a.b`` where that is one, else to ``a``; an import of a module outside the
+    source tree (a name inside a module) counts as its module."""
+    files = {
+        module_name(path): path
+        for layer in ("operator", "runtime", "kernels")
+        for path in (ROOT / layer).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in import_statements(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets |= {
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names
+            }
+        graph[name] = set()
+        for target in targets:
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a path back to its start) through each set of modules that import each other."""
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        # depth-first from `start`, remembering the path; an edge back into the path closes a cycle
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack: list[tuple[str, list[str]]] = [(start, sorted(graph[start]))]
+        path.append(start)
+        on_path.add(start)
+        while stack:
+            node, rest = stack[-1]
+            if not rest:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+                continue
+            nxt = rest.pop(0)
+            if nxt in on_path:
+                cycle = [*path[path.index(nxt) :], nxt]
+                if not any(set(cycle) == set(seen) for seen in cycles):
+                    cycles.append(cycle)
+            elif nxt not in done:
+                path.append(nxt)
+                on_path.add(nxt)
+                stack.append((nxt, sorted(graph[nxt])))
+    return cycles
+
+
+def test_import_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\ndef f():\n    import y\n"
+    )
+    assert sorted(n.names[0].name for n in import_statements(tree)) == ["TYPE_CHECKING", "y"]
+
+
+def test_no_import_cycles() -> None:
+    """Modules of the ``eaas`` package never import each other, directly or around a circle: two modules
+    that need each other are one module or a missing third (a deferred import inside a function is
+    still a dependency)."""
+    graph = import_graph()
+    assert "eaas.runtime.cli" in graph and "eaas.operator.crdgen" in graph
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_commands_sit_on_top() -> None:
+    """The runtime's commands (``eaas.runtime.commands``) import the packages they launch and the options
+    they share; nothing below imports a command (``python -m`` entry points aside), and the attention
+    client's data path never imports the serving front that runs on it."""
+    graph = import_graph()
+    below = {
+        name: sorted(t for t in targets if t.startswith("eaas.runtime.commands"))
+        for name, targets in graph.items()
+        if not name.startswith(("eaas.runtime.commands", "eaas.runtime.cli"))
+        and not name.endswith("__main__")
+    }
+    assert not {name: targets for name, targets in below.items() if targets}, "imports a command"
+    client = {
+        name: sorted(t for t in targets if t.startswith("eaas.runtime.serving"))
+        for name, targets in graph.items()
+        if name.startswith("eaas.runtime.client")
+    }
+    assert not {name: targets for name, targets in client.items() if targets}, "the client imports serving"
+    assert {"eaas.runtime.commands.expert_server", "eaas.runtime.commands.options"} <= set(graph)

@@ -18,6 +18,7 @@ import yaml
 
 from e2e.cluster import Cluster
 from e2e.processes import ManagedProcess, free_port, tail
+from eaas.runtime.placement import Placement, stored
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "eaas"
@@ -157,4 +158,15 @@ def operator_as(cluster: Cluster, namespace: str, account: str, directory: Path)
         process.stop()
     assert not process.forbidden(), "the chart's RBAC is missing something:\n" + "\n".join(
         process.forbidden()
+    )
+
+
+def stored_placements(config_map: Any) -> tuple[Placement | None, Placement | None]:
+    """(committed, pending) of a placement ConfigMap as the Kubernetes client returns it."""
+    return stored.read_config_map(
+        {
+            "metadata": {"name": config_map.metadata.name},
+            "data": config_map.data,
+            "binaryData": config_map.binary_data,
+        }
     )

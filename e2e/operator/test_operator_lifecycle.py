@@ -15,8 +15,9 @@ import yaml
 from kubernetes import client, watch
 
 from e2e.cluster import Cluster
-from e2e.operator.harness import ROOT, OperatorProcess
+from e2e.operator.harness import ROOT, OperatorProcess, stored_placements
 from e2e.waiting import wait_until
+from eaas.runtime.placement.diff import diff
 from eaas.runtime.placement.placement import Placement
 
 pytestmark = pytest.mark.e2e
@@ -67,8 +68,7 @@ def expert_pods(cluster: Cluster, namespace: str) -> dict[str, Any]:
 
 def committed(cluster: Cluster, namespace: str) -> Placement | None:
     config_map = cluster.core.read_namespaced_config_map(f"{POOL}-placement", namespace)
-    text = (config_map.data or {}).get("placement.json")
-    return Placement.from_json(text) if text else None
+    return stored_placements(config_map)[0]
 
 
 def wait_ready(cluster: Cluster, namespace: str, servers: int, timeout: float = 90) -> Placement:
@@ -217,7 +217,7 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     pods = expert_pods(cluster, namespace)
     assert sorted(pods) == [f"{POOL}-{n}" for n in range(4)]
     assert all(pods[name].metadata.uid == uid for name, uid in uids.items())  # nobody restarted
-    assert first.diff(grown).num_moves == len(grown.experts_of(3))  # only the new server loads
+    assert diff(first, grown).num_moves == len(grown.experts_of(3))  # only the new server loads
 
     # -- scale down: experts re-homed and the placement published before the pod goes ------------
     since = cluster.core.list_namespaced_pod(namespace).metadata.resource_version
@@ -230,9 +230,10 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
         if pod.metadata.name == f"{POOL}-3" and (kind == "DELETED" or pod.metadata.deletion_timestamp)
     )
     placements = [
-        (rv, Placement.from_json(config_map.data["placement.json"]))
+        (rv, placement)
         for rv, _, config_map in history(cluster, cluster.core.list_namespaced_config_map, namespace, since)
-        if config_map.metadata.name == f"{POOL}-placement" and "placement.json" in (config_map.data or {})
+        if config_map.metadata.name == f"{POOL}-placement"
+        and (placement := stored_placements(config_map)[0]) is not None
     ]
     drained = min(rv for rv, placement in placements if 3 not in placement.ordinals)
     assert drained < deleted, "the pod went away before the placement without it was committed"

@@ -28,6 +28,7 @@ from eaas.operator.builders.common import (
     ucx_env,
     volume_mounts,
 )
+from eaas.runtime.placement import stored
 from eaas.runtime.placement.placement import Placement
 
 CONTAINER = "expert-server"
@@ -213,18 +214,15 @@ def headless_service(pool: Body, spec: ExpertPoolSpec) -> dict[str, Any]:
 def placement_config_map(
     pool: Body, committed: Placement | None, pending: Placement | None
 ) -> dict[str, Any]:
-    """The placement ConfigMap: ``placement.json`` (committed) and ``pending.json`` (being loaded).
-
-    Both hold exactly ``Placement.to_json()``; a key is absent when there is no such placement.
+    """The placement ConfigMap: ``placement.json`` (committed) and ``pending.json`` (being loaded)
+    in ``binaryData``, packed (:mod:`eaas.runtime.placement.stored`); a key is absent when there is
+    no such placement. Raises ``PlacementTooLarge`` when they do not fit in a ConfigMap.
     """
     name = pool["metadata"]["name"]
-    data: dict[str, str] = {}
+    binary_data = stored.config_map_data(committed, pending)
     annotations: dict[str, str] = {}
     if committed is not None:
-        data[naming.PLACEMENT_KEY] = committed.to_json()
         annotations[naming.PLACEMENT_VERSION_ANNOTATION] = str(committed.version)
-    if pending is not None:
-        data[naming.PENDING_KEY] = pending.to_json()
     body = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -234,6 +232,6 @@ def placement_config_map(
             "labels": labels(pool),
             "annotations": annotations,
         },
-        "data": data,
+        "binaryData": binary_data,
     }
     return owned(body, pool)

@@ -23,6 +23,7 @@ from eaas.operator.kube import Kube, KubeError
 from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.renewals import RenewalClock
+from eaas.operator.triggers import Triggers
 
 FIELD_PATH = re.compile(r"[a-z][A-Za-z0-9]*(\.[a-z][A-Za-z0-9]*)*")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]  # (object, type, reason, message)
@@ -82,6 +83,7 @@ class Context:
     operator_namespace: str | None = None  # where the operator's pod runs (NetworkPolicies admit it)
     renewals: RenewalClock = field(default_factory=RenewalClock)  # when servers' Leases were seen renewed
     leases: LeaseWatch = field(init=False)  # what each Lease said last (the Lease watch)
+    triggers: Triggers = field(default_factory=Triggers)  # which objects' events call for a reconcile
     # Reconcile (kind, namespace, name) again in `delay` seconds (set by the handlers; a no-op
     # where nothing schedules, as in tests that call the reconcilers directly).
     recheck: Callable[[str, str, str, float], None] = lambda kind, namespace, name, delay: None
@@ -131,6 +133,7 @@ class Context:
     def forget(self, kind: str, namespace: str, name: str) -> None:
         with self._locks_guard:
             self._locks.pop((kind, namespace, name), None)
+        self.triggers.forget(kind, namespace, name)
         self.autoscalers.pop((namespace, name), None)
         self.rival_writers.discard((namespace, name))
         if self.rebalancer is not None and kind == "ExpertPool":

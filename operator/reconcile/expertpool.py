@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -16,17 +17,19 @@ from eaas.operator import rebalance as rebalance_plan
 from eaas.operator.api.kinds import EXPERTPOOL
 from eaas.operator.api.pools import ExpertPoolSpec
 from eaas.operator.builders import expertpool as build
-from eaas.operator.conditions import PROGRESSING, find
+from eaas.operator.conditions import DEGRADED, PROGRESSING, Observation, find
 from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.renewals import timestamp
 from eaas.operator.status import invalid_spec
+from eaas.runtime.placement import stored
 from eaas.runtime.placement.placement import Placement, PlacementError
 
 log = logging.getLogger("eaas.operator.expertpool")
 
 RECHECK_MARGIN_S = 0.05  # a reconcile scheduled for when a reported server's silence suffices
 MAX_REPORTED = 1024  # ordinals read from one client's word
+PLACEMENT_TOO_LARGE = "PlacementTooLarge"  # the reason when a placement cannot be stored
 PROBE_REUSE_S = 1.0  # a control port's answer this recent (and within a heartbeat interval) stands
 
 
@@ -96,9 +99,12 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
     # Act: publish first (a created pod must find its experts), then pods, then tell the world.
     if step.publish is not None:
         new_committed, new_pending = step.publish
-        ctx.kube.apply(build.placement_config_map(body, new_committed, new_pending))
-        ctx.metrics.placement_changes.labels("committed" if new_pending is None else "proposed").inc()
-        committed, pending = new_committed, new_pending
+        unstored = publish(ctx, body, new_committed, new_pending)
+        if unstored:
+            step = not_stored(step, unstored, committed, pending)
+        else:
+            ctx.metrics.placement_changes.labels("committed" if new_pending is None else "proposed").inc()
+            committed, pending = new_committed, new_pending
     for ordinal in step.create_pods:
         ctx.kube.create(build.pod(body, spec, ordinal))
     for ordinal in step.delete_pods:
@@ -274,18 +280,75 @@ def pod_state(
     )
 
 
+def publish(
+    ctx: Context, body: Mapping[str, Any], committed: Placement | None, pending: Placement | None
+) -> str:
+    """Write the placement ConfigMap; "" when written, else why it cannot be stored (too large for
+    a ConfigMap, by our count or the API server's). Other API errors are raised."""
+    newest = pending if pending is not None else committed
+    version = newest.version if newest is not None else 0
+    name = naming.placement_config_map_name(body["metadata"]["name"])
+    try:
+        config_map = build.placement_config_map(body, committed, pending)
+    except stored.PlacementTooLarge as error:
+        return f"placement v{version} cannot be stored: {error} (ConfigMap {name})"
+    try:
+        ctx.kube.apply(config_map)
+    except KubeError as error:
+        if not too_large(error):
+            raise
+        size = sum(len(base64.b64decode(value)) for value in config_map["binaryData"].values())
+        return (
+            f"placement v{version} cannot be stored: the placement ConfigMap would hold {size} bytes; "
+            f"the API server refused it ({error.status} {error.reason}: {error.api_message})"
+        )
+    return ""
+
+
+def too_large(error: KubeError) -> bool:
+    """The API server refused an object for its size (a ConfigMap's 1 MiB, or etcd's request limit)."""
+    message = error.api_message.lower()
+    return (
+        error.status == 413
+        or (error.status == 422 and "too long" in message)
+        or "request is too large" in message
+    )
+
+
+def not_stored(
+    step: expert_step.Step, why: str, committed: Placement | None, pending: Placement | None
+) -> expert_step.Step:
+    """The rest of `step` when its placement could not be written: pods of servers the stored
+    placements name are still created (the others would find no experts), deletions and releases
+    stand (they never depend on the new placement), and the pool says why in its conditions and
+    one Warning Event. The next pass plans again from what is stored: re-homing a lost server
+    never waits behind a change that cannot be written."""
+    placed = set(committed.ordinals if committed else ()) | set(pending.ordinals if pending else ())
+    conditions = [c for c in step.conditions if c.type not in (PROGRESSING, DEGRADED)]
+    return replace(
+        step,
+        publish=None,
+        create_pods=[n for n in step.create_pods if n in placed],
+        events=[expert_step.Event(PLACEMENT_TOO_LARGE, why, "Warning")],
+        conditions=[
+            *conditions,
+            Observation.of(PROGRESSING, False, PLACEMENT_TOO_LARGE, why),
+            Observation.of(DEGRADED, True, PLACEMENT_TOO_LARGE, why),
+        ],
+        progressing=PLACEMENT_TOO_LARGE,
+        progress_message=why,
+    )
+
+
 def read_placements(config_map: Mapping[str, Any] | None) -> tuple[Placement | None, Placement | None, str]:
     """(committed, pending, error) from the placement ConfigMap (all None/empty when it is absent)."""
     if config_map is None:
         return None, None, ""
-    data = config_map.get("data") or {}
-    placements: list[Placement | None] = []
-    for key in (naming.PLACEMENT_KEY, naming.PENDING_KEY):
-        try:
-            placements.append(Placement.from_json(data[key]) if key in data else None)
-        except PlacementError as error:
-            return None, None, f"ConfigMap {config_map['metadata']['name']} key {key}: {error}"
-    return placements[0], placements[1], ""
+    try:
+        committed, pending = stored.read_config_map(config_map)
+    except PlacementError as error:
+        return None, None, str(error)
+    return committed, pending, ""
 
 
 def server_reports(

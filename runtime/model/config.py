@@ -11,32 +11,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eaas.runtime.model.families import HFConfig, family_spec, write_common
+from eaas.runtime.model.families.base import check_features
+from eaas.runtime.model.rope_scaling import YarnScaling
+
 Family = Literal["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 AttentionKind = Literal["gqa", "mla"]
 ExpertActivation = Literal["silu", "clamped_swiglu"]
 FAMILIES: tuple[Family, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
-
-
-class YarnScaling(BaseModel):
-    """YaRN rotary scaling (``rope_scaling`` / ``rope_parameters`` with type ``yarn``).
-
-    Frequencies are blended between extrapolation and interpolation by ``factor`` over the
-    correction range given by ``beta_fast``/``beta_slow``; cos/sin are scaled by the attention
-    factor (given, or from ``mscale``/``mscale_all_dim``) and MLA's softmax scale by
-    ``mscale(factor, mscale_all_dim)**2``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    factor: float = Field(gt=0.0)
-    original_max_position_embeddings: int = Field(ge=1)
-    beta_fast: float = Field(default=32.0, gt=0.0)
-    beta_slow: float = Field(default=1.0, gt=0.0)
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
 
 
 class MoEConfig(BaseModel):
@@ -104,9 +87,6 @@ class MoEConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> MoEConfig:
-        from eaas.runtime.model.families import family_spec
-        from eaas.runtime.model.families.base import check_features
-
         def fail(field: str, message: str) -> None:
             raise ValueError(f"{field}: {message}")
 
@@ -199,15 +179,11 @@ class MoEConfig(BaseModel):
     # --- Hugging Face config.json ------------------------------------------------------------
     def to_hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of this family as transformers writes it (float32 weights)."""
-        from eaas.runtime.model.families import family_spec, write_common
-
         return {**write_common(self), **family_spec(self.family).write(self)}
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> MoEConfig:
         """Reads a ``config.json`` of a supported family; errors name the missing field."""
-        from eaas.runtime.model.families import HFConfig, family_spec
-
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(f"model_type: must be one of {', '.join(FAMILIES)}, got {model_type!r}")

@@ -5,7 +5,8 @@
 - `round_robin`: the simple placement the launcher starts from.
 - `diff` / `PlacementDiff`: expert loads and unloads between two placements.
 - `CostModel` and the objective (`predicted_seconds`, `step_seconds`, `imbalance`, ...).
-- Planners: `replicate_and_pack` (EPLB baseline), `cost_aware` (seed 002), `ilp` (exact oracle).
+- Planners: `replicate_and_pack` (EPLB baseline), `cost_aware` (“Latency-Optimal Load Balancing
+  for Distributed MoE Inference”), `ilp` (exact oracle).
 - Elastic operations: `add_server`, `drain_server`, `recover`.
 - `SyntheticTrace` / `TraceConfig`: drifting routing loads for benchmarks and tests.
 """

@@ -1,4 +1,5 @@
-"""The latency model every planner optimises (seed 002, "Latency-Optimal Load Balancing").
+"""The latency model every planner optimises (“Latency-Optimal Load Balancing for Distributed MoE
+Inference”, INET4AI 2025).
 
 Load is routed tokens per (layer, expert): ``load[L, E]`` float, rows in ``placement.layers`` order
 (L = MoE layers, E = experts, S = servers in ordinal order, T = steps). An expert's tokens are

@@ -1,5 +1,5 @@
-"""`cost_aware`: the latency-optimal rebalance of seed 002 ("Latency-Optimal Load Balancing for
-Distributed MoE Inference").
+"""`cost_aware`: the latency-optimal rebalance of “Latency-Optimal Load Balancing for Distributed
+MoE Inference” (INET4AI 2025).
 
 Unlike EPLB it starts from the current placement and only moves what pays: it minimises predicted
 latency over the next ``horizon_steps`` steps = compute (busiest server per layer) + weight

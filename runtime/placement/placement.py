@@ -22,12 +22,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from eaas.runtime.placement.diff import PlacementDiff
 
 SCHEMA_VERSION = 1
 """Version of the JSON form written by `Placement.to_dict`; `from_dict` reads only this one."""
@@ -403,12 +400,6 @@ class Placement:
             self._layers, self._num_experts, self._servers, self._matrix, self._replication, version
         )
 
-    def diff(self, new: Placement) -> PlacementDiff:
-        """Moves that turn this placement into ``new`` (see `eaas.runtime.placement.diff`)."""
-        from eaas.runtime.placement.diff import diff
-
-        return diff(self, new)
-
     def _hosted_tuples(self) -> tuple[tuple[LayerExpert, ...], ...]:
         if self._hosted is None:
             columns, rows, experts = np.nonzero(self._matrix)
@@ -449,47 +440,15 @@ class Placement:
     @classmethod
     def from_dict(cls, data: Any) -> Placement:
         """Parse `to_dict` output; malformed input raises `PlacementError` naming the field."""
-        if not isinstance(data, Mapping):
-            raise PlacementError(f"placement must be a JSON object, got {type(data).__name__}")
-        allowed = {"schema_version", "version", "num_experts", "layers", "replication", "servers"}
-        _check_keys(data, allowed, "placement")
-        schema = data.get("schema_version")
-        if schema != SCHEMA_VERSION:
-            raise PlacementError(
-                f"placement.schema_version is {schema!r}; this build reads schema_version {SCHEMA_VERSION}"
-            )
-        version = _need_int(data, "version", "placement")
-        num_experts = _need_int(data, "num_experts", "placement")
-        replication = _need_int(data, "replication", "placement")
-        layers = data.get("layers")
-        if not isinstance(layers, list) or not all(_is_int(layer) for layer in layers):
-            raise PlacementError(f"placement.layers must be a list of ints, got {layers!r:.80}")
-        raw_servers = data.get("servers")
-        if not isinstance(raw_servers, list):
-            raise PlacementError(f"placement.servers must be a list, got {type(raw_servers).__name__}")
-        servers: list[Server] = []
-        hosted: dict[int, list[LayerExpert]] = {}
-        for i, raw in enumerate(raw_servers):
-            where = f"placement.servers[{i}]"
-            if not isinstance(raw, Mapping):
-                raise PlacementError(f"{where} must be an object, got {type(raw).__name__}")
-            _check_keys(raw, {"ordinal", "name", "domain", "capacity", "experts"}, where)
-            ordinal = _need_int(raw, "ordinal", where)
-            capacity = _need_int(raw, "capacity", where)
-            name = raw.get("name")
-            domain = raw.get("domain")
-            for field, value in (("name", name), ("domain", domain)):
-                if value is not None and not isinstance(value, str):
-                    raise PlacementError(f"{where}.{field} must be a string or null, got {value!r}")
-            experts = raw.get("experts", [])
-            if not isinstance(experts, list):
-                raise PlacementError(f"{where}.experts must be a list of [layer, expert] pairs")
-            pairs = [_check_pair(pair, f"{where}.experts[{j}]") for j, pair in enumerate(experts)]
-            if ordinal in hosted:
-                raise PlacementError(f"{where}: ordinal {ordinal} appears twice")
-            servers.append(Server(ordinal=ordinal, capacity=capacity, name=name, domain=domain))
-            hosted[ordinal] = pairs
-        return cls(layers, num_experts, servers, hosted, replication=replication, version=version)
+        header, hosted = parse_dict(data)
+        return cls(
+            header.layers,
+            header.num_experts,
+            header.servers,
+            hosted,
+            replication=header.replication,
+            version=header.version,
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Placement:
@@ -517,6 +476,66 @@ class Placement:
             f"num_experts={self._num_experts}, servers={len(self._servers)}, "
             f"replication={self._replication}, pairs={int(self._matrix.sum())})"
         )
+
+
+@dataclass(frozen=True)
+class Header:
+    """A placement's fields other than who hosts what (see `Placement`)."""
+
+    layers: list[int]
+    num_experts: int
+    servers: list[Server]
+    replication: int
+    version: int
+
+
+def parse_dict(
+    data: Any, extra_keys: frozenset[str] = frozenset()
+) -> tuple[Header, dict[int, list[LayerExpert]]]:
+    """The header and ordinal → hosted pairs of `to_dict` output (a server's ``experts`` may be
+    absent: none); `extra_keys` are top-level keys also allowed. Malformed input raises
+    `PlacementError` naming the field."""
+    if not isinstance(data, Mapping):
+        raise PlacementError(f"placement must be a JSON object, got {type(data).__name__}")
+    allowed = {"schema_version", "version", "num_experts", "layers", "replication", "servers"}
+    _check_keys(data, allowed | extra_keys, "placement")
+    schema = data.get("schema_version")
+    if schema != SCHEMA_VERSION:
+        raise PlacementError(
+            f"placement.schema_version is {schema!r}; this build reads schema_version {SCHEMA_VERSION}"
+        )
+    version = _need_int(data, "version", "placement")
+    num_experts = _need_int(data, "num_experts", "placement")
+    replication = _need_int(data, "replication", "placement")
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not all(_is_int(layer) for layer in layers):
+        raise PlacementError(f"placement.layers must be a list of ints, got {layers!r:.80}")
+    raw_servers = data.get("servers")
+    if not isinstance(raw_servers, list):
+        raise PlacementError(f"placement.servers must be a list, got {type(raw_servers).__name__}")
+    servers: list[Server] = []
+    hosted: dict[int, list[LayerExpert]] = {}
+    for i, raw in enumerate(raw_servers):
+        where = f"placement.servers[{i}]"
+        if not isinstance(raw, Mapping):
+            raise PlacementError(f"{where} must be an object, got {type(raw).__name__}")
+        _check_keys(raw, {"ordinal", "name", "domain", "capacity", "experts"}, where)
+        ordinal = _need_int(raw, "ordinal", where)
+        capacity = _need_int(raw, "capacity", where)
+        name = raw.get("name")
+        domain = raw.get("domain")
+        for field, value in (("name", name), ("domain", domain)):
+            if value is not None and not isinstance(value, str):
+                raise PlacementError(f"{where}.{field} must be a string or null, got {value!r}")
+        experts = raw.get("experts", [])
+        if not isinstance(experts, list):
+            raise PlacementError(f"{where}.experts must be a list of [layer, expert] pairs")
+        pairs = [_check_pair(pair, f"{where}.experts[{j}]") for j, pair in enumerate(experts)]
+        if ordinal in hosted:
+            raise PlacementError(f"{where}: ordinal {ordinal} appears twice")
+        servers.append(Server(ordinal=ordinal, capacity=capacity, name=name, domain=domain))
+        hosted[ordinal] = pairs
+    return Header(layers, num_experts, servers, replication, version), hosted
 
 
 def domain_ids(servers: Sequence[Server]) -> tuple[np.ndarray, int]:

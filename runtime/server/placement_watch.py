@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eaas.runtime.contract import PENDING_KEY, PLACEMENT_KEY
-from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.placement import Placement, PlacementError, stored
 from eaas.runtime.placement.placement import LayerExpert
 from eaas.runtime.server.daemon import DaemonLoop
 from eaas.runtime.server.peers import holders_in
@@ -84,15 +84,16 @@ class PlacementFiles:
     def stamps(self) -> tuple[FileStamp, FileStamp]:
         return _stamp(self.committed_path), _stamp(self.pending_path)
 
-    def read_texts(self) -> tuple[str | None, str | None]:
+    def read_texts(self) -> tuple[bytes | None, bytes | None]:
+        """The files' contents as they are (packed or JSON: :mod:`eaas.runtime.placement.stored`)."""
         return _read(self.committed_path), _read(self.pending_path)
 
-    def parse(self, texts: tuple[str | None, str | None]) -> tuple[Placement | None, Placement | None]:
+    def parse(self, texts: tuple[bytes | None, bytes | None]) -> tuple[Placement | None, Placement | None]:
         """(committed, pending); raises ``PlacementError`` naming the file and the problem."""
         placements: list[Placement | None] = []
         for path, text in zip((self.committed_path, self.pending_path), texts, strict=True):
             try:
-                placements.append(None if text is None else Placement.from_json(text))
+                placements.append(None if text is None else stored.unpack(text))
             except PlacementError as error:
                 raise PlacementError(f"{path}: {error}") from error
         return placements[0], placements[1]
@@ -252,8 +253,8 @@ def _stamp(path: Path) -> FileStamp:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path) -> bytes | None:
     try:
-        return path.read_bytes().decode("utf-8", errors="replace")  # bad bytes fail as bad JSON
+        return path.read_bytes()
     except FileNotFoundError:
         return None

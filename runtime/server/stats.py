@@ -1,7 +1,7 @@
 """Per-(layer, expert) token counts: what the operator's placement planner consumes.
 
 They travel through the JSON stats endpoint, not Prometheus labels (one series per expert would
-explode Prometheus; CONVENTIONS.md, "Metrics").
+explode Prometheus's series count).
 """
 
 from __future__ import annotations

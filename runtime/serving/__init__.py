@@ -8,7 +8,8 @@ The front: ``serve`` (``AttentionService``: the HTTP service, placement swaps, r
 ``responses`` and ``response_output`` (OpenAI's Responses API over the chat path), ``tools`` and
 ``reasoning`` (tool calls and thinking in chat answers), ``text_stream`` (incremental detokenising),
 ``engine_worker`` (the thread that owns the engine), ``batch_scheduler`` (static batching, the
-baseline), ``metrics`` (Prometheus, with vLLM's names), ``cli_options`` (shared CLI options).
+baseline), ``metrics`` (Prometheus, with vLLM's names). Its command, ``eaas attention-client``, is in
+``runtime/commands/``.
 
 ``runtime/client/`` is the attention client's data path under it: routing, remote experts, failover.
 """

@@ -172,8 +172,8 @@ COMPLETION_FIELDS = frozenset(
         "frequency_penalty", "n", "best_of", "stop", "stop_token_ids", "logprobs", "echo", "stream",
         "stream_options", "user", "suffix", "ignore_eos", "response_format", "structured_outputs",
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "prompt_logprobs", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "spaces_between_special_tokens", "priority",
+        "guided_whitespace_pattern", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+        "spaces_between_special_tokens", "priority", "prompt_logprobs",
     }
 )  # fmt: skip
 # vLLM's and OpenAI's sampling fields that change nothing at these values (SDKs send defaults):

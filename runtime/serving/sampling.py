@@ -35,9 +35,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; N: the chosen token's and the N most likely
+    min_tokens: int = 0  # the stop tokens (stop_token_ids, EOS among them) are barred before this many
     # None: none; N: each prompt token's (after the first) and the N most likely at its position
     prompt_logprobs: int | None = None
-    min_tokens: int = 0  # the stop tokens (stop_token_ids, EOS among them) are barred before this many
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
@@ -94,7 +94,7 @@ def score(
     """Each token's log-probability (the log-softmax of the logits before it), its rank and the
     ``num_top`` most likely tokens there."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [T, V]
-    chosen = logprobs.gather(1, tokens[:, None])  # [T, 1]
+    chosen = logprobs.gather(1, tokens.to(logprobs.device)[:, None])  # [T, 1]
     ranks = (logprobs >= chosen).sum(dim=-1)  # [T]
     top_values, top_ids = torch.topk(logprobs, num_top)  # [T, N]
     return [

@@ -43,7 +43,7 @@ from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
 from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
-from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.placement import Placement, PlacementError, stored
 from eaas.runtime.serving import responses
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull
 from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
@@ -176,7 +176,7 @@ class AttentionService:
         self.placement: Placement | None = None
         self.leaving_since: float | None = None  # monotonic time of SIGTERM (:meth:`begin_leaving`)
         self.placement_error = "no placement read yet"
-        self._placement_text: str | None = None
+        self._placement_text: bytes | None = None
         self._next: tuple[Placement, RemoteExperts] | None = None  # prepared, swapped in by the worker
         # the experts of the last step and their expert seconds then (``_on_step``)
         self._stepped: tuple[RemoteExperts | None, float] = (None, 0.0)
@@ -295,7 +295,7 @@ class AttentionService:
     def _poll_placement(self) -> None:
         """Reads the placement file; a changed one gets connected ``RemoteExperts`` for the worker."""
         try:
-            text = self.placement_file.read_text()
+            text = self.placement_file.read_bytes()
         except OSError as exc:
             if self.placement is None:
                 self.placement_error = f"placement file not readable yet: {exc}"
@@ -304,7 +304,7 @@ class AttentionService:
             return
         self._placement_text = text
         try:
-            placement = Placement.from_json(text)
+            placement = stored.unpack(text)
             client_options = replace(self.options.client, client_id=f"attention-{uuid.uuid4().hex[:8]}")
             experts = RemoteExperts(self.config, placement, self.discovery(placement), client_options)
         except (PlacementError, ValueError) as exc:

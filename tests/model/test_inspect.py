@@ -6,8 +6,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from eaas.runtime.commands.model import model
 from eaas.runtime.model import CheckpointReader, preset, write_random_checkpoint
-from eaas.runtime.model.cli import model
 from eaas.runtime.model.inspect import summarize
 
 

@@ -25,7 +25,7 @@ from eaas.operator.reconcile import expertpool
 from eaas.operator.reconcile.context import Context
 from eaas.operator.renewals import RenewalClock
 from eaas.runtime.lease import LeaseSettings, lease_body, micro_time
-from eaas.runtime.placement import Placement
+from eaas.runtime.placement import Placement, stored
 
 POOL = "tiny-experts"
 
@@ -179,8 +179,7 @@ def watched(context: Context, kube: MemoryKube, ago: dict[int, float]) -> None:
 
 
 def pending_of(kube: MemoryKube) -> Placement | None:
-    data = kube.objects[("ConfigMap", naming.placement_config_map_name(POOL))]["data"]
-    return Placement.from_json(data[naming.PENDING_KEY]) if naming.PENDING_KEY in data else None
+    return stored.read_config_map(kube.objects[("ConfigMap", naming.placement_config_map_name(POOL))])[1]
 
 
 def test_a_server_a_client_fails_over_whose_port_refuses_is_replaced_at_once(pool: dict[str, Any]) -> None:

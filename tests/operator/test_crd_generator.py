@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import Field
 
-from eaas.operator import crdgen
+from eaas.operator import crdgen, crdschema
 from eaas.operator.api import KINDS, MOESERVICE, CRDModel, Rule
 from eaas.operator.api.kinds import EXPERTPOOL
 
@@ -47,7 +47,7 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 
 
 def spec_schema(kind: Any) -> dict[str, Any]:
-    return crdgen.crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return crdschema.crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 
 
 @pytest.mark.parametrize("directory", CRD_DIRS, ids=lambda d: str(d.relative_to(ROOT)))
@@ -80,7 +80,7 @@ def test_check_mode_reports_drift_and_writes_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.kind)
 def test_schemas_are_structural(kind: Any) -> None:
-    schema = crdgen.crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema = crdschema.crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in walk(schema):
         for forbidden in ("$ref", "$defs", "anyOf", "allOf", "oneOf", "title", "const"):
             assert forbidden not in node, f"{kind.kind}{path} has {forbidden}"
@@ -107,7 +107,7 @@ def test_generator_translates_pydantic_idioms() -> None:
         quantity: int | str = 1
         fixed: Literal["only"] = "only"
 
-    schema = crdgen.structural_schema(Outer)
+    schema = crdschema.structural_schema(Outer)
     props = schema["properties"]
     assert props["maybe"]["nullable"] is True and props["maybe"]["type"] == "object"
     assert "default" not in props["maybe"]
@@ -167,7 +167,7 @@ def test_schema_defaults_equal_pydantic_defaults(kind: Any, moes_body: dict[str,
 
 
 def test_crd_metadata() -> None:
-    expert = crdgen.crd(EXPERTPOOL)["spec"]
+    expert = crdschema.crd(EXPERTPOOL)["spec"]
     version = expert["versions"][0]
     assert version["subresources"]["scale"] == {
         "specReplicasPath": ".spec.replicas",
@@ -184,10 +184,10 @@ def test_crd_metadata() -> None:
         "R",
         "Age",
     ]
-    moes = crdgen.crd(MOESERVICE)["spec"]
+    moes = crdschema.crd(MOESERVICE)["spec"]
     assert moes["names"]["shortNames"] == ["moes"] and moes["scope"] == "Namespaced"
     for kind in KINDS:
-        spec = crdgen.crd(kind)["spec"]
+        spec = crdschema.crd(kind)["spec"]
         names = [c["name"] for c in spec["versions"][0]["additionalPrinterColumns"]]
         assert names[0] == "Ready" and names[-1] == "Age"
         assert "status" in spec["versions"][0]["subresources"]

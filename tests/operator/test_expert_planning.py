@@ -21,6 +21,7 @@ from eaas.operator.expert_step import (
     plan,
     serving_utilization,
 )
+from eaas.runtime.placement.diff import diff
 from eaas.runtime.placement.placement import Placement, PlacementError, Server
 
 SHAPE = planning.PoolShape(layers=(0, 1, 2), num_experts=8, replication=2)
@@ -50,7 +51,7 @@ def test_add_server_takes_a_fair_share_and_moves_little() -> None:
     check_invariants(after, SHAPE)
     assert after.version == before.version + 1 and after.ordinals == (0, 1, 2, 3)
     assert sorted(after.used_slots().values()) == [12, 12, 12, 12]
-    assert before.diff(after).num_moves == 12  # only the new server loads anything
+    assert diff(before, after).num_moves == 12  # only the new server loads anything
 
 
 def layer_spread(result: Placement) -> int:
@@ -80,7 +81,7 @@ def test_drain_server_rehomes_its_experts_keeping_r() -> None:
     after = planning.drain_server(before, SHAPE, 3)
     check_invariants(after, SHAPE)
     assert after.ordinals == (0, 1, 2)
-    moved = before.diff(after)
+    moved = diff(before, after)
     assert moved.removed_servers == (3,)
     assert moved.num_moves == len(before.experts_of(3))  # exactly the drained pairs are re-homed
 
@@ -268,7 +269,7 @@ def test_with_measured_load_the_cost_aware_operations_are_used() -> None:
     grown = planning.add_server(before, SHAPE, 3, "p-3", None, load=load)
     check_invariants(grown, SHAPE)
     assert grown.ordinals == (0, 1, 2, 3) and grown.version == before.version + 1
-    assert before.diff(grown).loads_by_server().keys() <= {3}  # only the new server loads weights
+    assert diff(before, grown).loads_by_server().keys() <= {3}  # only the new server loads weights
     shrunk = planning.drain_server(grown, SHAPE, 3, load=load)
     check_invariants(shrunk, SHAPE)
     assert shrunk.ordinals == (0, 1, 2)

@@ -15,7 +15,7 @@ from eaas.operator.builders import attentionpool, expertpool, moeservice
 from eaas.operator.builders.common import data_token_secret, merge_patch
 from eaas.operator.builders.network import network_policies
 from eaas.operator.planning import PoolShape, initial
-from eaas.runtime.placement.placement import Placement
+from eaas.runtime.placement import stored
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
@@ -144,18 +144,19 @@ def test_headless_service_publishes_every_server(
     }
 
 
-def test_placement_config_map_holds_placement_json_exactly(
+def test_placement_config_map_holds_both_placements_packed(
     pool_body: dict[str, Any], pool_spec: ExpertPoolSpec
 ) -> None:
     committed = initial(PoolShape.of(pool_spec), dict.fromkeys(range(3)), {})
     pending = committed.with_version(2)
     config_map = expertpool.placement_config_map(pool_body, committed, pending)
     assert config_map["metadata"]["name"] == "tiny-experts-placement"
-    assert config_map["data"][naming.PLACEMENT_KEY] == committed.to_json()
-    assert Placement.from_json(config_map["data"][naming.PENDING_KEY]) == pending
+    assert "data" not in config_map  # an older operator's JSON keys are dropped by the apply
+    assert set(config_map["binaryData"]) == {naming.PLACEMENT_KEY, naming.PENDING_KEY}
+    assert stored.read_config_map(config_map) == (committed, pending)
     assert config_map["metadata"]["annotations"][naming.PLACEMENT_VERSION_ANNOTATION] == "1"
     only_pending = expertpool.placement_config_map(pool_body, None, committed)
-    assert set(only_pending["data"]) == {naming.PENDING_KEY}
+    assert set(only_pending["binaryData"]) == {naming.PENDING_KEY}
 
 
 def test_attention_deployment_mounts_the_placement(

@@ -279,7 +279,7 @@ def test_the_crd_and_the_runtime_accept_the_same_revision_names(name: str) -> No
     import click
 
     from eaas.operator.api.common import REVISION
-    from eaas.runtime.serving.cli_options import check_revision
+    from eaas.runtime.commands.options import check_revision
 
     crd = re.fullmatch(REVISION[1:-1], name) is not None and len(name) <= 63
     try:

@@ -238,7 +238,7 @@ def test_diff_lists_loads_and_unloads() -> None:
     assert change.num_moves == 3 == num_moves(old, new)
     assert change.loads_by_server() == {1: [(0, 0)], 2: [(0, 0), (0, 1)]}
     assert change.max_loads_per_server() == 2
-    assert old.diff(old).is_empty
+    assert diff(old, old).is_empty
     with pytest.raises(PlacementError, match="different models"):
         diff(old, round_robin([1], 3, 2))
 

@@ -30,7 +30,7 @@ import torch
 from eaas.runtime.client import ClientOptions
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import ByteTokenizer, CheckpointReader, Decoder, load_reference
-from eaas.runtime.placement import round_robin
+from eaas.runtime.placement import round_robin, stored
 from eaas.runtime.serving import completions as completions_module
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull, take_batch
 from eaas.runtime.serving.paged_cache import KVPool
@@ -676,7 +676,7 @@ def test_pod_command_serves_from_environment_and_waits_for_the_placement(
             status, body = http("POST", f"{url}/v1/completions", {"prompt": "early"})
             assert status == 503 and "not ready" in body["error"]["message"]
             placement_file.parent.mkdir()
-            placement_file.write_text(placement.to_json())
+            placement_file.write_bytes(stored.pack(placement))  # as the operator's ConfigMap holds it
             wait_for(lambda: http("GET", f"{url}/readyz")[0] == 200, 20, "the placement to be read")
             status, body = http(
                 "POST",
@@ -708,7 +708,7 @@ def test_pod_command_serves_from_environment_and_waits_for_the_placement(
 
 # --- pure pieces -----------------------------------------------------------------------------------
 def test_a_leaving_attention_client_lingers_then_goes_once_nothing_is_in_flight() -> None:
-    from eaas.runtime.client.cli import LINGER_S, QUIET_S, Drain
+    from eaas.runtime.commands.attention_client import LINGER_S, QUIET_S, Drain
 
     drain = Drain(timeout_s=25)
     assert not drain.done(0.1, idle=True)  # requests may still come through stale endpoints

@@ -51,7 +51,7 @@ def test_attention_client_command_generates_against_running_servers(
     from click.testing import CliRunner
     from datapath_helpers import in_process_servers
 
-    from eaas.runtime.client.cli import attention_client
+    from eaas.runtime.commands.attention_client import attention_client
     from eaas.runtime.model import ByteTokenizer, CheckpointReader, load_reference
     from eaas.runtime.placement import round_robin
 

@@ -412,6 +412,12 @@ def test_eaas_serve_serves_a_preset_until_interrupted(tmp_path: Path) -> None:
             model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
         )
         assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+        response = api.responses.create(model=model.id, input="hi", max_output_tokens=5, temperature=0)
+        assert response.status == "incomplete" and response.usage.output_tokens == 5
+        root = url.removesuffix("/v1")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"{root}/health", timeout=10) as health:  # what GuideLLM probes
+            assert health.status == 200 and json.loads(health.read())["ready"]
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
         output = process.stdout.read().decode() if process.stdout else ""

@@ -20,7 +20,7 @@ import torch
 
 from eaas.runtime.client.connection import ServerConnection
 from eaas.runtime.model import CheckpointReader, ExpertStack, LocalExperts
-from eaas.runtime.placement import Placement, Server
+from eaas.runtime.placement import Placement, Server, stored
 from eaas.runtime.protocol import Status
 from eaas.runtime.server.placement_watch import Target, target_for
 from eaas.runtime.server.restack import restack
@@ -37,10 +37,10 @@ def placement(layers: list[int], num_experts: int, mine: list[Pair], version: in
     return Placement(layers, num_experts, servers, {0: mine, 1: everything}, replication=1, version=version)
 
 
-def write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str | bytes) -> None:
     """As kubelet does: the reader sees the old or the new file, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(text.encode() if isinstance(text, str) else text)
     tmp.replace(path)
 
 
@@ -161,13 +161,16 @@ def test_a_running_server_loads_moved_experts_and_drops_old_ones(
     assert refused.value.status == Status.NOT_HOSTED and "expert 2" in str(refused.value)
     assert "eaas_expert_server_placement_version 2.0" in get(f"{url}/metrics")[1].decode()
 
-    # Pending v3 (experts 0-3): served together with the committed v2 until v3 is committed.
+    # Pending v3 (experts 0-3), packed as the operator writes it: served together with the
+    # committed v2 (JSON, as an older operator wrote it) until v3 is committed.
     low = {(la, e) for la in layers for e in range(4)}
-    write_atomically(directory / "pending.json", placement(layers, num_experts, sorted(low), 3).to_json())
+    write_atomically(directory / "pending.json", stored.pack(placement(layers, num_experts, sorted(low), 3)))
     wait_for(lambda: info(url)["placement_version"] == 3, "pending placement v3 to be loaded")
     assert hosted(url) == odds | low
     # Commit: placement.json = v3, pending.json removed -> the experts only v2 had are dropped.
-    write_atomically(directory / "placement.json", placement(layers, num_experts, sorted(low), 3).to_json())
+    write_atomically(
+        directory / "placement.json", stored.pack(placement(layers, num_experts, sorted(low), 3))
+    )
     (directory / "pending.json").unlink()
     wait_for(lambda: hosted(url) == low, "the experts of v2 alone to be dropped")
     assert info(url)["placement_version"] == 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eaas.runtime.serving.cli_options import REASONING_PARSERS
+from eaas.runtime.commands.options import REASONING_PARSERS
 from eaas.runtime.serving.reasoning import STYLES, StreamedReasoning, reasoning_style
 
 R1, QWEN3 = STYLES["deepseek_r1"], STYLES["qwen3"]

@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 
 from eaas.runtime import contract
-from eaas.runtime.client.cli import attention_client
-from eaas.runtime.server.cli import expert_server
-from eaas.runtime.serving.cli_options import apply_threads, threads_option
+from eaas.runtime.commands.attention_client import attention_client
+from eaas.runtime.commands.expert_server import expert_server
+from eaas.runtime.commands.options import apply_threads, threads_option
 
 
 @threads_option

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from eaas.runtime.commands.options import TOOL_CALL_PARSERS
 from eaas.runtime.model.tokenizer import HFTokenizer
 from eaas.runtime.serving.chat import ChatTemplate, parse_messages
-from eaas.runtime.serving.cli_options import TOOL_CALL_PARSERS
 from eaas.runtime.serving.grammar import TEXT_MARKERS, Grammars
 from eaas.runtime.serving.http_api import ApiError
 from eaas.runtime.serving.reasoning import STYLES

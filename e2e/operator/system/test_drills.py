@@ -7,7 +7,7 @@ the single-process reference model, and it prints the interruption (the longest 
 streamed chunks of any request during the drill, against the same before it) and the time until the
 pool is back to full R. docs/benchmarks.md records what they printed.
 
-Drills 9-11 are the disruptions on purpose (issue 33): SIGTERM of an expert server, of an
+Drills 9-11 are the disruptions on purpose: SIGTERM of an expert server, of an
 attention pod, and `kubectl drain` of a node, where nothing may fail and R may never break (a
 server that received SIGTERM counts while it still serves). Drill 14, a new model revision rolled
 out blue/green, comes last: the MoEService serves another checkpoint after it.
@@ -490,9 +490,8 @@ def owned_state(system: System) -> dict[str, Any]:
         deployment.metadata.generation,
         api.sanitize_for_serialization(deployment.spec),
     )
-    state["configmap/placement"] = cluster.core.read_namespaced_config_map(
-        f"{POOL}-placement", namespace
-    ).data
+    config_map = cluster.core.read_namespaced_config_map(f"{POOL}-placement", namespace)
+    state["configmap/placement"] = (config_map.data, config_map.binary_data)
     return state
 
 
@@ -886,9 +885,9 @@ def test_a_runtime_upgrade_rolls_one_server_at_a_time_and_a_revert_converges(sys
 
 
 def test_a_model_revision_rolls_out_blue_green_and_no_answer_mixes_revisions(system: System) -> None:
-    """Drill 14 (issue 33's drill 5): a new checkpoint of the same architecture (other weights) as
-    revision ``r2``, under load through the MoEService's Service. The new pair of pools comes up
-    beside the serving one; the Service moves to it when it is settled; the old attention pods
+    """Drill 14, a model revision rolled out blue/green: a new checkpoint of the same architecture
+    (other weights) as revision ``r2``, under load through the MoEService's Service. The new pair of
+    pools comes up beside the serving one; the Service moves to it when it is settled; the old attention pods
     finish their requests, then the old expert servers go. No request fails, every answer names
     one revision and equals that revision's reference, and both revisions answer."""
     ns, plane = system.namespace, system.plane

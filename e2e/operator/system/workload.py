@@ -30,7 +30,7 @@ from kubernetes import client, watch
 
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane
-from e2e.operator.harness import OperatorProcess
+from e2e.operator.harness import OperatorProcess, stored_placements
 from e2e.operator.system.conftest import pod_logs
 from e2e.operator.test_operator_lifecycle import (
     ATTENTION,
@@ -523,8 +523,10 @@ class System:
 
     def placement(self) -> tuple[Placement, bool]:
         """The committed placement, and whether a pending one is being loaded."""
-        data = self.cluster.core.read_namespaced_config_map(f"{POOL}-placement", self.namespace).data
-        return Placement.from_json(data["placement.json"]), "pending.json" in data
+        config_map = self.cluster.core.read_namespaced_config_map(f"{POOL}-placement", self.namespace)
+        committed, pending = stored_placements(config_map)
+        assert committed is not None, "no committed placement"
+        return committed, pending is not None
 
     def server_log(self, pod_name: str) -> str:
         """The expert-server container's log of the newest pod named `pod_name` (the process runner
@@ -667,7 +669,7 @@ def sigstop_drill(system: System, name: str = "drill 3 (SIGSTOP)") -> None:
 
 def assert_replaced_on_the_clients_word(replaced: float | None, name: str) -> None:
     """The placement without the victim was committed before its Lease could have expired: the
-    operator acted on its clients' word (issue 30's targets, 1.5 s after a SIGKILL and 2.5 s after
+    operator acted on its clients' word (the re-planning targets, 1.5 s after a SIGKILL and 2.5 s after
     a SIGSTOP, are printed by :func:`drill` and recorded in docs/benchmarks.md; a shared CI machine
     is held to the bound that tells the two paths apart)."""
     assert replaced is not None, f"{name}: no placement without the victim was committed"
@@ -851,12 +853,12 @@ class CommitWatch(ResumingWatch):
         self._selector = f"metadata.name={name}"
         configmap = system.cluster.core.read_namespaced_config_map(name, system.namespace)
         self._since = configmap.metadata.resource_version
-        self._saw(configmap.data)
+        self._saw(configmap)
 
-    def _saw(self, data: dict[str, str] | None) -> None:
-        if not data or "placement.json" not in data:
+    def _saw(self, configmap: Any) -> None:
+        placement = stored_placements(configmap)[0]
+        if placement is None:
             return
-        placement = Placement.from_json(data["placement.json"])
         with self._lock:
             if not self.commits or self.commits[-1][0] != placement.version:
                 self.commits.append((placement.version, placement.ordinals))
@@ -872,11 +874,10 @@ class CommitWatch(ResumingWatch):
         # what is there now. Versions only grow, so an unchanged one means nothing was missed.
         core = self.system.cluster.core
         configmap = core.read_namespaced_config_map(f"{POOL}-placement", self.system.namespace)
-        data = configmap.data or {}
-        text = data.get("placement.json")
-        if self.commits and text and Placement.from_json(text).version != self.commits[-1][0]:
+        placement = stored_placements(configmap)[0]
+        if self.commits and placement is not None and placement.version != self.commits[-1][0]:
             self._gap()
-        self._saw(data)
+        self._saw(configmap)
         return str(configmap.metadata.resource_version)
 
     def _stream(self, since: str) -> Iterator[dict[str, Any]]:
@@ -891,7 +892,7 @@ class CommitWatch(ResumingWatch):
 
     def _event(self, kind: str, obj: Any) -> None:
         if kind in ("ADDED", "MODIFIED"):
-            self._saw(obj.data)
+            self._saw(obj)
 
 
 class ReplicaWatch(DaemonLoop):

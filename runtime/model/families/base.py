@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from eaas.runtime.model.rope_scaling import YarnScaling
+
 if TYPE_CHECKING:
     from eaas.runtime.model.config import MoEConfig
 
@@ -87,8 +89,6 @@ class HFConfig:
 
     def rope(self) -> dict[str, Any]:
         """``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor`` from either layout."""
-        from eaas.runtime.model.config import YarnScaling
-
         params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
         kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
         theta = params.pop("rope_theta", None) or self.hf.get("rope_theta") or 10000.0

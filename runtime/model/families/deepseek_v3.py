@@ -4,9 +4,8 @@ routed scaling and shared experts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.families.base import (
     Fail,
     FamilySpec,
@@ -15,6 +14,9 @@ from eaas.runtime.model.families.base import (
     require,
     write_grouped_sigmoid,
 )
+
+if TYPE_CHECKING:
+    from eaas.runtime.model.config import MoEConfig
 
 
 def read(source: HFConfig) -> dict[str, Any]:

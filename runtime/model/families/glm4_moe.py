@@ -3,9 +3,8 @@ GQA attention with q/k/v biases, optional q/k norm and rotary on part of each he
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.families.base import (
     Fail,
     FamilySpec,
@@ -14,6 +13,9 @@ from eaas.runtime.model.families.base import (
     require,
     write_grouped_sigmoid,
 )
+
+if TYPE_CHECKING:
+    from eaas.runtime.model.config import MoEConfig
 
 
 def read(source: HFConfig) -> dict[str, Any]:

@@ -5,10 +5,12 @@ dequantised on load)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.families.base import FEATURES, Fail, FamilySpec, HFConfig, require
+
+if TYPE_CHECKING:
+    from eaas.runtime.model.config import MoEConfig
 
 
 def read(source: HFConfig) -> dict[str, Any]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.families.base import Fail, FamilySpec, HFConfig, require
+
+if TYPE_CHECKING:
+    from eaas.runtime.model.config import MoEConfig
 
 
 def read(source: HFConfig) -> dict[str, Any]:

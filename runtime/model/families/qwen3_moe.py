@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.families.base import (
     Fail,
     FamilySpec,
@@ -13,6 +12,9 @@ from eaas.runtime.model.families.base import (
     require,
     write_qwen_moe,
 )
+
+if TYPE_CHECKING:
+    from eaas.runtime.model.config import MoEConfig
 
 
 def read(source: HFConfig) -> dict[str, Any]:

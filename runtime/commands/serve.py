@@ -23,13 +23,13 @@ from pathlib import Path
 import click
 
 from eaas.runtime.auth import Tokens
-from eaas.runtime.model.config import FAMILIES
-from eaas.runtime.serving.cli_options import (
+from eaas.runtime.commands.options import (
     apply_threads,
     kernel_backend_option,
     log_level_option,
     serving_feature_options,
 )
+from eaas.runtime.model.config import FAMILIES
 from eaas.runtime.transport import host_transport_names
 
 

@@ -1,5 +1,7 @@
-"""The serving features' command-line options, shared by ``eaas serve`` and ``eaas attention-client``
-(kept free of heavy imports: ``--help`` must not load torch)."""
+"""The command-line options the commands share: ``--log-level``, ``--threads``, ``--model-revision``,
+``--kernel-backend`` (expert servers and the commands that start them) and the serving features of
+``eaas serve`` and ``eaas attention-client`` (kept free of heavy imports: ``--help`` must not load
+torch)."""
 
 from __future__ import annotations
 

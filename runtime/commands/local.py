@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from eaas.runtime.auth import Tokens
+from eaas.runtime.commands.options import apply_threads, kernel_backend_option
 from eaas.runtime.model.config import FAMILIES, Family
-from eaas.runtime.serving.cli_options import apply_threads, kernel_backend_option
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:

@@ -25,14 +25,14 @@ import click
 
 from eaas.runtime import contract
 from eaas.runtime.auth import data_token_options, data_tokens_from
-from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
-from eaas.runtime.serving.cli_options import (
+from eaas.runtime.commands.options import (
     apply_threads,
     log_level_option,
     model_revision_option,
     serving_feature_options,
     threads_option,
 )
+from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options
 from eaas.runtime.transport import host_transport_names
 
 if TYPE_CHECKING:
@@ -379,12 +379,12 @@ def _one_shot(
 ) -> None:
     from eaas.runtime.client import AttentionClient, ExpertUnavailable, HandshakeError
     from eaas.runtime.model import ByteTokenizer
-    from eaas.runtime.placement import Placement, PlacementError
+    from eaas.runtime.placement import PlacementError, stored
     from eaas.runtime.serving.serve import expert_urls
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        placement = Placement.from_json(placement_path.read_text())
+        placement = stored.unpack(placement_path.read_bytes())
     except (OSError, PlacementError) as exc:
         raise click.BadParameter(str(exc), param_hint="--placement") from exc
     try:
