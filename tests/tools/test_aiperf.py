@@ -36,7 +36,10 @@ def test_a_streamed_chat_run_completes_every_request(tool_venv: Path, served: Se
     for name in ("time_to_first_token", "inter_token_latency", "request_latency"):
         figures = report[name]
         assert figures["count"] == REQUESTS, (name, figures)
-        assert 0 < figures["min"] <= figures["p50"] <= figures["max"], (name, figures)
+        assert 0 <= figures["min"] <= figures["p50"] <= figures["max"], (name, figures)
+    # ITL may be 0: the random preset's bytes are often no complete UTF-8 character, and the server
+    # holds such text back until it is, so an answer can come in one chunk. The others are not 0.
+    assert report["time_to_first_token"]["min"] > 0 and report["request_latency"]["min"] > 0
     assert report["request_latency"]["min"] > report["time_to_first_token"]["min"]
     lengths = report["output_sequence_length"]  # the server's usage.completion_tokens
     assert lengths["min"] == lengths["max"] == OUTPUT_TOKENS, lengths

@@ -46,7 +46,11 @@ def test_a_concurrent_run_completes_every_request(tool_venv: Path, served: Serve
     for name, count in counts.items():
         figures: dict[str, Any] = metrics[name]["successful"]
         assert figures["count"] == count, (name, figures)
-        assert 0 < figures["min"] <= figures["median"] <= figures["max"], (name, figures)
+        assert 0 <= figures["min"] <= figures["median"] <= figures["max"], (name, figures)
+    # An ITL may be 0: the random preset's bytes are often no complete UTF-8 character, and the
+    # server holds such text back until it is, so several tokens can come in one chunk.
+    assert metrics["time_to_first_token_ms"]["successful"]["min"] > 0
+    assert metrics["request_latency"]["successful"]["min"] > 0
     # The first token comes before the last: a request's latency exceeds its TTFT.
     assert (
         metrics["request_latency"]["successful"]["max"] * 1000
