@@ -8,7 +8,7 @@ DEPS_STAMP := $(VENV)/.eaas-deps
 # setuptools' default editable install (an import hook), but it reads the link tree.
 EDITABLE := --config-settings editable_mode=strict
 
-.PHONY: help install serve demo test lint typecheck unit e2e crds clean image
+.PHONY: help install serve demo test lint typecheck unit e2e crds clean image tools-venv
 help: ## this list (every target, from the `## ` note on its line)
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-zA-Z0-9_-]+:[^#]*## / {printf "make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
@@ -44,7 +44,12 @@ unit: install ## the tests that need no Kubernetes control plane
 e2e: install k8s-bins ## the tests on the real Kubernetes control plane
 	$(PY) -m pytest -m e2e
 
-test: install k8s-bins ## lint, typecheck and the whole test suite (what CI runs)
+# GuideLLM, lm-evaluation-harness and AIPerf (tests/tools/), pinned in tests/tools/requirements.txt:
+# a venv of their own, built once into ~/.cache/eaas, that reuses the project's .venv packages (torch).
+tools-venv: install ## the venv of the serving tools the tests run (GuideLLM, lm-eval, AIPerf), once into ~/.cache/eaas
+	@bash tests/tools/build-venv.sh >/dev/null
+
+test: install k8s-bins tools-venv ## lint, typecheck and the whole test suite (what CI runs)
 	$(MAKE) --no-print-directory lint typecheck
 	$(PY) -m pytest
 

@@ -25,6 +25,7 @@ COMMANDS = {
     "apt-get", "openssl", "skopeo", "for", "do", "done", "if", "then", "fi", "while", "echo", "cat",
     "sudo", "mkdir", "ls", "rm", "cp", "kill", "bash", "source", "docker", "pytest", "ulimit",
     "watch", "nvidia-smi", "ibv_devinfo", "ucx_info", "grep", "sleep", "uv", "time", "unset", "go", "eval",
+    "guidellm", "lm-eval", "aiperf",
 }  # fmt: skip
 REPO_PATH = re.compile(
     r"^(?:\./)?((?:manifests|charts|benchmarks|e2e|docs|crds|image|tests|kernels)/[\w./-]+)"

@@ -88,6 +88,24 @@ def init_cmd(
     click.echo(f"wrote {family}/{preset_name} ({size_mib:.1f} MiB, {shards} shards) to {out}")
 
 
+@model.command("tokenizer", short_help="Write a preset's tokenizer as Hugging Face files.")
+@click.argument("preset_spec", metavar="FAMILY/PRESET")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+def tokenizer_cmd(preset_spec: str, out: Path) -> None:
+    """Write the tokenizer `eaas serve --preset FAMILY/PRESET` uses (the byte tokenizer: one token
+    per UTF-8 byte) as tokenizer.json + tokenizer_config.json in OUT, for tools that load a
+    tokenizer by directory (transformers' AutoTokenizer, GuideLLM, lm-evaluation-harness, AIPerf)."""
+    from eaas.runtime.model.presets import preset_of_spec
+    from eaas.runtime.model.tokenizer import write_byte_tokenizer
+
+    try:
+        config = preset_of_spec(preset_spec)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="FAMILY/PRESET") from exc
+    write_byte_tokenizer(out, config.max_position_embeddings)
+    click.echo(f"wrote the tokenizer of {preset_spec} (one token per UTF-8 byte) to {out}")
+
+
 @model.command("inspect", short_help="Family, sizes, dtypes and memory per server of a checkpoint.")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--servers", default=8, show_default=True, help="expert servers in the pool")

@@ -196,18 +196,11 @@ def serve(
 
 
 def _random_checkpoint(spec: str, workdir: Path) -> Path:
-    from eaas.runtime.model import preset, write_random_checkpoint
+    from eaas.runtime.model import preset_of_spec, write_random_checkpoint
 
-    family, slash, name = spec.partition("/")
-    if not slash:
-        raise click.BadParameter(
-            f"FAMILY/PRESET is needed, e.g. mixtral/tiny (families: {', '.join(FAMILIES)}; "
-            f"`eaas model presets` lists the presets), got {spec!r}",
-            param_hint="--preset",
-        )
     try:
-        config = preset(family, name or "tiny")  # type: ignore[arg-type]
+        config = preset_of_spec(spec)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--preset") from exc
-    click.echo(f"writing a random {family}/{name or 'tiny'} checkpoint ...", err=True)
+    click.echo(f"writing a random {spec} checkpoint ...", err=True)
     return write_random_checkpoint(config, workdir / "checkpoint", seed=0)

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from eaas.runtime.model.decoder import Decoder, MoEExecutor
     from eaas.runtime.model.expert_side import ExpertStack, LocalExperts
     from eaas.runtime.model.kv_cache import KVCache, KVCacheFull
-    from eaas.runtime.model.presets import preset, preset_names
+    from eaas.runtime.model.presets import preset, preset_names, preset_of_spec
     from eaas.runtime.model.reference import load_reference
-    from eaas.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from eaas.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, write_byte_tokenizer
 
 _SUBMODULE = {
     "AttentionSide": "attention_side",
@@ -36,10 +36,12 @@ _SUBMODULE = {
     "KVCacheFull": "kv_cache",
     "preset": "presets",
     "preset_names": "presets",
+    "preset_of_spec": "presets",
     "load_reference": "reference",
     "ByteTokenizer": "tokenizer",
     "HFTokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
+    "write_byte_tokenizer": "tokenizer",
 }
 
 
@@ -74,5 +76,7 @@ __all__ = [
     "load_tokenizer",
     "preset",
     "preset_names",
+    "preset_of_spec",
+    "write_byte_tokenizer",
     "write_random_checkpoint",
 ]

@@ -331,3 +331,14 @@ def preset(family: Family, name: str = "tiny", **overrides: Any) -> MoEConfig:
     if name not in PRESETS[family]:
         raise ValueError(f"preset: {family} has {', '.join(PRESETS[family])}; got {name!r}")
     return MoEConfig(family=family, **{**PRESETS[family][name], **overrides})
+
+
+def preset_of_spec(spec: str) -> MoEConfig:
+    """The preset ``FAMILY/PRESET`` (``eaas serve --preset``'s form; ``FAMILY/`` is the tiny one)."""
+    family, slash, name = spec.partition("/")
+    if not slash:
+        raise ValueError(
+            f"FAMILY/PRESET is needed, e.g. mixtral/tiny (families: {', '.join(PRESETS)}; "
+            f"`eaas model presets` lists the presets), got {spec!r}"
+        )
+    return preset(family, name or "tiny")  # type: ignore[arg-type]

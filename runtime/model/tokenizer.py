@@ -9,6 +9,10 @@ Special tokens are kept out of decoded text, except the *markers* the server's c
 Both decode whole id lists; streaming callers (``serving/text_stream.py``) decode a short window
 of the growing list and hold back a trailing U+FFFD, so a character split over several tokens is
 released only once complete.
+
+``write_byte_tokenizer`` writes the byte tokenizer as Hugging Face files (``tokenizer.json`` and
+``tokenizer_config.json``), for tools that load a tokenizer by directory (``AutoTokenizer``):
+they then count and split text exactly as a random checkpoint's server does.
 """
 
 from __future__ import annotations
@@ -127,6 +131,47 @@ def load_tokenizer(directory: str | Path, vocab_size: int) -> Tokenizer:
             ".save_pretrained(DIR), where the tokenizer converts to a fast one)"
         )
     return ByteTokenizer(vocab_size)
+
+
+BYTE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table of byte-level BPE: printable bytes stand for themselves, the
+    others for characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return chars
+
+
+def write_byte_tokenizer(directory: str | Path, max_length: int) -> Path:
+    """Write the byte tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` in `directory`
+    (created if missing; returned): a byte-level BPE without merges whose token for byte b has id
+    b, so it encodes text to its UTF-8 bytes. It has only those 256 tokens: the model's ids past
+    them decode to nothing, as on the server (a tokenizer does not look ids it lacks up). No BOS,
+    EOS or chat template: the byte tokenizer has none. `max_length` is the model's context
+    (``model_max_length``, to which tools truncate prompts)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {char: byte for byte, char in byte_level_chars().items()}
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
 
 
 def chat_template(directory: str | Path) -> str | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from eaas.runtime.model.tokenizer import byte_level_chars
+
 REPLACEMENT = "\ufffd"
 
 
@@ -115,7 +117,7 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes | None]:
 
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return lambda token: None
-    byte_of = {char: byte for byte, char in _byte_level_chars().items()}
+    byte_of = {char: byte for byte, char in byte_level_chars().items()}
     added = set(backend.get_added_tokens_decoder())
 
     def lookup(token: int) -> bytes | None:
@@ -125,13 +127,3 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes | None]:
         return bytes(byte_of[c] for c in piece)
 
     return lookup
-
-
-def _byte_level_chars() -> dict[int, str]:
-    """GPT-2's byte -> character table of byte-level BPE: printable bytes stand for themselves, the
-    others for characters from U+0100 on, in byte order."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
-    chars = {b: chr(b) for b in printable}
-    for n, b in enumerate(b for b in range(256) if b not in chars):
-        chars[b] = chr(256 + n)
-    return chars
