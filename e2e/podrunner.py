@@ -1109,6 +1109,10 @@ class PodWorker(threading.Thread):
             return
         previous = {c["type"]: c["status"] for c in (self.last_status or {}).get("conditions", [])}
         stamped = copy.deepcopy(status)
+        if self.problem is None:
+            # A strategic merge patch keeps the keys it omits: null clears the reason that kept the
+            # pod from starting, as a kubelet's status does once the containers run.
+            stamped["reason"] = stamped["message"] = None
         for item in stamped["conditions"]:
             if previous.get(item["type"]) != item["status"]:
                 item["lastTransitionTime"] = now()

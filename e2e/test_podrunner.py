@@ -185,3 +185,34 @@ def test_resource_field_refs_get_what_kubelet_gives(resource: str, divisor: str 
 def test_resource_field_refs_the_runner_cannot_answer_are_refused(ref: dict[str, str]) -> None:
     with pytest.raises(Unsupported):
         _resource_value(CONTAINER, ref, ALLOCATABLE)
+
+
+def test_a_pod_that_starts_after_a_config_error_keeps_no_stale_reason(runner_cluster: Cluster) -> None:
+    """As the kubelet does: the reason a pod could not start (its ConfigMap not created yet) is
+    reported while it lasts and cleared once the containers run (`kubectl get pods` shows a pod's
+    status.reason over its phase, so a stale one reads as an error on a Ready pod)."""
+    core = runner_cluster.core
+    with runner_cluster.namespace("late-config") as namespace:
+        pod = _web_pod("late")
+        pod["spec"]["volumes"] = [{"name": "placement", "configMap": {"name": "placement"}}]
+        pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "placement", "mountPath": "/placement"}]
+        core.create_namespaced_pod(namespace, pod)
+
+        def status() -> Any:
+            return core.read_namespaced_pod("late", namespace).status
+
+        def config_error() -> bool:
+            statuses = status().container_statuses or []
+            waiting = statuses[0].state.waiting if statuses else None
+            return waiting is not None and waiting.reason == "CreateContainerConfigError"
+
+        wait_until(config_error, 60, "the pod waiting on its ConfigMap")
+        assert status().reason == "CreateContainerConfigError", status()
+        core.create_namespaced_config_map(
+            namespace, {"metadata": {"name": "placement"}, "data": {"placement.json": "{}"}}
+        )
+        wait_until(lambda: _condition(status().conditions, "Ready") == "True", 60, "the pod Ready")
+        ready = status()
+        assert ready.reason is None and ready.message is None, ready
+        state = ready.container_statuses[0].state
+        assert state.running is not None and state.waiting is None, state
