@@ -83,6 +83,7 @@ class PodState:
     unready_seconds: float = 0.0  # how long the pod has not been Ready (0 while Ready)
     retiring: bool = False  # marked for retirement (``eaas.io/retire``)
     node: str = ""  # where it runs (its failure domain), "" until scheduled
+    problem: str = ""  # what keeps it from running, from its status ("" if nothing, or starting)
 
 
 @dataclass(frozen=True)
@@ -715,6 +716,26 @@ def short_of_r(placement: Placement, live: set[int]) -> list[tuple[int, int]]:
     return [(layers[li], int(e)) for li, e in zip(*np.nonzero(counts < placement.replication), strict=True)]
 
 
+PODS_NAMED = 3  # pods whose blocking reasons a condition message names (the rest are counted)
+
+
+def _pod_problems(o: Observed) -> str:
+    """What the first pods that are not Ready say keeps them from running (what the pool waits
+    on), as a suffix of a condition message: ``" (pod p-0: reason: message; 2 more)"``, or ""."""
+    blocked = [p for _, p in sorted(o.pods.items()) if p.problem and not p.ready and not p.terminating]
+    if not blocked:
+        return ""
+    named = "; ".join(f"pod {o.pool}-{p.ordinal}: {p.problem}" for p in blocked[:PODS_NAMED])
+    more = len(blocked) - PODS_NAMED
+    return f" ({named}" + (f"; {more} more" if more > 0 else "") + ")"
+
+
+def tells(condition: Mapping[str, object], message: str) -> bool:
+    """Whether a condition's message is `message` (followed by the pods it waits on, if any)."""
+    said = str(condition.get("message") or "")
+    return said == message or said.startswith(message + " (pod ")
+
+
 def _conditions(o: Observed, step: Step) -> list[Observation]:
     if o.placement_error:
         return [
@@ -722,16 +743,21 @@ def _conditions(o: Observed, step: Step) -> list[Observation]:
             Observation.of(PROGRESSING, False, "PlacementInvalid", "fix or delete the placement ConfigMap"),
             Observation.of(DEGRADED, True, "PlacementInvalid", o.placement_error),
         ]
+    problems = _pod_problems(o)
+    message = step.progress_message or (
+        f"{len(o.committed.ordinals) if o.committed else 0} servers, no change in flight"
+    )
     progressing = Observation.of(
         PROGRESSING,
         bool(step.progressing),
         step.progressing or "Stable",
-        step.progress_message
-        or f"{len(o.committed.ordinals) if o.committed else 0} servers, no change in flight",
+        message + problems if step.progressing else message,
     )
     if o.committed is None:
         return [
-            Observation.of(READY, False, "PlacementPending", "the first placement is not committed yet"),
+            Observation.of(
+                READY, False, "PlacementPending", "the first placement is not committed yet" + problems
+            ),
             progressing,
             Observation.of(DEGRADED, False, "PlacementPending", "nothing is serving yet"),
         ]
@@ -740,7 +766,10 @@ def _conditions(o: Observed, step: Step) -> list[Observation]:
     fewest = live_replicas(o.committed, live)
     if fewest == 0:
         ready = Observation.of(
-            READY, False, "ExpertUnavailable", f"some experts have no live replica; servers down: {down}"
+            READY,
+            False,
+            "ExpertUnavailable",
+            f"some experts have no live replica; servers down: {down}" + problems,
         )
     else:
         ready = Observation.of(
@@ -757,7 +786,8 @@ def _conditions(o: Observed, step: Step) -> list[Observation]:
             "ServersUnavailable",
             f"servers {down} are not live; fewest live replicas of an expert: {fewest} "
             f"(R={o.committed.replication}); {len(short)} (layer, expert) pairs below R"
-            + (f", e.g. {examples}" if short else ""),
+            + (f", e.g. {examples}" if short else "")
+            + problems,
         )
     else:
         degraded = Observation.of(

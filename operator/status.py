@@ -119,3 +119,42 @@ def invalid_spec(message: str) -> list[Observation]:
         Observation.of(PROGRESSING, False, "InvalidSpec", "fix the spec; nothing is changed until then"),
         Observation.of(DEGRADED, True, "InvalidSpec", message),
     ]
+
+
+POD_PROBLEM_CHARS = 240  # a pod's blocking reason is cut to this in a condition message
+STARTING = frozenset({"ContainerCreating", "PodInitializing"})  # waiting reasons of a pod on its way
+
+
+def pod_problem(pod: Mapping[str, Any]) -> str:
+    """What keeps a pod from running, as its status says ("" when nothing does, or it is only
+    starting): a failed scheduling, a container waiting for another reason than its start (with
+    its last exit code when it keeps failing), one that exited and stays down, the pod's own
+    reason. At most :data:`POD_PROBLEM_CHARS` characters."""
+    status = pod.get("status") or {}
+    text = ""
+    scheduled = find(status.get("conditions"), "PodScheduled")
+    if scheduled is not None and scheduled.get("status") == "False":
+        text = _reason(scheduled.get("reason") or "Unschedulable", scheduled.get("message"))
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    for container in containers:
+        if text:
+            break
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
+        terminated = state.get("terminated") or {}
+        if waiting.get("reason") and waiting["reason"] not in STARTING:
+            text = _reason(waiting["reason"], waiting.get("message"))
+            last = (container.get("lastState") or {}).get("terminated") or {}
+            if last.get("exitCode") is not None:
+                text += f"; last exit code {last['exitCode']}" + (
+                    f" ({last['reason']})" if last.get("reason") else ""
+                )
+        elif terminated.get("exitCode"):
+            text = _reason(terminated.get("reason") or "Terminated", f"exit code {terminated['exitCode']}")
+    if not text and status.get("reason"):
+        text = _reason(status["reason"], status.get("message"))
+    return text[:POD_PROBLEM_CHARS]
+
+
+def _reason(reason: str, message: str | None) -> str:
+    return f"{reason}: {message}" if message else reason

@@ -21,7 +21,7 @@ from eaas.operator.conditions import DEGRADED, PROGRESSING, Observation, find
 from eaas.operator.kube import KubeError
 from eaas.operator.reconcile.context import Context, describe_validation_error
 from eaas.operator.renewals import timestamp
-from eaas.operator.status import invalid_spec
+from eaas.operator.status import invalid_spec, pod_problem
 from eaas.runtime.placement import stored
 from eaas.runtime.placement.placement import Placement, PlacementError
 
@@ -114,7 +114,11 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
     acted = step.publish is not None or bool(step.create_pods or step.delete_pods)
     reported = find((body.get("status") or {}).get("conditions"), PROGRESSING) or {}
     for event in step.events:
-        if not acted and (reported.get("reason"), reported.get("message")) == (event.reason, event.message):
+        if (
+            not acted
+            and reported.get("reason") == event.reason
+            and expert_step.tells(reported, event.message)
+        ):
             continue  # a standing problem (e.g. PlacementFailed) is reported once, not every resync
         ctx.event(body, event.type, event.reason, event.message)
         log.log(
@@ -277,6 +281,7 @@ def pod_state(
         retiring=annotations.get(naming.RETIRE_ANNOTATION, "false").lower() != "false",
         unready_seconds=max(0.0, now - since) if since is not None else 0.0,
         node=str((pod.get("spec") or {}).get("nodeName") or ""),
+        problem=pod_problem(pod),
     )
 
 
