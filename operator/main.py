@@ -13,6 +13,37 @@ from eaas.operator.kube import Kube, load_config
 
 logger = logging.getLogger("eaas.operator")
 
+# The API server's answer (500) to requests for a resource whose storage is not ready yet: right
+# after it starts, or after a CRD is created, until it serves that resource.
+STORAGE_INITIALIZING = "storage is (re)initializing"
+
+
+class StartupRetries(logging.Filter):
+    """kopf logs every retried API request at ERROR. A retry because the API server's storage is
+    (re)initializing is the API server or the CRDs coming up, not an error: it is logged at INFO
+    as what it is. Every other record passes unchanged, and so does the request's last attempt
+    (kopf's ``escalating``), which stays an ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR or not record.name.startswith("kopf"):
+            return True
+        message = record.getMessage()
+        if "failed; will retry:" in message and STORAGE_INITIALIZING in message:
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.msg, record.args = (
+                "waiting for the API server/CRDs (%s): %s",
+                (STORAGE_INITIALIZING, message),
+            )
+        return True
+
+
+def log_startup_retries_as_waiting(target: logging.Logger | None = None) -> None:
+    """Put :class:`StartupRetries` on the handlers of `target` (the root logger), where the
+    records of all of kopf's loggers arrive (a logger's own filters see only its own records)."""
+    for handler in (target or logging.getLogger()).handlers:
+        if not any(isinstance(f, StartupRetries) for f in handler.filters):
+            handler.addFilter(StartupRetries())
+
 
 def connection_info(api_client: client.ApiClient) -> kopf.ConnectionInfo:
     """kopf's credentials from the same client configuration the reconcilers use (one login)."""
@@ -49,6 +80,7 @@ def run(
     kube = Kube(api_client, request_timeout=request_timeout)
     ctx = handlers.make_context(kube, runtime_cluster_role, operator_namespace)
     handlers.install(ctx)
+    log_startup_retries_as_waiting()
 
     @kopf.on.login()
     def login(**_: Any) -> kopf.ConnectionInfo:
