@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tool_helpers import Served
 
 from eaas.runtime.model import Decoder, load_reference, preset_of_spec, write_random_checkpoint
+from tools.tool_helpers import Served
 
 HERE = Path(__file__).parent
 PRESET = "mixtral/tiny"
@@ -50,9 +50,10 @@ def tool_venv() -> Path:
     return venv
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """``eaas serve --preset mixtral/tiny`` on port 0 (loopback), until the session ends."""
+    """``eaas serve --preset mixtral/tiny`` on port 0 (loopback), until this folder's tests are
+    done (not the session: the later tests, e2e drills among them, do not share the cores with it)."""
     workdir = tmp_path_factory.mktemp("served")
     tokenizer = workdir / "tokenizer"
     cli = [sys.executable, "-m", "eaas.runtime.cli"]

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tool_helpers import Served, run_tool
+
+from tools.tool_helpers import Served, run_tool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 

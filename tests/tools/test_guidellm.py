@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tool_helpers import Served, run_tool, tokenize_chat
+
+from tools.tool_helpers import Served, run_tool, tokenize_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from tool_helpers import Served, run_tool, tokenize_chat
 
 from eaas.runtime.model import ByteTokenizer, Decoder
+from tools.tool_helpers import Served, run_tool, tokenize_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
