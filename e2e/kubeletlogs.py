@@ -270,9 +270,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         connection = self.request
         assert isinstance(connection, ssl.SSLSocket)
-        subject = dict(item[0] for item in (connection.getpeercert() or {}).get("subject", ()))
-        if subject.get("commonName") != self.server.client_name:
-            user = subject.get("commonName", "")
+        user = _common_name(connection.getpeercert())
+        if user != self.server.client_name:
             self._error(403, f"Forbidden (user={user}, verb=get, resource=nodes, subresource=log)")
             return
         try:
@@ -333,6 +332,14 @@ class NodeLogServer(http.server.ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client without the right certificate fails the handshake: nothing to print a trace for.
         log.info("%s: connection from %s ended: %s", self.node, client_address, _last_error())
+
+
+def _common_name(certificate: dict[str, Any] | None) -> str:
+    """The subject's CN of a peer certificate as ``SSLSocket.getpeercert()`` gives it; "" when it
+    has none or several."""
+    subject: Any = (certificate or {}).get("subject", ())
+    names = [value for rdn in subject for key, value in rdn if key == "commonName"]
+    return str(names[0]) if len(names) == 1 else ""
 
 
 def _last_error() -> str:
