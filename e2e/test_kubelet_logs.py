@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import ssl
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from e2e.backends import plane_cluster
 from e2e.backends import process_plane as process_plane_of
 from e2e.cluster import Cluster, CommandError
 from e2e.controlplane import ControlPlane, ProcessNodeSpec
+from e2e.kubeletlogs import LogError, LogRequest, parse_request, tail_offset
 from e2e.waiting import wait_until
 
 NODES = ["logs-node-0", "logs-node-1"]
@@ -166,3 +169,51 @@ def test_only_the_api_server_reads_logs_from_a_node(
     # No client certificate: the TLS handshake is refused.
     with pytest.raises((ssl.SSLError, ConnectionError, http.client.RemoteDisconnected)):
         _get(process_plane, NODES[0], path, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "lines", "expected"),
+    [
+        (b"a\nb\nc\n", 1, b"c\n"),
+        (b"a\nb\nc", 1, b"c"),  # a last line without its newline counts
+        (b"a\nb\nc\n", 2, b"b\nc\n"),
+        (b"a\nb\nc\n", 5, b"a\nb\nc\n"),
+        (b"a\nb\nc\n", 0, b""),
+        (b"", 3, b""),
+        (b"\n\n", 1, b"\n"),
+        (b"x" * 200_000 + b"\n" + b"y" * 70_000 + b"\n", 1, b"y" * 70_000 + b"\n"),  # across blocks
+    ],
+)
+def test_tail_finds_the_last_lines(tmp_path: Path, text: bytes, lines: int, expected: bytes) -> None:
+    prefix = b"--- the runner's start line\n"
+    path = tmp_path / "log"
+    path.write_bytes(prefix + text + b"--- the next run\n")
+    with open(path, "rb") as file:
+        start, end = len(prefix), len(prefix) + len(text)
+        offset = tail_offset(file, start, end, lines)
+        file.seek(offset)
+        assert file.read(end - offset) == expected
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "words"),
+    [
+        ("/pods", 404, "/containerLogs/"),
+        ("/containerLogs/ns/pod", 400, "{container}"),
+        ("/containerLogs/ns/pod/c?tailLines=-1", 400, "tailLines: must be at least 0"),
+        ("/containerLogs/ns/pod/c?tailLines=many", 400, "tailLines: 'many' is not an integer"),
+        ("/containerLogs/ns/pod/c?limitBytes=0", 400, "limitBytes: must be at least 1"),
+        ("/containerLogs/ns/pod/c?follow=yes", 400, "follow: 'yes' is not a boolean"),
+        ("/containerLogs/ns/pod/c?sinceSeconds=10", 400, "sinceSeconds"),
+    ],
+)
+def test_bad_log_requests_are_answered_with_what_is_wrong(path: str, status: int, words: str) -> None:
+    with pytest.raises(LogError, match=re.escape(words)) as raised:
+        parse_request(path)
+    assert raised.value.status == status
+
+
+def test_a_log_request_reads_its_parameters() -> None:
+    assert parse_request(
+        "/containerLogs/ns/pod/c?tailLines=3&follow=true&previous=false&limitBytes=9&timestamps=false"
+    ) == LogRequest("ns", "pod", "c", tail_lines=3, follow=True, previous=False, limit_bytes=9)
