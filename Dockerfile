@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The one EaaS image: operator, expert server and attention client (`eaas ...`).
 # Without Docker, `make image` / `make image VARIANT=cpu` build the same image from Debian's archive
-# (image/build.sh; docs/operations.md, "Container image"). With Docker (BuildKit):
+# (image/build.sh; docs/install.md, "Container image"). With Docker (BuildKit):
 #   docker build -t ghcr.io/eaas-project/eaas:0.1.0 .                          # cuda (default)
 #   docker build --build-arg VARIANT=cpu -t ghcr.io/eaas-project/eaas:0.1.0-cpu .
 # VARIANT=cuda: PyPI's torch, the CUDA build, with its nvidia-*/cuda-* wheels; runs on CPU and GPU nodes.
@@ -9,7 +9,7 @@
 # nvidia-* wheels, so it cannot be slimmed by leaving them out).
 # Base: Debian 12 (bookworm) and its python3 (3.11); gcc because Triton compiles its launcher.
 # Both variants include the `nixl` extra (nixl-cu13, transport nixl; it starts without CUDA too).
-# Licence terms of what ships, NIXL's NVIDIA-proprietary parts included: docs/operations.md,
+# Licence terms of what ships, NIXL's NVIDIA-proprietary parts included: docs/install.md,
 # "Container image".
 ARG VARIANT=cuda
 # VARIANT=cpu needs TORCH_CPU_INDEX: the URL of PyTorch's CPU wheel index (or a mirror of it).

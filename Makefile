@@ -57,7 +57,7 @@ crds: install ## regenerate crds/, the chart's CRDs and docs/crd-reference.md fr
 	$(PY) -m eaas.operator.crdgen --out crds --chart charts/eaas/crds --docs docs/crd-reference.md
 
 # Opt-in (heavy; not part of `make test`): the OCI image from Debian's archive with mmdebstrap and umoci,
-# checked with runc as its user 65532 (image/build.sh; docs/operations.md, "Container image").
+# checked with runc as its user 65532 (image/build.sh; docs/install.md, "Container image").
 VARIANT ?= cuda
 image: ## opt-in, as root: build the OCI image without Docker (VARIANT=cuda|cpu), run it, size it
 	image/build.sh $(VARIANT)

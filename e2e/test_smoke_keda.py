@@ -2,7 +2,7 @@
 """manifests/expertpool-keda.yaml against KEDA's own ScaledObject CRD on the real API server.
 
 KEDA itself is not built or run here (its operator compiles every scaler's SDK, far beyond the CI
-budget; docs/operations.md says so): the API server validates the manifest against the CRD's schema
+budget; docs/scaling.md says so): the API server validates the manifest against the CRD's schema
 (``kubectl apply --dry-run=server``). KEDA's admission webhook, which would also check the target's
 /scale, and the scaling itself are not exercised; the same HPA path is, by the HPA drills.
 """

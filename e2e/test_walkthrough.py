@@ -1,4 +1,4 @@
-"""docs/operations.md's "Try it on a local cluster", run as written: ``make cluster-up`` with
+"""docs/install.md's "Try it on a local cluster", run as written: ``make cluster-up`` with
 process nodes, the chart with its operator pod, the tiny MoEService, two answers through its
 Service around a ``kubectl drain`` of a node with expert servers, ``make cluster-down``.
 
@@ -26,9 +26,9 @@ ANSWER = re.compile(r'\{"id": "chatcmpl-.*?"usage": \{[^}]*\}\}')
 
 def walkthrough() -> str:
     """The bash block of the section."""
-    section = (ROOT / "docs" / "operations.md").read_text().split("## Try it on a local cluster", 1)[1]
+    section = (ROOT / "docs" / "install.md").read_text().split("## Try it on a local cluster", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
-    assert block is not None, "docs/operations.md: the walkthrough has no bash block"
+    assert block is not None, "docs/install.md: the walkthrough has no bash block"
     return block.group(1)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the EaaS OCI image without a Docker daemon (`make image`, `make image VARIANT=cpu`), runs
 # `eaas --help` and `eaas expert-server --help` inside it as its non-root user (65532) with an OCI
-# runtime, and reports its size. Same image as the Dockerfile (see there); docs/operations.md,
+# runtime, and reports its size. Same image as the Dockerfile (see there); docs/install.md,
 # "Container image".
 #
 #   image/build.sh cuda|cpu

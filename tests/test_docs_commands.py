@@ -2,8 +2,8 @@
 without running them against a cluster: every shell block holds commands only (output goes in a
 ``text`` block), every ``make`` target exists, every ``eaas`` command and option exists, every file
 of this repository that a command names exists, and every namespace a ``kubectl``/``helm``
-command uses is created earlier in the same document, or in operations.md's walkthrough, which the
-other documents build on (or is ``default``)."""
+command uses is created earlier in the same document, or in the walkthrough the other documents
+build on (install.md, then deploy.md; or is ``default``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-WALKTHROUGH = "docs/operations.md"
+# The pages a reader follows in this order, which the other documents build on.
+WALKTHROUGH = ["docs/install.md", "docs/deploy.md"]
 SHELL_FENCES = ("```bash", "```sh", "```shell", "```console")
 # What a line of a shell block may start with: the commands and shell words the docs use.
 COMMANDS = {
@@ -136,6 +137,13 @@ def namespace_problem(words: list[str], before: str) -> str | None:
     return None if created else f"namespace {namespace} is never created before it is used"
 
 
+def walkthrough_before(document: str) -> str:
+    """The walkthrough's text a reader of ``document`` has gone through before it: the walkthrough
+    pages before it, or all of them for a document outside the walkthrough."""
+    pages = WALKTHROUGH[: WALKTHROUGH.index(document)] if document in WALKTHROUGH else WALKTHROUGH
+    return "".join((ROOT / page).read_text() + "\n" for page in pages)
+
+
 def commands() -> list[tuple[str, int, str]]:
     return [
         (path.relative_to(ROOT).as_posix(), number, command)
@@ -154,9 +162,7 @@ def test_every_command_of_the_docs_works_as_written(document: str) -> None:
     lines = (ROOT / document).read_text().splitlines()
     problems = []
     for _doc, number, line in [c for c in commands() if c[0] == document]:
-        before = "\n".join(lines[: number - 1])
-        if document != WALKTHROUGH:
-            before = (ROOT / WALKTHROUGH).read_text() + before
+        before = walkthrough_before(document) + "\n".join(lines[: number - 1])
         for words in simple_commands(line):
             head = words[0].rsplit("/", 1)[-1]
             where = f"{document}:{number}: `{' '.join(words)}`"

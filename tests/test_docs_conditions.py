@@ -1,4 +1,4 @@
-"""docs/operations.md's conditions tables list every reason the operator can set: the reasons of
+"""docs/failures.md's conditions tables list every reason the operator can set: the reasons of
 ``Observation.of``, ``Observation(...)`` and an ExpertPool step's ``working``/``_drain``, read from
 the operator's source."""
 
@@ -35,7 +35,7 @@ def operator_reasons() -> set[str]:
 
 
 def conditions_section() -> str:
-    text = (ROOT / "docs" / "operations.md").read_text()
+    text = (ROOT / "docs" / "failures.md").read_text()
     return text.split("\n## Conditions\n", 1)[1].split("\n## ", 1)[0]
 
 

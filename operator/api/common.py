@@ -306,7 +306,7 @@ class HeartbeatSpec(CRDModel):
 class UCXSpec(CRDModel):
     """UCX settings of transport ``nixl``, given to every pod as ``UCX_*`` environment variables
     (other transports ignore them). The defaults work on a plain pod network; for RDMA NICs see
-    docs/operations.md, "Running on RDMA nodes"."""
+    docs/rdma.md."""
 
     rules = (
         Rule(
@@ -354,7 +354,7 @@ class PlacementSpec(CRDModel):
     ``eplb``: DeepSeek EPLB-style replicate-and-pack."""
     rebalance_interval_seconds: int = Field(default=300, ge=0, le=86400)
     """How often the operator scrapes the servers' per-expert load and re-plans; 0 = only on scaling
-    (docs/operations.md, "Load-based rebalancing")."""
+    (docs/scaling.md, "Load-based rebalancing")."""
     failover_factor_percent: int = Field(default=round(100 * FAILOVER_FACTOR), ge=0, le=1000)
     """``cost_aware`` with ``replicationFactor`` >= 2: how far above a layer's mean load its busiest
     server may go after any one server fails, in percent (130 = 1.3x), counted in the rebalance's

@@ -81,7 +81,7 @@ class AutoscalingSpec(CRDModel):
     own readings (the servers' token rate against the attention clients' p99 time per output
     token), or ``targetTokensPerSecond`` when given. ``busy``: the expert servers' mean busy
     fraction (their Leases; the same metric the chart's adapter rule serves an HPA); it is not
-    monotone in the load where a batch's fixed costs dominate (docs/operations.md).
+    monotone in the load where a batch's fixed costs dominate (docs/scaling.md).
     ``expertWait``: the attention clients' mean time per decoder step spent on the expert
     servers (their Leases), for a target derived from a time-per-token objective; experimental:
     it falls as servers are added only where the servers' compute dominates it. HPA and KEDA (mode

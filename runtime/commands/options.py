@@ -76,7 +76,7 @@ def threads_option(command: F) -> F:
 def apply_threads(threads: int | None) -> None:
     """Give torch `threads` intra-op threads (none or 0: leave torch's default). A process whose
     parallel ops have more threads than the cores it gets waits at each op's closing barrier for the
-    thread whose core another process took (docs/data-path.md, "How to run")."""
+    thread whose core another process took (docs/run-without-kubernetes.md, "How to run")."""
     if threads:
         import torch
 

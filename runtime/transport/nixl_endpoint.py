@@ -45,7 +45,7 @@ per-(peer, slot) mailboxes.
 
 Progress: by default nobody runs NIXL's progress thread (it polls a core with zero delay); the
 server loop and a waiting client make progress themselves, each time they look for notifications
-(``EAAS_NIXL_PROGRESS_THREAD=1`` turns the thread on, for comparison: docs/data-path.md).
+(``EAAS_NIXL_PROGRESS_THREAD=1`` turns the thread on, for comparison: docs/transports.md).
 
 Letting go (``Endpoint.retire``): a channel's or slot's WRITEs are released, and its hold on the
 peer dropped, only once nothing of it can still be in flight to that peer: its last WRITE settled

@@ -654,7 +654,7 @@ def test_builtin_autoscaler_scales_on_the_clients_expert_wait(
     expert wait is mostly the client's and the servers' host time on this 2-core machine, shared
     with the whole control plane, and it grew with the pool (119 ms per step at R, 256 ms at 4 in
     the first run). It falls where the device time dominates (``benchmarks/autoscale_trace.py``'s
-    sizing: 1127 ms at 2 servers to 64 ms at 6); docs/operations.md says when to use it."""
+    sizing: 1127 ms at 2 servers to 64 ms at 6); docs/scaling.md says when to use it."""
     target = calibration(system, metrics)
     assert "wait_target" in _calibrated, "the attention clients' Leases carried no expert wait under load"
     wait_until(lambda: settled(system, MIN_SERVERS), 240, "the pool at R")
