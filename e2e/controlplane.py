@@ -40,7 +40,7 @@ from types import TracebackType
 import yaml
 
 from e2e import binaries as bins
-from e2e.pki import FRONT_PROXY_CLIENT, Pki, write_pki
+from e2e.pki import FRONT_PROXY_CLIENT, KUBELET_CLIENT, Pki, issue_serving_cert, write_pki
 from e2e.podnet import PodNetwork, missing_tools
 from e2e.processes import ManagedProcess, free_port
 from e2e.waiting import wait_until
@@ -362,6 +362,12 @@ class ControlPlane:
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 f"--proxy-client-cert-file={pki.front_proxy_cert}",
                 f"--proxy-client-key-file={pki.front_proxy_key}",
+                # `kubectl logs` (pods/log): the API server connects to the node's kubelet endpoint
+                # with this client certificate and checks the endpoint's certificate against the CA
+                # (the process nodes serve one; kwok's nodes serve none).
+                f"--kubelet-client-certificate={pki.kubelet_client_cert}",
+                f"--kubelet-client-key={pki.kubelet_client_key}",
+                f"--kubelet-certificate-authority={pki.ca_cert}",
                 "--authorization-mode=RBAC",
                 "--allow-privileged=true",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -465,6 +471,10 @@ class ControlPlane:
         corefile = self.work_dir / "Corefile"
         corefile.write_text(_corefile(gateway, self.kubeconfig))
         self._spawn("coredns", [str(b.coredns), "-conf", str(corefile)])
+        # The runner's kubelet log endpoints (one per node, on the gateway) present this certificate.
+        kubelet_cert = self.pki.ca_cert.with_name("kubelet.crt")
+        kubelet_key = self.pki.ca_cert.with_name("kubelet.key")
+        issue_serving_cert(self.pki, kubelet_cert, kubelet_key, self.node_names, (gateway,))
         runner_config = RunnerConfig(
             kubeconfig=str(self.kubeconfig),
             nodes=self.node_names,
@@ -478,6 +488,10 @@ class ControlPlane:
             api_service_port=443,
             path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             image_paths=[str(ROOT), sys.prefix, sys.base_prefix],
+            kubelet_ca=str(self.pki.ca_cert),
+            kubelet_cert=str(kubelet_cert),
+            kubelet_key=str(kubelet_key),
+            kubelet_client=KUBELET_CLIENT,
         )
         config_path = self.work_dir / "podrunner.json"
         runner_config.save(config_path)

@@ -1,9 +1,11 @@
 """Certificates and keys for the local control plane (Python `cryptography`, ECDSA P-256).
 
 One throwaway CA signs the kube-apiserver serving certificate, an admin client certificate in the
-``system:masters`` group and the front-proxy client certificate the API server presents to aggregated
-APIs (prometheus-adapter); :func:`issue_serving_cert` signs more serving certificates later (an
-aggregated API server's). A separate key pair signs service-account tokens. All files are PEM.
+``system:masters`` group, the front-proxy client certificate the API server presents to aggregated
+APIs (prometheus-adapter) and the kubelet client certificate it presents to the process nodes' log
+endpoints; :func:`issue_serving_cert` signs more serving certificates later (an aggregated API
+server's, the process nodes' kubelet endpoint). A separate key pair signs service-account tokens.
+All files are PEM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALIDITY = datetime.timedelta(days=7)
 FRONT_PROXY_CLIENT = "front-proxy-client"
+KUBELET_CLIENT = "kube-apiserver-kubelet-client"  # the CN the process nodes' log endpoints accept
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Pki:
     admin_key: Path
     front_proxy_cert: Path
     front_proxy_key: Path
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
     service_account_key: Path
     service_account_public_key: Path
 
@@ -114,6 +119,8 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[st
         admin_key=directory / "admin.key",
         front_proxy_cert=directory / "front-proxy-client.crt",
         front_proxy_key=directory / "front-proxy-client.key",
+        kubelet_client_cert=directory / "apiserver-kubelet-client.crt",
+        kubelet_client_key=directory / "apiserver-kubelet-client.key",
         service_account_key=directory / "sa.key",
         service_account_public_key=directory / "sa.pub",
     )
@@ -171,6 +178,12 @@ def write_pki(directory: Path, service_ip: str = "10.0.0.1", extra_ips: tuple[st
     proxy_key, proxy_cert = leaf(_name(FRONT_PROXY_CLIENT), ExtendedKeyUsageOID.CLIENT_AUTH, [])
     _write_key(pki.front_proxy_key, proxy_key)
     _write_cert(pki.front_proxy_cert, proxy_cert)
+
+    # What the API server presents to a node's kubelet endpoint (--kubelet-client-certificate):
+    # `kubectl logs` through pods/log. The process runner's endpoints accept this CN alone.
+    kubelet_key, kubelet_cert = leaf(_name(KUBELET_CLIENT), ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    _write_key(pki.kubelet_client_key, kubelet_key)
+    _write_cert(pki.kubelet_client_cert, kubelet_cert)
 
     sa_key = _new_key()
     _write_key(pki.service_account_key, sa_key)

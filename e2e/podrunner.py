@@ -31,6 +31,8 @@ honoured, and anything else fails loudly (an Event and a waiting reason that nam
   somebody else overwrote (that controller marks such a node's pods not Ready) are patched back.
 * Deletion: SIGTERM to the container's process group, SIGKILL after the grace period, then the final
   delete with a UID precondition. Container output goes to ``<work>/pods/<ns>_<pod>_<uid>/<c>.log``.
+* The kubelet's log endpoint (:mod:`e2e.kubeletlogs`): one HTTPS listener per node on the gateway,
+  its port in the node's ``status.daemonEndpoints``, so ``kubectl logs`` works through the API server.
 
 One runner serves several Nodes (they share this machine; the scheduler still places pods by each
 node's capacity). Run it as ``python -m e2e.podrunner CONFIG.json`` (see :class:`RunnerConfig`);
@@ -65,6 +67,7 @@ from typing import Any
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from e2e import kubeletlogs
 from e2e.podnet import PodAddress, PodNetwork
 
 log = logging.getLogger("podrunner")
@@ -106,6 +109,12 @@ class RunnerConfig:
     image_paths: list[str] = field(default_factory=list)
     cpu: str = "64"
     memory: str = "512Gi"
+    # The nodes' log endpoints (none without a certificate): mutual TLS with the plane's CA, and
+    # the one client certificate CN they accept (the API server's kubelet client).
+    kubelet_ca: str = ""
+    kubelet_cert: str = ""
+    kubelet_key: str = ""
+    kubelet_client: str = ""
 
     @classmethod
     def load(cls, path: str) -> RunnerConfig:
@@ -179,6 +188,7 @@ class Runner:
         self.node_uids: dict[str, str] = {}
         # ConfigMaps and Secrets by (kind, namespace, name), kept by watches; volumes read it.
         self.cache: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.log_servers: dict[str, kubeletlogs.NodeLogServer] = {}  # by node
 
     # nodes ------------------------------------------------------------------------------------------
     def node_manifest(self, name: str) -> dict[str, Any]:
@@ -198,7 +208,7 @@ class Runner:
             "spec": {},
         }
 
-    def node_status(self) -> dict[str, Any]:
+    def node_status(self, name: str = "") -> dict[str, Any]:
         resources = {
             "cpu": self.settings.cpu,
             "memory": self.settings.memory,
@@ -225,8 +235,11 @@ class Runner:
             }
             for kind in ("MemoryPressure", "DiskPressure", "PIDPressure")
         ]
+        served = self.log_servers.get(name)
+        endpoints = {"daemonEndpoints": {"kubeletEndpoint": {"Port": served.port}}} if served else {}
         return {
             "status": {
+                **endpoints,
                 "capacity": resources,
                 "allocatable": resources,
                 "conditions": conditions,
@@ -257,7 +270,7 @@ class Runner:
                     raise
                 node = self.core.read_node(name)
             self.node_uids[name] = str(node.metadata.uid)
-            self.core.patch_node_status(name, self.node_status())
+            self.core.patch_node_status(name, self.node_status(name))
 
     def renew_leases(self) -> None:
         while not self.stopping.wait(RENEW_SECONDS if self.node_uids else 0):
@@ -282,7 +295,7 @@ class Runner:
                 ready and ready.status,
                 ready and ready.reason,
             )
-            self.core.patch_node_status(name, self.node_status())
+            self.core.patch_node_status(name, self.node_status(name))
 
     def _renew(self, name: str) -> None:
         body = {
@@ -306,9 +319,31 @@ class Runner:
                 raise
             self.coordination.create_namespaced_lease("kube-node-lease", body)
 
+    def serve_logs(self) -> None:
+        """The nodes' kubelet log endpoints (before the nodes are registered: they name the ports)."""
+        settings = self.settings
+        if not settings.kubelet_cert:
+            return
+        tls = kubeletlogs.tls_context(settings.kubelet_ca, settings.kubelet_cert, settings.kubelet_key)
+        self.log_servers = kubeletlogs.serve(
+            settings.nodes, settings.gateway, self.pod_on_node, tls, settings.kubelet_client, self.stopping
+        )
+
+    def pod_on_node(self, node: str, namespace: str, name: str) -> PodWorker | None:
+        """The pod `namespace/name` this runner runs on `node` (the newest one of that name)."""
+        with self.lock:
+            workers = [
+                w
+                for w in self.workers.values()
+                if w.namespace == namespace and w.name_ == name and w.pod["spec"].get("nodeName") == node
+            ]
+        workers.sort(key=lambda w: bool(w.pod["metadata"].get("deletionTimestamp")))
+        return workers[0] if workers else None
+
     # pods --------------------------------------------------------------------------------------------
     def run(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.serve_logs()
         self.register_nodes()
         threading.Thread(target=self.renew_leases, name="node-leases", daemon=True).start()
         threading.Thread(target=self.watch_objects, name="objects", daemon=True).start()
@@ -457,6 +492,7 @@ class Runner:
     def shutdown(self) -> None:
         """Stop every pod's processes (the machine is going away; the API objects stay)."""
         self.stopping.set()
+        kubeletlogs.close(self.log_servers)
         with self.lock:
             workers = list(self.workers.values())
         for worker in workers:
@@ -492,6 +528,8 @@ class Container:
     startup: Probe | None = None  # until it succeeds, the other two wait (the kubelet's rule)
     done: bool = False  # exited and will not be restarted
     exit_code: int | None = None
+    # Per run, oldest first: where in the log its start line is, and where its output begins.
+    runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -882,8 +920,10 @@ class PodWorker(threading.Thread):
         spec_path.write_text(json.dumps(launch))
         spec_path.chmod(0o600)
         with open(container.log_path, "ab") as log_file:
+            marker_at = log_file.tell()
             log_file.write(f"--- {now()} start #{container.restarts}: {' '.join(argv)}\n".encode())
             log_file.flush()
+            container.runs.append((marker_at, log_file.tell()))
             container.process = subprocess.Popen(
                 ["ip", "netns", "exec", self.address.namespace, "unshare", "--uts", "--",
                  sys.executable, "-I", str(PODEXEC), str(spec_path)],

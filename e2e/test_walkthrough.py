@@ -34,7 +34,8 @@ def walkthrough() -> str:
 
 def test_the_local_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
     script = walkthrough()
-    for needed in (CHECKPOINTS, MANIFEST, "make -s cluster-up", "kubectl drain", "make cluster-down"):
+    needed_commands = ("make -s cluster-up", "kubectl logs deploy/eaas-operator", "kubectl drain")
+    for needed in (CHECKPOINTS, MANIFEST, *needed_commands, "make cluster-down"):
         assert needed in script, f"the walkthrough no longer has {needed!r}: update this test"
     manifest = tmp_path / "moeservice-tiny-cpu.yaml"
     manifest.write_text((ROOT / MANIFEST).read_text().replace(CHECKPOINTS, str(tmp_path)))
