@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,9 +22,37 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections (``ip_local_port_range``)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that is free right now, from 10000-29999: below the kernel's
+    ephemeral range and below Services' NodePorts (30000-32767).
+
+    A component binds the port some time after it is chosen. A port from the ephemeral range
+    (what binding port 0 gives) can meanwhile become the local end of an outgoing connection, and
+    the component then fails with "address already in use". Each port is handed out once per
+    process."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(10000, 30000) if p not in ephemeral and p not in _handed_out]
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # none left below: any
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
