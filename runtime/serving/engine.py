@@ -199,7 +199,8 @@ class Engine:
         fails, each row is sampled alone (its generator as it was before the batch's attempt), so
         a failure tied to one row (its parameters, its grammar's matcher, NaN logits) fails that
         sequence only: it finishes with ``error`` and an event, and the other rows go on."""
-        states = {seq.id: self._generators[seq.id].get_state() for _, seq in ready}
+        # Kept only where a failure would resample rows alone (a single row just fails).
+        states = {seq.id: self._generators[seq.id].get_state() for _, seq in ready} if len(ready) > 1 else {}
         try:
             return self._sample_rows(ready, logits, events)
         except Exception as exc:
