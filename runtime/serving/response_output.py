@@ -9,16 +9,24 @@ A stream's events, each with its ``sequence_number``: ``response.created``,
 ``response.reasoning_text.delta``, ``response.function_call_arguments.delta``), their ``.done``
 events and ``response.output_item.done``; last ``response.completed``, or
 ``response.incomplete`` (``incomplete_details.reason: max_output_tokens``) when the bound cut the
-answer short. Chat sends a tool call whole when its choice ends, so its arguments arrive as one
-delta.
+answer short, or ``response.failed`` (``status: failed``, ``error: {code, message}``) when the
+answer failed after the stream began (an expert lost for good, the engine stopped): the items sent
+so far are in its output, unfinished. Chat sends a tool call whole when its choice ends, so its
+arguments arrive as one delta.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
+
+from eaas.runtime.httpd import ClientGone, HttpError
+
+log = logging.getLogger(__name__)
 
 
 def response_object(body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
@@ -46,12 +54,22 @@ def response_events(
     try:
         yield from stream.start()
         finish, usage = None, None
-        for chunk in chunks:
-            if chunk.get("usage") is not None and not chunk["choices"]:
-                usage = chunk["usage"]
-            for choice in chunk["choices"]:
-                finish = choice["finish_reason"] or finish
-                yield from stream.delta(choice["delta"])
+        try:
+            for chunk in chunks:
+                if chunk.get("usage") is not None and not chunk["choices"]:
+                    usage = chunk["usage"]
+                for choice in chunk["choices"]:
+                    finish = choice["finish_reason"] or finish
+                    yield from stream.delta(choice["delta"])
+        except ClientGone:
+            raise
+        except HttpError as exc:
+            yield from stream.fail(_error_code(exc.status), exc.message)
+            return
+        except Exception as exc:  # a bug: the stream says so instead of ending without a word
+            log.exception("a Responses stream failed")
+            yield from stream.fail("server_error", str(exc) or type(exc).__name__)
+            return
         yield from stream.end(finish, usage)
     finally:
         close = getattr(chunks, "close", None)
@@ -102,6 +120,17 @@ class _EventStream:
         response = _finished(self.response, self.output, finish_reason, usage)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield self.event(kind, response=response)
+
+    def fail(self, code: str, message: str) -> Iterator[dict[str, Any]]:
+        """``response.failed``: the items so far stay in the output, as they were (unfinished)."""
+        response = {
+            **self.response,
+            "output": self.output,
+            "status": "failed",
+            "error": {"code": code, "message": message},
+            "usage": None,
+        }
+        yield self.event("response.failed", response=response)
 
     def _add(self, item: dict[str, Any]) -> int:
         self.output.append(item)
@@ -204,6 +233,13 @@ def _finished(
             "total_tokens": usage["total_tokens"],
         },
     }
+
+
+def _error_code(status: int) -> str:
+    """The Responses API's error code for an HTTP status raised mid-stream."""
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if status < 500 else "server_error"
 
 
 def _new_id(prefix: str) -> str:
