@@ -14,8 +14,10 @@ no faster). Both keep R and return ``version + 1``; all are deterministic.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +25,14 @@ import numpy as np
 from eaas.operator.api.pools import ExpertPoolSpec
 from eaas.runtime.placement import elastic
 from eaas.runtime.placement.builders import round_robin
-from eaas.runtime.placement.placement import LayerExpert, Placement, PlacementError, Server
+from eaas.runtime.placement.placement import (
+    LayerExpert,
+    Placement,
+    PlacementError,
+    Server,
+    domain_ids,
+    required_spread,
+)
 
 __all__ = [
     "Placement",
@@ -31,7 +40,9 @@ __all__ = [
     "PoolShape",
     "Server",
     "add_server",
+    "add_servers",
     "drain_server",
+    "drain_servers",
     "initial",
     "spread",
     "spread_shortfall",
@@ -93,70 +104,182 @@ def add_server(
     load: np.ndarray | None = None,
 ) -> Placement:
     """`current` plus server `ordinal`. load: float ``[L, E]`` tokens per step, or None (load-blind)."""
-    if ordinal in current.ordinals:
-        raise PlacementError(f"server {ordinal} is already in placement v{current.version}")
     if load is not None:
+        if ordinal in current.ordinals:
+            raise PlacementError(f"server {ordinal} is already in placement v{current.version}")
         capacity = shape.capacity(current.num_servers + 1)
         return elastic.add_server(current, Server(ordinal, capacity, name, domain), load)
+    return add_servers(current, shape, {ordinal: (name, domain)})
+
+
+def add_servers(
+    current: Placement, shape: PoolShape, new: Mapping[int, tuple[str | None, str | None]]
+) -> Placement:
+    """`current` plus the servers `new` (ordinal -> (name, failure domain)), load-blind, in one change.
+
+    Every server ends with an equal share of the pairs (within one), taken from the fullest
+    servers, layer by layer (:func:`_movable_pair`); the new servers take their pairs in turns, so
+    a batch of k servers moves what k single additions would, once."""
+    already = sorted(o for o in new if o in current.ordinals)
+    if already:
+        what = f"server {already[0]} is" if len(already) == 1 else f"servers {already} are"
+        raise PlacementError(f"{what} already in placement v{current.version}")
+    if not new:
+        raise PlacementError("no server to add")
     hosting = _Hosting({server.ordinal: current.experts_of(server.ordinal) for server in current.servers})
-    hosting.add_server(ordinal)
-    domains = {server.ordinal: server.domain for server in current.servers} | {ordinal: domain}
+    domains = {server.ordinal: server.domain for server in current.servers}
+    for ordinal, (_, domain) in sorted(new.items()):
+        hosting.add_server(ordinal)
+        domains[ordinal] = domain
     target = sum(len(pairs) for pairs in hosting.pairs.values()) // len(hosting.pairs)
-    while len(hosting.pairs[ordinal]) < target:
-        donor = max((o for o in hosting.pairs if o != ordinal), key=lambda o: (len(hosting.pairs[o]), -o))
-        if len(hosting.pairs[donor]) <= len(hosting.pairs[ordinal]) + 1:
-            break
-        pair = _movable_pair(hosting, domains, donor, ordinal)
-        if pair is None:
-            break
-        hosting.move(pair, donor, ordinal)
-    servers = [*current.servers, Server(ordinal=ordinal, capacity=0, name=name, domain=domain)]
+    servers_in = Counter(domain for domain in domains.values() if domain is not None)
+    shared = frozenset(domain for domain, count in servers_in.items() if count > 1)
+    fullest = _Fullest(hosting)
+    receiving = sorted(new)
+    while receiving:
+        still = []
+        for ordinal in receiving:
+            if len(hosting.pairs[ordinal]) >= target:
+                continue
+            donor = fullest.other_than(ordinal)
+            if donor is None or len(hosting.pairs[donor]) <= len(hosting.pairs[ordinal]) + 1:
+                continue
+            pair = _movable_pair(hosting, domains, donor, ordinal, shared)
+            if pair is None:
+                continue
+            hosting.move(pair, donor, ordinal)
+            fullest.changed(donor)
+            fullest.changed(ordinal)
+            still.append(ordinal)
+        receiving = still
+    servers = [
+        *current.servers,
+        *(
+            Server(ordinal=o, capacity=0, name=name, domain=domain)
+            for o, (name, domain) in sorted(new.items())
+        ),
+    ]
+    capacity = shape.capacity(len(servers), at_least=max(len(pairs) for pairs in hosting.pairs.values()))
+    sized = [Server(s.ordinal, capacity, s.name, s.domain) for s in servers]
+    _spread_by_swaps(
+        hosting, domains, required_spread(sized, shape.num_pairs, shape.replication), sorted(new)
+    )
     return _rebuild(current, shape, servers, hosting.lists())
+
+
+def _spread_by_swaps(
+    hosting: _Hosting, domains: dict[int, str | None], needed: int, receivers: list[int]
+) -> None:
+    """Swaps that give every pair replicas in `needed` failure domains, where handing out pairs
+    left some short (new servers on unknown nodes count as domains of their own, so a batch of
+    them raises the spread a placement needs): a replica of a short pair moves from a server
+    whose domain holds two to a receiver in a new domain, which hands back a pair of the same
+    layer (else any) whose spread the swap keeps. Counts per server and per layer are unchanged
+    by a same-layer swap."""
+    if needed <= 1:
+        return
+
+    def spread(holders: Iterable[int]) -> int:
+        return len({_domain(domains, o) for o in holders})
+
+    short = sorted(pair for pair, holders in hosting.holders.items() if spread(holders) < needed)
+    for pair in short:
+        holders = hosting.holders[pair]
+        if spread(holders) >= needed:
+            continue
+        taken = [_domain(domains, o) for o in holders]
+        crowded = sorted(o for o in holders if taken.count(_domain(domains, o)) > 1)
+        options = (
+            (donor, receiver)
+            for donor in crowded
+            for receiver in receivers
+            if pair not in hosting.pairs[receiver] and _domain(domains, receiver) not in taken
+        )
+        for donor, receiver in options:
+            back = _swap_back(hosting, domains, needed, pair, donor, receiver)
+            if back is not None:
+                hosting.move(pair, donor, receiver)
+                hosting.move(back, receiver, donor)
+                break
+
+
+def _swap_back(
+    hosting: _Hosting,
+    domains: dict[int, str | None],
+    needed: int,
+    pair: LayerExpert,
+    donor: int,
+    receiver: int,
+) -> LayerExpert | None:
+    """A pair of `receiver` that `donor` lacks and whose replicas still cover `needed` domains
+    once it is on `donor` instead (of `pair`'s layer first), or None."""
+    same_layer = sorted(hosting.per_layer[receiver].get(pair[0], ()))
+    for back in [*same_layer, *sorted(hosting.pairs[receiver] - set(same_layer))]:
+        if back == pair or back in hosting.pairs[donor]:
+            continue
+        after = (hosting.holders[back] - {receiver}) | {donor}
+        if len({_domain(domains, o) for o in after}) >= needed:
+            return back
+    return None
 
 
 def drain_server(
     current: Placement, shape: PoolShape, ordinal: int, load: np.ndarray | None = None
 ) -> Placement:
     """`current` without server `ordinal`, its pairs re-homed first. load: ``[L, E]`` or None."""
+    if load is None:
+        return drain_servers(current, shape, [ordinal])
     if ordinal not in current.ordinals:
         raise PlacementError(f"server {ordinal} is not in placement v{current.version}")
     remaining = [server for server in current.servers if server.ordinal != ordinal]
+    _check_remaining(remaining, shape, [ordinal])
+    # Give the survivors the room the smaller pool needs, then re-home cost-aware.
+    capacity = shape.capacity(len(remaining), at_least=max(current.used_slots().values()))
+    servers = [Server(s.ordinal, capacity, s.name, s.domain) for s in current.servers]
+    matrix = current.hosting_matrix()
+    widened = Placement.from_matrix(
+        current.layers, current.num_experts, servers, matrix, current.replication, current.version
+    )
+    return elastic.drain_server(widened, ordinal, load)
+
+
+def drain_servers(current: Placement, shape: PoolShape, leaving: Iterable[int]) -> Placement:
+    """`current` without the servers `leaving`, load-blind, in one change: each pair they held goes
+    to the others until it has R holders there, preferring a new failure domain, then the server
+    with the fewest pairs of that layer, then the emptiest, then the lowest ordinal; then the
+    re-homed pairs are moved again where that evens a layer out (:func:`_even_out_layers`)."""
+    leaving = sorted(set(leaving))
+    absent = [o for o in leaving if o not in current.ordinals]
+    if absent:
+        what = f"server {absent[0]} is" if len(absent) == 1 else f"servers {absent} are"
+        raise PlacementError(f"{what} not in placement v{current.version}")
+    remaining = [server for server in current.servers if server.ordinal not in leaving]
+    _check_remaining(remaining, shape, leaving)
+    columns = [i for i, server in enumerate(current.servers) if server.ordinal not in leaving]
+    matrix = current.hosting_matrix()  # [S, L, E] bool, servers in ordinal order
+    hosting = _Matrix(matrix[columns].copy(), domain_ids(remaining)[0])
+    rehomed: dict[tuple[int, int], int] = {}  # (layer index, expert) -> the column it went to
+    for ordinal in leaving:
+        for l, e in np.argwhere(matrix[current.server_index(ordinal)]).tolist():
+            if hosting.holders(l, e).sum() >= shape.replication:
+                continue  # R remain (or a hot expert had more than R: a rebalance gave it one)
+            rehomed[l, e] = hosting.add(l, e, hosting.best(l, e, avoid_domains=True))
+    _even_out_layers(hosting, rehomed)
+    most = int(hosting.totals.max())
+    capacity = shape.capacity(len(remaining), at_least=most)
+    sized = [Server(ordinal=s.ordinal, capacity=capacity, name=s.name, domain=s.domain) for s in remaining]
+    return Placement.from_matrix(
+        current.layers, current.num_experts, sized, hosting.holds, current.replication, current.version + 1
+    )
+
+
+def _check_remaining(remaining: list[Server], shape: PoolShape, leaving: list[int]) -> None:
     if len(remaining) < shape.replication:
+        what = f"server {leaving[0]}" if len(leaving) == 1 else f"servers {leaving}"
         raise PlacementError(
-            f"cannot drain server {ordinal}: {len(remaining)} servers would remain, "
+            f"cannot drain {what}: {len(remaining)} servers would remain, "
             f"replication R={shape.replication} needs at least {shape.replication}"
         )
-    if load is not None:  # give the survivors the room the smaller pool needs, then re-home cost-aware
-        capacity = shape.capacity(len(remaining), at_least=max(current.used_slots().values()))
-        servers = [Server(s.ordinal, capacity, s.name, s.domain) for s in current.servers]
-        matrix = current.hosting_matrix()
-        widened = Placement.from_matrix(
-            current.layers, current.num_experts, servers, matrix, current.replication, current.version
-        )
-        return elastic.drain_server(widened, ordinal, load)
-    hosting = _Hosting({server.ordinal: current.experts_of(server.ordinal) for server in remaining})
-    domains = {server.ordinal: server.domain for server in remaining}
-    rehomed: dict[LayerExpert, int] = {}
-    for pair in current.experts_of(ordinal):
-        if len(hosting.holders.get(pair, ())) >= shape.replication:
-            continue  # a hot expert with more than R replicas (a rebalance gave it one): R remain
-        used_domains = {_domain(domains, o) for o in hosting.holders.get(pair, ())}
-        candidates = [o for o in hosting.pairs if pair not in hosting.pairs[o]]
-        # Prefer a new failure domain, then the server with the fewest pairs of this layer, then the
-        # emptiest, then the lowest ordinal.
-        target = min(
-            candidates,
-            key=lambda o: (
-                _domain(domains, o) in used_domains,
-                hosting.count(o, pair[0]),
-                len(hosting.pairs[o]),
-                o,
-            ),
-        )
-        hosting.add(target, pair)
-        rehomed[pair] = target
-    _even_out_layers(hosting, domains, rehomed)
-    return _rebuild(current, shape, remaining, hosting.lists())
 
 
 def _domain(domains: dict[int, str | None], ordinal: int) -> str:
@@ -198,41 +321,135 @@ class _Hosting:
         return {ordinal: sorted(pairs) for ordinal, pairs in self.pairs.items()}
 
 
+class _Fullest:
+    """The server holding the most pairs (ties: the lowest ordinal), kept as a heap of stale-checked
+    entries: a server whose count changed is pushed again, and entries that no longer match their
+    server's count are dropped when they surface."""
+
+    def __init__(self, hosting: _Hosting) -> None:
+        self.hosting = hosting
+        self.heap = [(-len(pairs), ordinal) for ordinal, pairs in hosting.pairs.items()]
+        heapq.heapify(self.heap)
+
+    def changed(self, ordinal: int) -> None:
+        heapq.heappush(self.heap, (-len(self.hosting.pairs[ordinal]), ordinal))
+
+    def other_than(self, ordinal: int) -> int | None:
+        """The fullest server other than `ordinal` (None when there is none)."""
+        skipped = None
+        while self.heap:
+            count, candidate = self.heap[0]
+            if -count != len(self.hosting.pairs[candidate]):
+                heapq.heappop(self.heap)  # stale
+                continue
+            if candidate != ordinal:
+                break
+            skipped = heapq.heappop(self.heap)
+        found = self.heap[0][1] if self.heap else None
+        if skipped is not None:
+            heapq.heappush(self.heap, skipped)
+        return found
+
+
 def _movable_pair(
-    hosting: _Hosting, domains: dict[int, str | None], donor: int, receiver: int
+    hosting: _Hosting,
+    domains: dict[int, str | None],
+    donor: int,
+    receiver: int,
+    shared_domains: frozenset[str] = frozenset(),
 ) -> LayerExpert | None:
     """The pair of `donor` to hand `receiver`, or None if it has none `receiver` lacks.
 
     Prefer the layers where `donor` holds most more than `receiver` (so every layer gains its
-    share), then among their pairs one whose other replicas are in other domains than
-    `receiver`'s, then the lowest pair.
+    share), then among their pairs one whose move spreads it over one more failure domain (another
+    replica stays in `donor`'s domain, none is in `receiver`'s: a batch of new servers on unknown
+    nodes, each its own domain, raises the spread a placement must have), then one whose other
+    replicas are in other domains than `receiver`'s, then the lowest pair.
     """
     surplus: dict[int, list[int]] = {}
     for layer, held in hosting.per_layer[donor].items():
         if held:
             surplus.setdefault(len(held) - hosting.count(receiver, layer), []).append(layer)
     receiver_domain = _domain(domains, receiver)
-
-    def clash(pair: LayerExpert) -> bool:
-        return any(_domain(domains, o) == receiver_domain for o in hosting.holders[pair] if o != donor)
+    donor_domain = _domain(domains, donor)
+    # Only a domain of several servers can hold two replicas of a pair: elsewhere the first pair
+    # that keeps the spread is the one.
+    shared = domains.get(donor) in shared_domains
 
     for level in sorted(surplus, reverse=True):
-        fallback = None  # the lowest pair whose replica would share `receiver`'s domain
+        apart = clashing = None  # the lowest pair that keeps the spread; that would lower it
         for layer in sorted(surplus[level]):
             lacking = (p for p in hosting.per_layer[donor][layer] if p not in hosting.pairs[receiver])
             for pair in sorted(lacking):
-                if not clash(pair):
-                    return pair
-                fallback = fallback or pair
-        if fallback is not None:
-            return fallback
+                others = {_domain(domains, o) for o in hosting.holders[pair] if o != donor}
+                if receiver_domain in others:
+                    clashing = clashing or pair
+                elif donor_domain in others or not shared:
+                    return pair  # spreads it further (or keeps the spread, which is all there is)
+                else:
+                    apart = apart or pair
+        if apart is not None or clashing is not None:
+            return apart or clashing
     return None
 
 
-def _even_out_layers(
-    hosting: _Hosting, domains: dict[int, str | None], rehomed: dict[LayerExpert, int]
-) -> None:
-    """Move again the just re-homed pairs (pair → the server it went to) that leave a layer uneven.
+class _Matrix:
+    """A hosting matrix being changed: bool ``[S, L, E]`` (servers in ordinal order), with each
+    server's pairs per layer ``[S, L]`` and in all ``[S]``, and its failure domain ``[S]``."""
+
+    def __init__(self, holds: np.ndarray, domains: np.ndarray) -> None:
+        self.holds = holds
+        self.domains = domains
+        self.counts = holds.sum(axis=2, dtype=np.int64)  # [S, L]
+        self.totals = self.counts.sum(axis=1)  # [S]
+        num_servers = holds.shape[0]
+        # One integer orders servers by (layer count, total, column): the key's digits.
+        self._total_digit = num_servers
+        self._count_digit = num_servers * (int(holds.shape[1] * holds.shape[2]) + 1)
+        self._clash_digit = self._count_digit * (holds.shape[2] + 1)
+
+    def holders(self, l: int, e: int) -> np.ndarray:
+        return self.holds[:, l, e]
+
+    def clashes(self, l: int, e: int, without: int = -1) -> np.ndarray:
+        """``[S]``: a server's domain already holds (l, e) (on a server other than `without`)."""
+        holders = self.holders(l, e).copy()
+        if without >= 0:
+            holders[without] = False
+        return np.isin(self.domains, self.domains[holders])
+
+    def key(self, l: int) -> np.ndarray:
+        """``[S]`` int64: the order to receive a pair of layer `l` in (fewest of the layer, then
+        fewest in all, then the lowest ordinal)."""
+        return (
+            self.counts[:, l] * self._count_digit
+            + self.totals * self._total_digit
+            + np.arange(len(self.totals))
+        )
+
+    def best(self, l: int, e: int, avoid_domains: bool) -> int:
+        """The column that lacks (l, e) and should receive it (a new failure domain first)."""
+        key = self.key(l)
+        if avoid_domains:
+            key = key + self.clashes(l, e) * self._clash_digit
+        key = np.where(self.holders(l, e), np.iinfo(np.int64).max, key)
+        return int(np.argmin(key))
+
+    def add(self, l: int, e: int, column: int) -> int:
+        self.holds[column, l, e] = True
+        self.counts[column, l] += 1
+        self.totals[column] += 1
+        return column
+
+    def remove(self, l: int, e: int, column: int) -> None:
+        self.holds[column, l, e] = False
+        self.counts[column, l] -= 1
+        self.totals[column] -= 1
+
+
+def _even_out_layers(hosting: _Matrix, rehomed: dict[tuple[int, int], int]) -> None:
+    """Move again the just re-homed pairs ((layer index, expert) → the column it went to) that
+    leave a layer uneven.
 
     Greedy re-homing can leave a layer two or more pairs heavier on one server than on another
     (the lighter one already held the pairs that had to move). A re-homed pair may go to any
@@ -244,22 +461,16 @@ def _even_out_layers(
     moved = True
     while moved:
         moved = False
-        for pair, holder in sorted(rehomed.items()):
-            held = hosting.count(holder, pair[0])
-            others = {_domain(domains, o) for o in hosting.holders[pair] if o != holder}
-            apart = _domain(domains, holder) not in others
-            lighter = [
-                o
-                for o in hosting.pairs
-                if pair not in hosting.pairs[o]
-                and hosting.count(o, pair[0]) <= held - 2
-                and (_domain(domains, o) not in others or not apart)
-            ]
-            if not lighter:
+        for (l, e), holder in sorted(rehomed.items()):
+            held = int(hosting.counts[holder, l])
+            clash = hosting.clashes(l, e, without=holder)
+            apart = not clash[holder]
+            lighter = ~hosting.holders(l, e) & (hosting.counts[:, l] <= held - 2) & (~clash | (not apart))
+            if not lighter.any():
                 continue
-            target = min(lighter, key=lambda o: (hosting.count(o, pair[0]), len(hosting.pairs[o]), o))
-            hosting.move(pair, holder, target)
-            rehomed[pair] = target
+            target = int(np.argmin(np.where(lighter, hosting.key(l), np.iinfo(np.int64).max)))
+            hosting.remove(l, e, holder)
+            rehomed[l, e] = hosting.add(l, e, target)
             moved = True
 
 
