@@ -6,9 +6,13 @@ ConfigMap and the pods say it is. The placement ConfigMap holds the committed pl
 clients route by) and, during a change, the pending one (what servers load):
 
 * **create**: publish the initial placement as pending, create pods ``0..N-1``.
-* **scale up** (one GPU at a time): pending = committed + server ``k``; create pod ``k``.
-* **scale down** (highest ordinal first): pending = committed without server ``h``, its experts
-  re-homed on the others (R kept); pod ``h`` is deleted only after that placement is committed.
+* **scale up** (any number of GPUs, in batches): pending = committed + servers ``k..k+b-1``;
+  create their pods. A batch holds at most ``maxServersPerChange`` servers (default: as many as
+  are placed, so a change at most doubles the pool: 64 -> 320 in three changes); the new servers
+  take equal shares from the others (:func:`eaas.operator.planning.add_servers`).
+* **scale down** (highest ordinals first, in batches of the same bound, so a change at most
+  halves the pool): pending = committed without those servers, their experts re-homed on the
+  others (R kept); their pods are deleted only after that placement is committed.
 * **retire** a server a person chose (pod annotation ``eaas.io/retire``): make before break —
   while the servers not retiring are fewer than ``replicas``, a replacement is added first; then
   the chosen server is drained like a scale-down and its pod deleted once that is committed.
@@ -30,7 +34,7 @@ clients route by) and, during a change, the pending one (what servers load):
   SIGTERM keeps serving through its grace period (:mod:`eaas.runtime.server.departure`). Pending
   = the placement without it, its experts re-homed on the others (R kept), any change in flight
   abandoned; once that is committed the server exits on its own (no client routes to it any
-  more), and the pool grows back to ``replicas`` one server at a time. Survivors first rather
+  more), and the pool grows back to ``replicas`` (one scaling change). Survivors first rather
   than a replacement first: they load only a share of the leaving server's experts each, in
   parallel, which fits a grace period where a new server loading all of them may not. Where the
   survivors cannot hold R copies, a new server is added in that same pending placement (one
@@ -42,7 +46,7 @@ clients route by) and, during a change, the pending one (what servers load):
   with its Lease 1.5 intervals late (:meth:`Observed.lost` says why that suffices), is drained
   like a scale-down: pending = the placement without it, its experts re-homed on the survivors
   (R restored), any change in flight abandoned. Once that is committed its pod is deleted as a
-  drained leftover, and the pool grows back to ``replicas`` one server at a time. Where the
+  drained leftover, and the pool grows back to ``replicas`` (one scaling change). Where the
   survivors cannot hold R copies (too few servers, fixed slots), the lost pod is deleted at once
   and recreated in place, the only way back to R. When more than half of the placed servers go
   silent together the operator suspects its own view (an API-server outage stops every renewal)
@@ -128,6 +132,14 @@ class Observed:
     # The placement versions the live attention clients of the pool's MoEService route by (their
     # Leases): a leaving server is released only once every one routes by a placement without it.
     client_versions: tuple[int, ...] = ()
+    # Servers one scaling change may add or remove (``maxServersPerChange``); 0: a change at most
+    # doubles or halves the pool.
+    max_servers_per_change: int = 0
+
+    def servers_per_change(self, share: int) -> int:
+        """How many servers the next scaling change may add or remove: ``maxServersPerChange``, or
+        by default `share` (the servers placed now when adding, half of them when removing)."""
+        return max(1, self.max_servers_per_change or share)
 
     def is_live(self, ordinal: int) -> bool:
         """Pod Ready and not terminating, and its heartbeat (if it keeps one) not expired."""
@@ -347,26 +359,33 @@ def _decide(o: Observed) -> Step:
 
         retiring = sorted(n for n in placed if o.pods[n].retiring)
         if len(placed) - len(retiring) < desired:
-            new = max(placed) + 1
-            if new in o.pods and o.pods[new].terminating:
-                return step.working("ScalingUp", f"waiting for the old pod {o.pool}-{new} to terminate")
-            pending = planning.add_server(o.committed, o.shape, new, _names(o, [new])[new], None)
-            step.publish = (o.committed, pending)
-            step.create_pods = [new] if new not in existing else []
-            step.events.append(
-                Event(
-                    "ScalingUp", f"adding expert server {o.pool}-{new}: placement v{pending.version} pending"
+            lowest = max(placed) + 1
+            count = min(desired - (len(placed) - len(retiring)), o.servers_per_change(len(placed)))
+            new = list(range(lowest, lowest + count))
+            old = [n for n in new if n in o.pods and o.pods[n].terminating]
+            if old:
+                return step.working(
+                    "ScalingUp", f"waiting for the old pod(s) of {_servers(o, old)} to terminate"
                 )
+            names = _names(o, new)
+            pending = planning.add_servers(o.committed, o.shape, {n: (names[n], None) for n in new})
+            step.publish = (o.committed, pending)
+            step.create_pods = [n for n in new if n not in existing]
+            step.events.append(
+                Event("ScalingUp", f"adding expert {_servers(o, new)}: placement v{pending.version} pending")
             )
-            return step.working("ScalingUp", f"adding server {new} ({len(placed)} -> {desired})")
+            return step.working(
+                "ScalingUp", f"adding {_servers(o, new, named=False)} ({len(placed)} -> {desired})"
+            )
         if retiring:
             leaving = retiring[0]
             doing = f"retiring expert server {o.pool}-{leaving} as asked"
-            return _drain(o, step, leaving, "Retiring", doing, "marked for retirement")
+            return _drain(o, step, [leaving], "Retiring", doing, "marked for retirement")
         if len(placed) > desired:
-            leaving = max(placed)
-            doing = f"draining expert server {o.pool}-{leaving}"
-            return _drain(o, step, leaving, "ScalingDown", doing, f"{len(placed)} -> {desired}")
+            count = min(len(placed) - desired, o.servers_per_change(len(placed) // 2))
+            draining = sorted(placed)[-count:]
+            doing = f"draining expert {_servers(o, draining)}"
+            return _drain(o, step, draining, "ScalingDown", doing, f"{len(placed)} -> {desired}")
 
         if o.committed.replication != o.shape.replication:
             names = _names(o, placed)
@@ -409,11 +428,11 @@ def _decide(o: Observed) -> Step:
     return step
 
 
-def _drain(o: Observed, step: Step, leaving: int, reason: str, doing: str, progress: str) -> Step:
-    """Pending = committed without server `leaving`, its experts re-homed (R kept); its pod goes
-    once that is committed (the leftover branch of :func:`_decide`)."""
+def _drain(o: Observed, step: Step, leaving: list[int], reason: str, doing: str, progress: str) -> Step:
+    """Pending = committed without the servers `leaving`, their experts re-homed (R kept); their
+    pods go once that is committed (the leftover branch of :func:`_decide`)."""
     assert o.committed is not None
-    pending = planning.drain_server(o.committed, o.shape, leaving)
+    pending = planning.drain_servers(o.committed, o.shape, leaving)
     step.publish = (o.committed, pending)
     step.events.append(
         Event(
@@ -422,7 +441,7 @@ def _drain(o: Observed, step: Step, leaving: int, reason: str, doing: str, progr
             f"(R={o.shape.replication} kept)",
         )
     )
-    return step.working(reason, f"draining server {leaving} ({progress})")
+    return step.working(reason, f"draining {_servers(o, leaving, named=False)} ({progress})")
 
 
 def _spread(o: Observed, step: Step, nodes: dict[int, str], short: int) -> Step:
@@ -675,6 +694,17 @@ def _finish_pending(o: Observed, step: Step, existing: set[int]) -> Step:
 
 def _names(o: Observed, ordinals: range | list[int]) -> dict[int, str]:
     return {n: f"{o.pool}-{n}" for n in ordinals}
+
+
+def _servers(o: Observed, ordinals: list[int], named: bool = True) -> str:
+    """``server p-3``, ``servers p-3, p-5``, or a run: ``32 servers p-64..p-95`` (named: with the
+    pool's name, as pods are called; else the ordinals alone)."""
+    prefix = f"{o.pool}-" if named else ""
+    if len(ordinals) == 1:
+        return f"server {prefix}{ordinals[0]}"
+    if len(ordinals) > 3 and ordinals == list(range(ordinals[0], ordinals[-1] + 1)):
+        return f"{len(ordinals)} servers {prefix}{ordinals[0]}..{prefix}{ordinals[-1]}"
+    return "servers " + ", ".join(f"{prefix}{n}" for n in ordinals)
 
 
 def serving_utilization(

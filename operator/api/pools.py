@@ -70,11 +70,17 @@ class ExpertPoolTemplate(PodSettings):
     )
 
     replicas: int = Field(default=2, ge=1, le=4096)
-    """Expert-server pods, i.e. GPUs: the pool scales one GPU at a time."""
+    """Expert-server pods, i.e. GPUs: the pool scales by whole GPUs, any number of them, in batches
+    of at most ``maxServersPerChange``."""
     gpus_per_pod: int = Field(default=1, ge=0, le=1)
     """1: one GPU per expert server (the unit of scaling); 0: CPU expert servers (tcp/shm transports)."""
     replication_factor: int = Field(default=2, ge=1, le=16)
     """R: every expert is hosted on at least R distinct servers, so R-1 server failures lose nothing."""
+    max_servers_per_change: int = Field(default=0, ge=0, le=4096)
+    """Servers one placement change may add or remove when ``replicas`` changes; 0 = a change at
+    most doubles or halves the pool (64 -> 320 servers in three changes, 320 -> 64 in three).
+    A change commits once all of its new servers have loaded, so a smaller bound adds capacity in
+    smaller, earlier steps; 1 adds and removes one server per change."""
     port: Port = 9100
     """Control port of each expert server (handshake, health, metrics)."""
     data_port: Port = 9101

@@ -80,6 +80,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         last_version=int((body.get("status") or {}).get("placementVersion") or 0),
         heartbeat_timeout_s=spec.heartbeat.timeout_seconds,
         heartbeat_interval_s=spec.heartbeat.interval_seconds,
+        max_servers_per_change=spec.max_servers_per_change,
     )
     versions, failed = clients(ctx, body, now)
     observed = replace(observed, client_versions=versions, reported=failed)

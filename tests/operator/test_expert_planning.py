@@ -176,13 +176,91 @@ def test_steady_pool_is_ready_and_does_nothing() -> None:
     }
 
 
-def test_scale_up_adds_one_server_at_a_time() -> None:
+def test_scale_up_adds_what_is_missing_in_one_change() -> None:
     committed = placement(3)
     step = plan(observed(desired_replicas=5, pods=pods(0, 1, 2), committed=committed))
-    assert step.create_pods == [3]
+    assert step.create_pods == [3, 4]
     assert step.publish is not None and step.publish[1] is not None
-    assert step.publish[1].ordinals == (0, 1, 2, 3)  # only one more, though 5 are desired
+    assert step.publish[1].ordinals == (0, 1, 2, 3, 4)
     assert conditions(step)[READY][0] == "True"  # still serving while scaling
+
+
+def test_max_servers_per_change_bounds_a_scale_up() -> None:
+    committed = placement(3)
+    one = plan(
+        observed(desired_replicas=5, pods=pods(0, 1, 2), committed=committed, max_servers_per_change=1)
+    )
+    assert one.create_pods == [3]
+    assert one.publish is not None and one.publish[1] is not None
+    assert one.publish[1].ordinals == (0, 1, 2, 3)  # only one more, though 5 are desired
+
+
+def test_a_scale_up_at_most_doubles_the_pool_by_default() -> None:
+    step = plan(observed(desired_replicas=20, pods=pods(*range(4)), committed=placement(4)))
+    assert step.create_pods == [4, 5, 6, 7]
+    assert "4 servers 4..7 (4 -> 20)" in step.progress_message
+
+
+def test_a_scale_down_at_most_halves_the_pool_and_drains_the_highest_ordinals() -> None:
+    committed = placement(8)
+    drain = plan(observed(desired_replicas=2, pods=pods(*range(8)), committed=committed))
+    assert drain.publish is not None and drain.publish[1] is not None
+    assert drain.publish[1].ordinals == (0, 1, 2, 3) and drain.delete_pods == []
+    check_invariants(drain.publish[1], SHAPE)
+    delete = plan(observed(desired_replicas=2, pods=pods(*range(8)), committed=drain.publish[1]))
+    assert delete.delete_pods == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("layers", "experts", "replication", "domains"), [(3, 8, 2, 0), (6, 32, 3, 4), (4, 64, 2, 2)]
+)
+def test_batched_changes_keep_r_and_balance_as_single_ones_do(
+    layers: int, experts: int, replication: int, domains: int
+) -> None:
+    """Steps shaped like 64 -> 320 -> 64 at a small size (doubling, the rest, halving twice), each
+    in one change, against the same steps made one server at a time."""
+    shape = planning.PoolShape(layers=tuple(range(layers)), num_experts=experts, replication=replication)
+
+    def domain(n: int) -> str | None:
+        return f"node-{n % domains}" if domains else None
+
+    first = {n: domain(n) for n in range(4)}
+    current = single = planning.initial(shape, first, {n: f"p-{n}" for n in first})
+    for target in (8, 20, 10, 5):
+        have = list(current.ordinals)
+        if target > len(have):
+            # As the operator adds them: their nodes are not known yet (None), the commit spreads them.
+            new = {n: (f"p-{n}", None) for n in range(max(have) + 1, max(have) + 1 + target - len(have))}
+            after = planning.add_servers(current, shape, new)
+            assert diff(current, after).num_moves == sum(
+                after.used_slots()[n] for n in new
+            )  # new servers load
+            for n, (name, where) in new.items():
+                single = planning.add_server(single, shape, n, name, where)
+        else:
+            after = planning.drain_servers(current, shape, have[target:])
+            for n in have[target:]:
+                single = planning.drain_server(single, shape, n)
+        check_invariants(after, shape)
+        assert after.version == current.version + 1 and after.ordinals == single.ordinals
+        used = list(after.used_slots().values())
+        assert (
+            max(used) - min(used) <= max(single.used_slots().values()) - min(single.used_slots().values()) + 1
+        )
+        assert layer_spread(after) <= max(layer_spread(single), 1)
+        if domains:
+            named = {s.ordinal: str(s.domain or f"<server {s.ordinal}>") for s in after.servers}
+            assert planning.spread_shortfall(after, named) <= planning.spread_shortfall(single, named)
+        current = after
+
+
+def test_a_batch_drain_refuses_to_go_below_r() -> None:
+    with pytest.raises(PlacementError, match=r"cannot drain servers \[1, 2\]: 1 servers would remain"):
+        planning.drain_servers(placement(3), SHAPE, [1, 2])
+    with pytest.raises(PlacementError, match="servers \\[5, 6\\] are not in placement"):
+        planning.drain_servers(placement(3), SHAPE, [5, 6])
+    with pytest.raises(PlacementError, match="server 1 is already in placement"):
+        planning.add_servers(placement(3), SHAPE, {1: ("p-1", None)})
 
 
 def test_scale_down_drains_before_it_deletes() -> None:
