@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from inline_jobs import inline_jobs
 from prometheus_client import CollectorRegistry
 
 from eaas.operator import planning, rebalance
@@ -297,7 +298,9 @@ def ticking(
     ``cost``, default `CostModel()`), and the control URLs of `current`'s servers."""
     fake = FakeServers()
     metrics = OperatorMetrics(CollectorRegistry())
-    rebalancer = Rebalancer(metrics, fetch=fake.fetch, cost=cost or CostModel(), clock=lambda: fake.now)
+    rebalancer = Rebalancer(
+        metrics, fetch=fake.fetch, cost=cost or CostModel(), clock=lambda: fake.now, jobs=inline_jobs()
+    )
     return fake, metrics, rebalancer, {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
 
 
