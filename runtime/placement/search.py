@@ -33,6 +33,10 @@ overloads ``u`` most, take an expert both host off ``u`` or off ``s``, or give i
 so the search still ends. The tokens each server takes over from each other one are kept in
 ``overlap [L, S, S]``, updated move by move.
 
+A move budget (``max_moves``) counts loads: (layer, expert, server) slots hosted now and not at
+the start. When a round's proposals would load more than is left, they are granted by gain per
+load instead of by gain (`Search._grant`), so a budget that binds buys the most gain.
+
 Servers may be barred from loading (``load_allowed``: a server being added is the only one that
 loads) or load without stalling anyone (``charged`` false: a new server loads before it serves).
 On small instances `Search.settle` follows the rounds with an iterated local search
