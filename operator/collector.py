@@ -4,7 +4,9 @@ ExpertPool should move experts (the I/O half of :mod:`eaas.operator.rebalance`).
 The ExpertPool's resync timer calls :meth:`Rebalancer.tick` with the committed placement and the
 control URLs of its Ready servers. The first tick of a pool only records a baseline scrape; each
 later one, once ``rebalanceIntervalSeconds`` have passed, scrapes again, turns the difference into
-the window's load and asks the pure planner for the next placement. Scrapes run in parallel with
+the window's load and submits the plan to the planning worker (:mod:`eaas.operator.plan_jobs`,
+within ``maxExpertMovesPerRebalance``); a later tick picks the decision up, unless another
+placement was committed meanwhile (then it is ``stale``). Scrapes run in parallel with
 short timeouts; a server that does not answer (or answers garbage) is counted in
 ``eaas_operator_stats_scrapes_total{result="error"}`` and left out of the window, never raised.
 The last scrape of every pool is kept in memory only: a restarted operator starts with a baseline.
