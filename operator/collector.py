@@ -4,7 +4,9 @@ ExpertPool should move experts (the I/O half of :mod:`eaas.operator.rebalance`).
 The ExpertPool's resync timer calls :meth:`Rebalancer.tick` with the committed placement and the
 control URLs of its Ready servers. The first tick of a pool only records a baseline scrape; each
 later one, once ``rebalanceIntervalSeconds`` have passed, scrapes again, turns the difference into
-the window's load and asks the pure planner for the next placement. Scrapes run in parallel with
+the window's load and submits the plan to the planning worker (:mod:`eaas.operator.plan_jobs`,
+within ``maxExpertMovesPerRebalance``); a later tick picks the decision up, unless another
+placement was committed meanwhile (then it is ``stale``). Scrapes run in parallel with
 short timeouts; a server that does not answer (or answers garbage) is counted in
 ``eaas_operator_stats_scrapes_total{result="error"}`` and left out of the window, never raised.
 The last scrape of every pool is kept in memory only: a restarted operator starts with a baseline.
@@ -32,7 +34,8 @@ import numpy as np
 
 from eaas.operator import naming, rebalance
 from eaas.operator.metrics import OperatorMetrics
-from eaas.runtime.placement import CostModel, Placement, PlacementError, prediction_error
+from eaas.operator.plan_jobs import PlanJobs
+from eaas.runtime.placement import CostModel, Placement, prediction_error
 
 logger = logging.getLogger("eaas.operator")
 
@@ -108,12 +111,18 @@ class Rebalancer:
     clock: Callable[[], float] = time.time
     _scrapes: dict[tuple[str, str], rebalance.Scrape] = field(default_factory=dict)
     _forecasts: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # last interval load
+    jobs: PlanJobs = field(default_factory=PlanJobs)  # where plans are made (a worker process)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
             self._scrapes.pop((namespace, name), None)
             self._forecasts.pop((namespace, name), None)
+        self.jobs.forget((namespace, name))
+
+    def has_plan(self, key: tuple[str, str]) -> bool:
+        """Whether a plan for pool `key` (namespace, name) is ready to pick up (:meth:`tick`)."""
+        return self.jobs.done(key)
 
     def scrape(self, urls: Mapping[int, str], layers: tuple[int, ...], num_experts: int) -> rebalance.Scrape:
         """Fetch every server's stats now (in parallel); failures are counted and left out."""
@@ -142,15 +151,26 @@ class Rebalancer:
         interval_seconds: int,
         capacity: int = 0,
         failover_factor: float | None = None,
+        max_moves: int | None = None,
     ) -> rebalance.Decision | None:
-        """A decision for pool `key` (namespace, name), or None when none is due.
+        """A decision for pool `key` (namespace, name), or None when none is ready.
 
         committed: the placement being served (no change may be in flight); urls: ordinal →
         control URL of the Ready servers; interval_seconds: ``rebalanceIntervalSeconds`` (0 = off);
-        failover_factor: ``CostModel.failover_factor`` for this pool (None: this rebalancer's).
+        failover_factor: ``CostModel.failover_factor`` for this pool (None: this rebalancer's);
+        max_moves: ``maxExpertMovesPerRebalance``.
+
+        The plan itself is a job (:attr:`jobs`, off the caller's thread): a tick whose window is
+        due submits it and returns None unless it finished at once; a later tick picks its
+        decision up (``stale`` when it was planned from another placement than `committed`).
         """
         if interval_seconds <= 0:
             self.forget(*key)
+            return None
+        finished = self.jobs.take(key, committed.version)
+        if finished is not None:
+            return self._count(key, finished)
+        if self.jobs.running(key):
             return None
         with self._guard:
             previous = self._scrapes.get(key)
@@ -186,16 +206,24 @@ class Rebalancer:
             cost = replace(cost, failover_factor=failover_factor)
         if window.seconds_per_token is not None:  # measured on these servers: what a token costs here
             cost = replace(cost, seconds_per_token=window.seconds_per_token)
-        try:
-            decision = rebalance.plan(committed, load, policy, cost, capacity=capacity)
-        except PlacementError as error:
-            logger.warning("rebalance of %s/%s failed: %s", *key, error)
-            return self._count(key, rebalance.Decision(None, "error", str(error)))
-        measured = "measured" if window.seconds_per_token is not None else "assumed"
-        message = f"{decision.message}; {cost.seconds_per_token * 1e6:.3g} us per routed token ({measured})"
-        return self._count(key, replace(decision, load_error=drift, message=message))
+        self.jobs.submit(
+            key,
+            committed.version,
+            rebalance.plan_job,
+            committed,
+            load,
+            policy,
+            cost,
+            capacity=capacity,
+            max_moves=max_moves,
+            measured=window.seconds_per_token is not None,
+        )
+        finished = self.jobs.take(key, committed.version)  # done at once where jobs run inline
+        return None if finished is None else self._count(key, finished)
 
     def _count(self, key: tuple[str, str], decision: rebalance.Decision) -> rebalance.Decision:
+        if decision.result == "error":
+            logger.warning("rebalance of %s/%s failed: %s", *key, decision.message)
         logger.info(
             "rebalance of ExpertPool %s/%s: %s: %s (forecast error %.3f)",
             *key, decision.result, decision.message, decision.load_error,

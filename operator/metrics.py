@@ -25,7 +25,7 @@ from prometheus_client import (
 RESULTS = ("success", "retry", "error")
 STAGES = ("proposed", "committed")  # of a published placement
 WRITERS = ("moeservice", "autoscaler")  # who the operator writes ExpertPool replicas as (replicas_writer)
-REBALANCE_RESULTS = ("rebalanced", "skipped", "unchanged", "baseline", "idle", "incomplete", "error")
+REBALANCE_RESULTS = ("rebalanced", "skipped", "unchanged", "baseline", "idle", "incomplete", "stale", "error")
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -56,7 +56,7 @@ class OperatorMetrics:
         self.rebalances = Counter(
             "eaas_operator_rebalances_total",
             "Load-based rebalance decisions for ExpertPools, by result (rebalanced, skipped, unchanged, "
-            "baseline, idle, incomplete, error).",
+            "baseline, idle, incomplete, stale, error).",
             ["result"],
             registry=registry,
         )

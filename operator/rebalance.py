@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -201,18 +201,21 @@ def plan(
     cost: CostModel | None = None,
     *,
     capacity: int = 0,
+    max_moves: int | None = None,
 ) -> Decision:
     """The next placement for `load` (float ``[L, E]`` tokens over one interval), or no change.
 
     capacity: slots per server the pool allows (e.g. ``expertSlotsPerServer``); servers of
     `current` with fewer get that many for the re-plan (0 = keep each server's capacity).
+    max_moves: the most expert loads the change may take (``maxExpertMovesPerRebalance``; None =
+    no bound): ``cost_aware`` plans within it; an ``eplb`` packing that needs more is declined.
     """
     if policy not in POLICIES:
         raise PlacementError(f"placement.policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     cost = cost or CostModel()
     base = _widened(current, capacity)
     if policy == "cost_aware":
-        candidate = cost_aware(base, load, cost, horizon_steps=1)
+        candidate = cost_aware(base, load, cost, horizon_steps=1, max_moves=max_moves)
     else:
         candidate = replicate_and_pack(base, load)
     keep = predicted_seconds(current, current, load, cost, 1)
@@ -229,6 +232,13 @@ def plan(
     if int(candidate.replica_counts().min()) < current.replication:  # belt and braces: never below R
         raise PlacementError(f"{policy} planned fewer than R={current.replication} replicas of an expert")
     changes = diff(current, candidate)
+    if max_moves is not None and changes.num_moves > max_moves:
+        return Decision(
+            None,
+            "unchanged",
+            f"{policy}: a new placement would load {changes.num_moves} experts, more than "
+            f"maxExpertMovesPerRebalance={max_moves}",
+        )
     moved = candidate.with_version(current.version + 1)
     gain = keep - new
     return Decision(
@@ -240,6 +250,29 @@ def plan(
         moves=changes.num_moves,
         gain_seconds=gain,
     )
+
+
+def plan_job(
+    current: Placement,
+    load: np.ndarray,
+    policy: Policy,
+    cost: CostModel,
+    *,
+    capacity: int = 0,
+    max_moves: int | None = None,
+    measured: bool = False,
+) -> Decision:
+    """:func:`plan` as the operator runs it in its planning worker (:mod:`eaas.operator.plan_jobs`):
+    a placement error becomes the decision ``error``; the message also tells the compute per
+    routed token planned with (`measured` on the servers, or the cost model's default), and
+    ``load_error`` is the cost model's."""
+    try:
+        decision = plan(current, load, policy, cost, capacity=capacity, max_moves=max_moves)
+    except PlacementError as error:
+        return Decision(None, "error", str(error), load_error=cost.load_error)
+    how = "measured" if measured else "assumed"
+    message = f"{decision.message}; {cost.seconds_per_token * 1e6:.3g} us per routed token ({how})"
+    return replace(decision, load_error=cost.load_error, message=message)
 
 
 def interval_load(window: WindowLoad, interval_seconds: float) -> np.ndarray:

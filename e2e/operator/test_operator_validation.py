@@ -159,6 +159,7 @@ def test_model_identity_is_immutable_and_defaults_are_materialised(
     assert stored["spec"]["placement"] == {
         "policy": "cost_aware",
         "rebalanceIntervalSeconds": 300,
+        "maxExpertMovesPerRebalance": 2048,
         "failoverFactorPercent": 130,
     }
     assert stored["spec"]["expertPool"]["port"] == 9100 and stored["spec"]["model"]["numDenseLayers"] == 0

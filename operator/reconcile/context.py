@@ -95,6 +95,8 @@ class Context:
         self.leases = LeaseWatch(self.renewals)
         if self.rebalancer is None:
             self.rebalancer = Rebalancer(self.metrics)
+        if self.rebalancer.jobs.on_done is None:  # a finished plan is picked up by a reconcile soon
+            self.rebalancer.jobs.on_done = lambda key: self.recheck("ExpertPool", *key, 0.0)
 
     def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """Post an Event about `obj` before returning (an operator stopped right after the change

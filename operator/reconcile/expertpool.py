@@ -89,7 +89,11 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
     waits = [w for n in observed.reported if (w := observed.suspect_in(n)) is not None]
     if waits:  # a server its clients fail over may count as lost soon: look again then
         ctx.recheck(EXPERTPOOL.kind, namespace, name, min(waits) + RECHECK_MARGIN_S)
-    if rebalance and committed is not None and expert_step.idle(step):
+    # The timer's pass scrapes and submits a plan; any pass picks a finished plan up (a finished
+    # job asks for a reconcile of its pool: ``Context.recheck``).
+    assert ctx.rebalancer is not None
+    due = rebalance or ctx.rebalancer.has_plan((namespace, name))
+    if due and committed is not None and expert_step.idle(step):
         proposal = propose_rebalance(ctx, (namespace, name), spec, committed, pod_objects)
         if proposal is not None:
             observed = replace(observed, rebalance=proposal.placement, rebalance_message=proposal.message)
@@ -255,6 +259,7 @@ def propose_rebalance(
         spec.placement.rebalance_interval_seconds,
         capacity=spec.expert_slots_per_server,
         failover_factor=spec.placement.failover_factor_percent / 100,
+        max_moves=spec.placement.max_expert_moves_per_rebalance,
     )
     if decision is None or decision.placement is None:
         return None

@@ -173,9 +173,34 @@ def failover_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
 def failover_overlap(hosting: np.ndarray, share: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``[L, S, S]`` the tokens server ``u`` takes over when ``s`` fails, at ``[l, s, u]``
     (``H diag(w) H^T`` per layer), for ``hosting`` bool ``[L, S, E]``, ``share [L, E]`` tokens per
-    replica and ``counts [L, E]`` replicas."""
-    held = hosting.astype(np.float64)
-    return np.asarray((held * failover_shares(share, counts)[:, None, :]) @ held.transpose(0, 2, 1))
+    replica and ``counts [L, E]`` replicas. Summed over the hosted pairs (each adds its ``w`` at
+    every two of its hosts), not multiplied out: ``L x E x R^2`` terms instead of ``L x S^2 x E``."""
+    num_layers, num_servers, num_experts = hosting.shape
+    layer, server, expert = np.nonzero(hosting)
+    order = np.lexsort((server, expert, layer))  # the hosts of each pair together
+    layer, server, expert = layer[order], server[order], expert[order]
+    weight = failover_shares(share, counts)[layer, expert]
+    cells, row = overlap_cells(layer * num_experts + expert, layer, server, num_servers)
+    overlap = np.bincount(cells, weights=weight[row], minlength=num_layers * num_servers * num_servers)
+    return overlap.reshape(num_layers, num_servers, num_servers)
+
+
+def overlap_cells(
+    pair: np.ndarray, layer: np.ndarray, server: np.ndarray, num_servers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For host entries ``(pair, layer, server)`` ``[N]`` grouped by ``pair`` (one entry per
+    replica): the flat indices into ``[L, S, S]`` of every two hosts ``(s, u)`` of one pair (both
+    orders and ``s = u``), and for each the entry of ``s``."""
+    if len(pair) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    start = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
+    size = np.diff(np.append(start, len(pair)))  # hosts per pair
+    group_start = np.repeat(start, size)  # [N] the first entry of each entry's pair
+    repeats = np.repeat(size, size)  # [N] hosts of each entry's pair
+    first = np.repeat(np.arange(len(pair)), repeats)
+    offset = np.arange(len(first)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
+    second = group_start[first] + offset
+    return (layer[first] * num_servers + server[first]) * num_servers + server[second], first
 
 
 def failover_limits(

@@ -71,7 +71,10 @@ def cost_aware(
         cost: the latency model (default `CostModel()`).
         horizon_steps: steps the new placement will serve before the next rebalance; the gain per
             step is multiplied by it, the movement is paid once.
-        max_moves: optional budget of moves (a move loads at most two experts).
+        max_moves: optional budget of expert loads: the new placement hosts at most this many
+            (layer, expert, server) slots that ``current`` does not (`diff`'s ``num_moves``);
+            when it binds, the search buys the moves with the best gain per load. A budget also
+            rules out the from-scratch packing, which reloads most of the pool.
 
     Returns:
         ``current`` itself when no rebalance pays, else a new placement with ``version + 1``.

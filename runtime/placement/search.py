@@ -33,6 +33,10 @@ overloads ``u`` most, take an expert both host off ``u`` or off ``s``, or give i
 so the search still ends. The tokens each server takes over from each other one are kept in
 ``overlap [L, S, S]``, updated move by move.
 
+A move budget (``max_moves``) counts loads: (layer, expert, server) slots hosted now and not at
+the start. When a round's proposals would load more than is left, they are granted by gain per
+load instead of by gain (`Search._grant`), so a budget that binds buys the most gain.
+
 Servers may be barred from loading (``load_allowed``: a server being added is the only one that
 loads) or load without stalling anyone (``charged`` false: a new server loads before it serves).
 On small instances `Search.settle` follows the rounds with an iterated local search
@@ -54,8 +58,8 @@ from eaas.runtime.placement.cost import (
     CostModel,
     failover_limits,
     failover_overlap,
-    failover_peaks_from,
     failover_shares,
+    overlap_cells,
 )
 from eaas.runtime.placement.placement import Placement, PlacementError, Server, domain_ids, required_spread
 
@@ -90,7 +94,9 @@ class Search:
         entries: optional ``matrix``'s hosted pairs as `Placement.hosted_entries` gives them
             (layer, server, expert index arrays in that order, replica counts), if the caller has
             them.
-        max_moves: stop after this many moves.
+        max_moves: a budget of loads: the search never hosts more than this many (layer, expert,
+            server) slots that the start did not (a relocation or replication loads one, a swap
+            two); when it binds, moves are granted by gain per load (`Search._grant`).
         min_gain_fraction: ignore moves that lower a layer's peak by less than this fraction of the
             layer's mean tokens per server (smaller gains are within the load estimate's noise).
         swap_weight: a swap's gain is multiplied by this when ranking moves (it loads two experts).
@@ -151,6 +157,9 @@ class Search:
         self.capacity = np.array(capacities, dtype=np.int64)
         self.domains = np.asarray(domain_ids, dtype=np.int64)
         self.spread = spread
+        # Whether a move can break the spread: not where every server is its own failure domain
+        # (a pair's replicas are always on distinct servers).
+        self.guards_spread = spread > 1 and len(np.unique(self.domains)) < num_servers
         self.replication = replication
         self.domain_onehot = np.eye(int(self.domains.max()) + 1 if num_servers else 1)[self.domains]  # [S, D]
         self.allowed = np.ones(num_servers, bool) if load_allowed is None else np.array(load_allowed, bool)
@@ -160,15 +169,18 @@ class Search:
         self.fixed = horizon_steps * num_layers * cost.seconds_per_layer
         self.move_cost = cost.seconds_per_expert_load
         self.max_moves = max_moves
-        self.moves = 0
         floor = self.move_cost / (max(1, int(self.charged.sum())) * self.coef)
         self.min_gain = np.maximum(np.maximum(min_gain_fraction * self.mean, floor), 1e-9)
         self.rows = np.arange(num_layers)
         self._journal: list[tuple[np.ndarray, ...]] = []  # moves applied and not taken back, in order
         self.failover_factor = cost.failover_factor
-        self.overlap: np.ndarray | None = None  # [L, S, S] tokens u takes over when s fails, at [l, s, u]
+        # [L, S, S] tokens u takes over when s fails, at [l, s, u]; -inf on the diagonal (a server
+        # takes nothing over from itself), so that a maximum over s needs no copy.
+        self.overlap: np.ndarray | None = None
         if self.failover_factor > 0 and num_servers > 1 and self.replication > 1:
             self.overlap = failover_overlap(self.servers_experts, self.share, self.count)
+            diagonal = np.arange(num_servers)
+            self.overlap[:, diagonal, diagonal] = -np.inf
 
     def is_open(self, allowance: int) -> np.ndarray:
         """bool ``[S]``: servers that may load one more expert under ``allowance`` new loads."""
@@ -179,6 +191,12 @@ class Search:
         load nothing; unbounded where its loads are not charged)."""
         room = np.where(self.charged, allowance - self.new_loads, np.iinfo(np.int64).max // 2)
         return np.where(self.allowed, room, 0)
+
+    @property
+    def moves(self) -> int:
+        """(layer, expert, server) slots loaded so far: hosted now and not at the start (what
+        ``max_moves`` bounds; `eaas.runtime.placement.diff` counts the same loads)."""
+        return int(self.new_loads.sum())
 
     def loads_charged(self) -> int:
         """The busiest charged loader's new loads (what movement costs)."""
@@ -203,7 +221,13 @@ class Search:
         limits = self._limits()
         if limits is None or self.overlap is None:
             return peaks
-        return peaks + np.maximum(0.0, failover_peaks_from(self.overlap, self.tokens) - limits * self.mean)
+        return peaks + np.maximum(0.0, self._after_worst().max(axis=1) - limits * self.mean)
+
+    def _after_worst(self) -> np.ndarray:
+        """``[L, S]`` each server's tokens after the single failure that adds it most (its failover
+        load; the layer's maximum is `eaas.runtime.placement.cost.failover_peaks`)."""
+        assert self.overlap is not None
+        return self.tokens + self.overlap.max(axis=1)
 
     def _limits(self) -> np.ndarray | None:
         if self.overlap is None:
@@ -282,7 +306,7 @@ class Search:
         demand = self.load.ravel()[pair_index]
         count = self.count.ravel()[pair_index]
         hosts_flat = self.experts_servers.reshape(-1)
-        check_spread = self.spread > 1
+        check_spread = self.guards_spread
         if check_spread:
             onehot = self.domain_onehot
             covered = self.experts_servers.reshape(-1, self.num_servers)[pair_index] @ onehot  # [A, P, K, D]
@@ -367,49 +391,30 @@ class Search:
         limits = self._limits()
         if limits is None or self.overlap is None:
             return None
-        num_servers, num_experts = self.num_servers, self.num_experts
-        after = self.tokens[:, None, :] + self.overlap  # [L, failed s, survivor u]
-        diagonal = np.arange(num_servers)
-        after[:, diagonal, diagonal] = -np.inf
-        column = after.max(axis=1)  # [L, S] each survivor after its worst failure
+        num_servers = self.num_servers
+        column = self._after_worst()  # [L, S] each survivor after its worst failure
         bound = limits * self.mean  # [L]
         rows = np.flatnonzero(column.max(axis=1) - bound > self.min_gain)
         if len(rows) == 0:
             return None
-        after, column = after[rows], column[rows]
+        column = column[rows]
         bound = bound[rows, None, None, None]
         peak = self.tokens[rows].max(axis=1)[:, None, None, None]
         layers, pairs = len(rows), min(_FAILOVER_PAIRS, num_servers)
         index = np.arange(layers)[:, None]  # [B, 1]
         survivor = np.argsort(-column, axis=1)[:, :pairs]  # [B, K]
-        failed = after.argmax(axis=1)[index, survivor]  # [B, K]
+        taken = self.overlap[rows[:, None], :, survivor]  # [B, K, failed s] what each survivor takes over
+        failed = taken.argmax(axis=2)  # [B, K]
         top = column[index, survivor][..., None, None]  # [B, K, 1, 1]
-        second = (
-            np.partition(after, -2, axis=1)[:, -2, :] if num_servers > 2 else np.full_like(column, -np.inf)
-        )
-        second = second[index, survivor][..., None, None]
-        hosts = self.experts_servers[rows]  # [B, E, S]
-        experts = np.arange(num_experts)
+        if num_servers > 2:  # the survivors' second worst failures: [B, K]
+            second = self.tokens[rows[:, None], survivor] + np.partition(taken, -2, axis=2)[..., -2]
+        else:
+            second = np.full(survivor.shape, -np.inf)
+        second = second[..., None, None]
         x = self.share[rows]  # [B, E]
         count = self.count[rows]
         is_open = self.is_open(allowance)
-        # Each server's lightest surplus replica in the layer (dropping it keeps R and the spread).
-        surplus = hosts & (count > self.replication)[..., None]  # [B, E, S]
-        if self.spread > 1:
-            # Replicas per failure domain [B, E, D], and how many domains each pair covers.
-            domains = self.domain_onehot.shape[1]
-            b_i, e_i, s_i = np.nonzero(hosts)
-            per_domain = np.bincount(
-                (b_i * num_experts + e_i) * domains + self.domains[s_i],
-                minlength=layers * num_experts * domains,
-            ).reshape(layers, num_experts, domains)
-            covered = (per_domain > 0).sum(axis=2)  # [B, E]
-            b_i, e_i, s_i = np.nonzero(surplus)
-            keeps = (covered[b_i, e_i] > self.spread) | (per_domain[b_i, e_i, self.domains[s_i]] > 1)
-            surplus[b_i[~keeps], e_i[~keeps], s_i[~keeps]] = False
-        lightest = np.where(surplus, x[..., None], np.inf).argmin(axis=1)  # [B, S]
-        has_surplus = surplus[index, lightest, np.arange(num_servers)]
-        x_dropped = np.where(has_surplus, x[index, lightest], 0.0)
+        lightest, x_dropped, has_surplus = self._lightest_surplus(rows, x, count)  # [B, S] each
         wanted = min(num_servers, _FAILOVER_RECEIVERS + 2)
 
         def receivers(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -422,15 +427,23 @@ class Search:
 
         with_slot, ok_slot = receivers(np.broadcast_to(is_open & (self.used < self.capacity), column.shape))
         with_surplus, ok_surplus = receivers(is_open[None, :] & has_surplus)
-        shared = (
-            hosts[index[..., None], experts, failed[..., None]]
-            & hosts[index[..., None], experts, survivor[..., None]]
-        )
-        shared &= (x > self.min_gain[rows, None])[:, None, :]  # [B, K, E]
-        w = failover_shares(x, count)[:, None, :, None]  # [B, 1, E, 1]
-        new_x = self._per_replica(rows[:, None], self.load[rows], count + 1)[:, None, :, None]
-        new_w = new_x / count[:, None, :, None]
-        x4 = x[:, None, :, None]
+        # Candidates: the survivor's experts in the layer that the failed server hosts too
+        # ``[B, K, W]`` (W the most a server hosts in a layer, -1 padded), not every expert.
+        width = max(1, int(self.filled[rows[:, None], survivor].max()))
+        candidate = self.table[rows[:, None], survivor, :width]  # [B, K, W]
+        expert_at = np.maximum(candidate, 0)
+        at = (index[..., None], expert_at)  # index [B, K, W] arrays of ``[B, E]``
+        hosts = self.experts_servers[rows[:, None, None], expert_at]  # [B, K, W, S]
+        shared = (candidate >= 0) & np.take_along_axis(hosts, failed[..., None, None], axis=3)[..., 0]
+        shared &= x[at] > self.min_gain[rows, None, None]
+        if self.guards_spread:
+            per_domain = hosts.astype(np.float64) @ self.domain_onehot  # [B, K, W, D] replicas
+            covered = (per_domain > 0).sum(axis=3)[..., None]  # [B, K, W, 1] domains
+        x4 = x[at][..., None]  # [B, K, W, 1]
+        w = failover_shares(x4, count[at][..., None])
+        count4 = count[at][..., None]
+        new_x = self._per_replica(rows[:, None, None, None], self.load[rows][at][..., None], count4 + 1)
+        new_w = new_x / count4
         drop = x4 - new_x
         gains, choices, partners = [], [], []
         for chosen, ok_v, options in (
@@ -438,12 +451,16 @@ class Search:
             (with_surplus, ok_surplus, ((_REPLACE, survivor),)),
         ):
             v = np.maximum(chosen, 0)
+            v4 = v[:, None, None, :]  # [B, 1, 1, C]
             usable = shared[..., None] & ok_v[:, :, None, :]
-            usable &= ~hosts[index[..., None], experts[:, None], v[:, None, :]][:, None]  # [B, K, E, C]
+            usable &= ~np.take_along_axis(hosts, np.broadcast_to(v4, usable.shape), axis=3)  # [B, K, W, C]
             column_v = column[index, v][:, None, None, :]  # [B, 1, 1, C]
-            failed_v = after[index[..., None], failed[..., None], v[:, None, :]][
-                :, :, None, :
-            ]  # [B, K, 1, C]
+            # [B, K, 1, C]: v's tokens after the survivor's worst failure
+            failed_v = (
+                self.tokens[rows[:, None, None], v[:, None, :]]
+                + self.overlap[rows[:, None, None], failed[..., None], v[:, None, :]]
+            )
+            failed_v = failed_v[:, :, None, :]
             tokens_v = self.tokens[rows[:, None], v][:, None, None, :]
             freed = x_dropped[index, v][:, None, None, :] if options[0][0] == _REPLACE else 0.0
             for kind, source in options:
@@ -459,18 +476,22 @@ class Search:
                     v_tokens = tokens_v + new_x - freed
                 ok = usable
                 if kind != _RELOCATE:
-                    ok = ok & (count < num_servers)[:, None, :, None]
-                elif self.spread > 1:
+                    ok = ok & (count4 < num_servers)
+                elif self.guards_spread:
                     # Moving e from ``source`` to ``v`` keeps the spread unless it leaves a domain
                     # without adding another.
                     home, there = self.domains[source], self.domains[v]  # [B, K], [B, C]
-                    lost = per_domain[index, :, home] == 1  # [B, K, E]
-                    won = per_domain[index[..., None], experts[:, None], there[:, None, :]] == 0  # [B, E, C]
-                    after_move = covered[:, None, :, None] - lost[..., None] + won[:, None]
+                    shape = (*per_domain.shape[:3], len(there[0]))
+                    lost = np.take_along_axis(per_domain, home[:, :, None, None], axis=3) == 1  # [B, K, W, 1]
+                    won = (
+                        np.take_along_axis(
+                            per_domain, np.broadcast_to(there[:, None, None, :], shape), axis=3
+                        )
+                        == 0
+                    )
+                    after_move = covered - lost + won  # [B, K, W, C]
                     after_move = np.where(
-                        home[:, :, None, None] == there[:, None, None, :],
-                        covered[:, None, :, None],
-                        after_move,
+                        home[:, :, None, None] == there[:, None, None, :], covered, after_move
                     )
                     ok = ok & (after_move >= self.spread)
                 over_after = np.maximum(0.0, np.maximum(u_after, v_after) - bound)
@@ -478,32 +499,69 @@ class Search:
                 gains.append(np.where(ok, gain, -np.inf))
                 choices.append((kind, source, chosen))
                 partners.append(lightest[index, v] if kind == _REPLACE else np.full_like(chosen, -1))
-        stacked = np.stack(gains, axis=2).reshape(layers, pairs, -1)  # [B, K, options x E x C]
+        stacked = np.stack(gains, axis=2).reshape(layers, pairs, -1)  # [B, K, options x W x C]
         best = stacked.argmax(axis=2)
         gain = np.take_along_axis(stacked, best[..., None], axis=2)[..., 0]
         keep = gain > self.min_gain[rows, None]
         if not keep.any():
             return None
         layer_index, pair = np.nonzero(keep)
-        option, rest = np.divmod(best[layer_index, pair], num_experts * wanted)
-        expert, column_index = np.divmod(rest, wanted)
+        option, rest = np.divmod(best[layer_index, pair], width * wanted)
+        position, column_index = np.divmod(rest, wanted)
+        expert = candidate[layer_index, pair, position]
         kinds = np.array([choice[0] for choice in choices])[option]
         source = np.stack([choice[1] for choice in choices], axis=2)[layer_index, pair, option]
         receiver = np.stack([choice[2] for choice in choices], axis=2)[layer_index, column_index, option]
         partner = np.stack(partners, axis=2)[layer_index, column_index, option]
         return gain[layer_index, pair], kinds, rows[layer_index], expert, partner, source, receiver
 
+    def _lightest_surplus(
+        self, rows: np.ndarray, share: np.ndarray, count: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """In layers ``rows [B]`` (``share``, ``count``: their ``[B, E]``), each server's lightest
+        surplus replica, whose drop keeps its expert's R and domain spread: expert ``[B, S]``, its
+        share (0 where none) and whether there is one. Only pairs above R are looked at."""
+        num_servers = self.num_servers
+        lightest = np.zeros((len(rows), num_servers), dtype=np.int64)
+        dropped = np.zeros((len(rows), num_servers))
+        has = np.zeros((len(rows), num_servers), dtype=bool)
+        pair_b, pair_e = np.nonzero(count > self.replication)
+        if len(pair_b) == 0:
+            return lightest, dropped, has
+        hosts = self.experts_servers[rows[pair_b], pair_e]  # [N, S]
+        entry, server = np.nonzero(hosts)
+        if self.guards_spread:
+            per_domain = hosts.astype(np.float64) @ self.domain_onehot  # [N, D]
+            covered = (per_domain > 0).sum(axis=1)
+            keeps = (covered[entry] > self.spread) | (per_domain[entry, self.domains[server]] > 1)
+            entry, server = entry[keeps], server[keeps]
+        b, e = pair_b[entry], pair_e[entry]
+        order = np.argsort(share[b, e], kind="stable")  # lightest first; ties: the lowest expert
+        first = order[_first_seen(b[order] * num_servers + server[order], len(rows) * num_servers)]
+        b, e, server = b[first], e[first], server[first]
+        lightest[b, server], dropped[b, server], has[b, server] = e, share[b, e], True
+        return lightest, dropped, has
+
     def _grant(self, proposals: tuple[np.ndarray, ...], allowance: int) -> tuple[np.ndarray, ...]:
         """Grant proposals, largest gain first, while the servers they load have allowance left
-        (and a free slot, for relocations and replications); in a layer, moves of one round touch
-        distinct servers and experts. Decided in array operations, conservatively: a proposal that
-        is turned down still counts against the ones after it. Returns the granted moves."""
+        (and a free slot, for relocations and replications) and the move budget lasts; in a layer,
+        moves of one round touch distinct servers and experts. When the proposals would load more
+        than the budget has left, they are ranked by gain per load instead (a swap's unweighted
+        gain over its two loads; a move that loads nothing counts as one load), so the budget buys
+        the most gain. Decided in array operations, conservatively: a proposal that is turned
+        down still counts against the ones after it. Returns the granted moves."""
         gain, kind, layer, expert, partner, hot, receiver = proposals
-        order = np.argsort(-gain, kind="stable")
-        kind, layer, expert, partner = kind[order], layer[order], expert[order], partner[order]
-        hot, receiver = hot[order], receiver[order]
-        count = len(order)
         swap = kind == _SWAP
+        loads = (~self.original[layer, expert, receiver]).astype(np.int64)
+        loads += swap & ~self.original[layer, np.maximum(partner, 0), hot]
+        rank = gain
+        left = None if self.max_moves is None else self.max_moves - self.moves
+        if left is not None and int(loads.sum()) > left:
+            rank = np.where(swap, gain / self.swap_weight, gain) / np.maximum(loads, 1)
+        order = np.argsort(-rank, kind="stable")
+        kind, layer, expert, partner = kind[order], layer[order], expert[order], partner[order]
+        hot, receiver, loads, swap = hot[order], receiver[order], loads[order], swap[order]
+        count = len(order)
         two_experts = swap | (kind == _REPLACE)
         # One move per (layer, server) and per (layer, expert) per round.
         servers = np.stack([layer * self.num_servers + receiver, layer * self.num_servers + hot], axis=1)
@@ -512,8 +570,6 @@ class Search:
         pair_key = layer * self.num_experts
         experts = np.stack([pair_key + expert, np.where(two_experts, pair_key + partner, dummy)], axis=1)
         ok &= _first_seen(experts.reshape(-1), self.load.size + count).reshape(count, 2).all(axis=1)
-        if self.max_moves is not None:
-            ok &= np.cumsum(ok) <= self.max_moves - self.moves
         # Allowance: the i-th load a server gets this round needs i < allowance - new_loads.
         # Events in move order: (receiver, hot) per move, where each costs a load.
         loads_v = ok & ~self.original[layer, expert, receiver]
@@ -529,6 +585,12 @@ class Search:
         slot_server = receiver[takes_slot]
         full = _rank_within(slot_server, self.num_servers) >= (self.capacity - self.used)[slot_server]
         ok[takes_slot[full]] = False
+        if left is not None and int(loads[ok].sum()) > left:  # the budget, in this order
+            for move in np.flatnonzero(ok):
+                if loads[move] > left:
+                    ok[move] = False  # a later, smaller move may still fit
+                else:
+                    left -= int(loads[move])
         return kind[ok], layer[ok], expert[ok], partner[ok], hot[ok], receiver[ok]
 
     def _apply(self, moves: tuple[np.ndarray, ...], journal: bool = True) -> None:
@@ -544,7 +606,7 @@ class Search:
             pairs = layer * self.num_experts
             keys = np.unique(np.concatenate([pairs + expert, (pairs + partner)[swap | replace]]))
             pair_l, pair_e = np.divmod(keys, self.num_experts)
-            before = self._overlap_terms(pair_l, pair_e)
+            self._add_overlap(pair_l, pair_e, -1.0)
         # Replica counts change: every host of such a pair gives up (takes over) part of its share.
         up = replicate | replace
         l = np.concatenate([layer[up], layer[drop], layer[replace]])
@@ -576,18 +638,17 @@ class Search:
         add_s = np.concatenate([receiver[grows], hot[swap]])
         self._set(drop_l, drop_e, drop_s, False)
         self._set(add_l, add_e, add_s, True)
-        self.moves += int(grows.sum())
-        if self.overlap is not None:  # pair_l is sorted (np.unique): sum each layer's changes
-            starts = np.flatnonzero(np.concatenate(([True], pair_l[1:] != pair_l[:-1])))
-            change = np.add.reduceat(self._overlap_terms(pair_l, pair_e) - before, starts, axis=0)
-            self.overlap[pair_l[starts]] += change
+        if self.overlap is not None:
+            self._add_overlap(pair_l, pair_e, 1.0)
 
-    def _overlap_terms(self, layer: np.ndarray, expert: np.ndarray) -> np.ndarray:
-        """``[N, S, S]`` what pairs ``(layer, expert)`` add to ``overlap``: the tokens each host takes
-        over from each other one."""
-        hosts = self.experts_servers[layer, expert].astype(np.float64)  # [N, S]
-        weight = failover_shares(self.share[layer, expert], self.count[layer, expert])
-        return (hosts * weight[:, None])[:, :, None] * hosts[:, None, :]
+    def _add_overlap(self, layer: np.ndarray, expert: np.ndarray, sign: float) -> None:
+        """Add (``sign`` 1) or take out (-1) what pairs ``(layer, expert)`` (distinct) contribute to
+        ``overlap``: the tokens each of their hosts takes over from each other one."""
+        assert self.overlap is not None
+        row, server = np.nonzero(self.experts_servers[layer, expert])  # [N, S] -> hosts, by pair
+        weight = failover_shares(self.share[layer, expert], self.count[layer, expert])  # [N]
+        cells, entry = overlap_cells(row, layer[row], server, self.num_servers)
+        np.add.at(self.overlap.reshape(-1), cells, sign * weight[row[entry]])
 
     def _undo(self, moves: tuple[np.ndarray, ...]) -> None:
         """Take back moves applied by `_apply` (the last ones not taken back): a relocation or swap
@@ -600,7 +661,6 @@ class Search:
         inverse = np.select([kind == _REPLICATE, kind == _DROP], [_DROP, _REPLICATE], kind)
         exchange = (kind == _RELOCATE) | (kind == _SWAP)
         replace = kind == _REPLACE
-        before = self.moves
         self._apply(
             (
                 inverse,
@@ -612,7 +672,6 @@ class Search:
             ),
             journal=False,
         )
-        self.moves = before - int((kind != _DROP).sum())
 
     def _drops(self, allowance: int, pairs: int) -> tuple[np.ndarray, ...] | None:
         """Free slots where moves want them: on full servers with allowance left that are among
@@ -649,7 +708,7 @@ class Search:
         rise = self._per_replica(layer, demand, count - 1) - self._per_replica(layer, demand, count)
         room = tokens.max(axis=1)[layer] - self.min_gain[layer] - (others_max + rise)
         ok = room >= 0
-        if self.spread > 1:
+        if self.guards_spread:
             ok &= ((others.astype(np.float64) @ self.domain_onehot) > 0).sum(axis=1) >= self.spread
         index = np.flatnonzero(ok)
         if len(index) == 0:
@@ -806,8 +865,8 @@ class Search:
         best = self.objective()
         for _ in range(tries):
             mark = len(self._journal)
-            if self.max_moves is not None and self.moves >= self.max_moves:
-                break
+            if self.max_moves is not None and self.moves + 2 > self.max_moves:
+                break  # a kick loads up to two experts
             if not (self.tokens.max(axis=1) - self.mean > self.min_gain).any():
                 break  # nothing left to balance
             kick = self._kick(rng)
@@ -853,7 +912,7 @@ class Search:
 
     def _spread_ok(self, l: int, e: int, leaving: int, arriving: int) -> bool:
         """Whether (l, e) keeps its failure-domain spread when it moves from one server to another."""
-        if self.spread <= 1:
+        if not self.guards_spread:
             return True
         hosts = self.experts_servers[l, e].copy()
         hosts[leaving], hosts[arriving] = False, True

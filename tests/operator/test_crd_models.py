@@ -237,6 +237,19 @@ def test_the_failover_bound_defaults_to_the_planners_and_may_be_turned_off() -> 
         assert any("failoverFactorPercent" in r["rule"] for r in placement["x-kubernetes-validations"])
 
 
+def test_the_move_budget_has_a_default_and_a_range_the_api_server_checks() -> None:
+    assert MoEServiceSpec.from_k8s(spec_with()).placement.max_expert_moves_per_rebalance == 2048
+    spec = MoEServiceSpec.from_k8s(spec_with(**{"placement.maxExpertMovesPerRebalance": 100}))
+    assert spec.placement.max_expert_moves_per_rebalance == 100
+    with pytest.raises(ValidationError, match="maxExpertMovesPerRebalance"):
+        MoEServiceSpec.from_k8s(spec_with(**{"placement.maxExpertMovesPerRebalance": 0}))
+    for name in ("eaas.io_moeservices.yaml", "eaas.io_expertpools.yaml"):
+        crd = yaml.safe_load((ROOT / "crds" / name).read_text())
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        budget = spec["properties"]["placement"]["properties"]["maxExpertMovesPerRebalance"]
+        assert (budget["default"], budget["minimum"]) == (2048, 1)
+
+
 def test_tolerations_the_pod_api_takes_are_accepted() -> None:
     tolerations = [
         {"operator": "Exists"},

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from inline_jobs import inline_jobs
 from prometheus_client import CollectorRegistry
 
 from eaas.operator import planning, rebalance
@@ -69,6 +70,23 @@ def test_full_servers_are_given_the_pools_slots_for_a_rebalance() -> None:
     assert decision.placement is not None
     assert {s.capacity for s in decision.placement.servers} == {12}
     assert len(decision.placement.servers_of(1, 3)) > 2
+
+
+def test_the_move_budget_bounds_a_rebalance_that_still_gains() -> None:
+    current = placement()
+    load = hot_load()
+    load[1, 5] = load[0, 6] = 4e5  # more hot experts: more moves pay
+    free = rebalance.plan(current, load, "cost_aware")
+    assert free.moves > 3
+    for budget in (1, 2, free.moves - 1):
+        decision = rebalance.plan(current, load, "cost_aware", max_moves=budget)
+        assert decision.result == "rebalanced" and decision.placement is not None
+        assert 0 < decision.moves <= budget and decision.gain_seconds > 0
+        assert decision.moves == rebalance.diff(current, decision.placement).num_moves
+    # EPLB's packing cannot be cut down: one that needs more loads is declined.
+    declined = rebalance.plan(current, load, "eplb", max_moves=2)
+    assert (declined.placement, declined.result) == (None, "unchanged")
+    assert "maxExpertMovesPerRebalance=2" in declined.message
 
 
 def test_an_unknown_policy_is_refused_with_the_allowed_values() -> None:
@@ -297,7 +315,9 @@ def ticking(
     ``cost``, default `CostModel()`), and the control URLs of `current`'s servers."""
     fake = FakeServers()
     metrics = OperatorMetrics(CollectorRegistry())
-    rebalancer = Rebalancer(metrics, fetch=fake.fetch, cost=cost or CostModel(), clock=lambda: fake.now)
+    rebalancer = Rebalancer(
+        metrics, fetch=fake.fetch, cost=cost or CostModel(), clock=lambda: fake.now, jobs=inline_jobs()
+    )
     return fake, metrics, rebalancer, {o: f"http://10.0.0.{o}:9100" for o in current.ordinals}
 
 

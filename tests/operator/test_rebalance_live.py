@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from inline_jobs import inline_jobs
 from prometheus_client import CollectorRegistry
 from test_rebalance import counts
 
@@ -31,7 +32,7 @@ def test_collector_measures_the_routed_load_of_a_real_server(
     layers, experts = tuple(config.moe_layers), config.num_experts
     metrics = OperatorMetrics(CollectorRegistry())
     now = [1000.0]
-    rebalancer = Rebalancer(metrics, timeout_seconds=2.0, clock=lambda: now[0])
+    rebalancer = Rebalancer(metrics, timeout_seconds=2.0, clock=lambda: now[0], jobs=inline_jobs())
     key = ("ns", "tiny-experts")
 
     with LocalCluster(checkpoint, placement, tmp_path / "cluster", transports=("tcp",)) as cluster:

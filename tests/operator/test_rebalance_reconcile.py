@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from inline_jobs import inline_jobs
 from memory_kube import MemoryKube
 from prometheus_client import CollectorRegistry
 from test_rebalance import FakeServers, counts
@@ -71,7 +72,7 @@ def test_the_resync_timer_publishes_a_rebalance_for_a_hot_expert(pool: dict[str,
         kube=kube,
         metrics=metrics,
         post_event=lambda obj, type_, reason, message: events.append((type_, reason, message)),
-        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now),
+        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now, jobs=inline_jobs()),
         server_urls=lambda pool_name, pods, port: {o: f"http://server-{o}:{port}" for o in range(3)},
     )
     for o in range(3):
@@ -140,7 +141,7 @@ def test_interval_zero_turns_rebalancing_off(pool: dict[str, Any]) -> None:
         kube=kube,
         metrics=metrics,
         post_event=lambda *a: None,
-        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now),
+        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now, jobs=inline_jobs()),
         server_urls=lambda pool_name, pods, port: {o: f"http://server-{o}:{port}" for o in range(3)},
     )
     for _ in range(3):
@@ -221,7 +222,7 @@ def test_a_rebalance_the_api_server_refuses_is_reported_and_never_blocks_rehomin
         kube=kube,
         metrics=metrics,
         post_event=lambda obj, type_, reason, message: events.append((type_, reason, message)),
-        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now),
+        rebalancer=Rebalancer(metrics, fetch=fake.fetch, clock=lambda: fake.now, jobs=inline_jobs()),
         server_urls=lambda pool_name, pods, port: {o: f"http://server-{o}:{port}" for o in range(3)},
         probe=lambda url: "refused",
     )

@@ -211,7 +211,7 @@ def test_cost_aware_longer_horizons_buy_more_balance() -> None:
 def test_cost_aware_respects_the_move_budget() -> None:
     current, load = mid_instance()
     plan = cost_aware(current, load, horizon_steps=100, max_moves=10)
-    assert 0 < num_moves(current, plan) <= 20  # a swap loads two experts
+    assert 0 < num_moves(current, plan) <= 10  # loads, a swap's two included
     assert cost_aware(current, load, max_moves=0) is current
     with pytest.raises(PlacementError, match="max_moves must be an int >= 0"):
         cost_aware(current, load, max_moves=-1)
@@ -315,7 +315,7 @@ def test_cost_aware_takes_a_fresh_packing_when_the_search_is_stuck() -> None:
     assert num_moves(aged, plan) < num_moves(aged, replicate_and_pack(aged, load))
     # A move budget rules the fresh packing out.
     budgeted = cost_aware(aged, load, horizon_steps=1000, max_moves=500)
-    assert num_moves(aged, budgeted) <= 2 * 500
+    assert num_moves(aged, budgeted) <= 500
 
 
 # -- ilp ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from test_placement_properties import COSTS, SETTINGS, instances
 from eaas.runtime.placement import (
     CostModel,
     Placement,
+    Server,
     cost_aware,
     forecast_loads,
     predicted_seconds,
@@ -21,7 +22,15 @@ from eaas.runtime.placement import (
 )
 from eaas.runtime.placement.cost import failover_shares
 from eaas.runtime.placement.cost_aware import PORTFOLIO_MAX_CELLS
-from eaas.runtime.placement.search import _first_seen, _rank_within, search_for
+from eaas.runtime.placement.search import (
+    _RELOCATE,
+    _SWAP,
+    SWAP_WEIGHT,
+    Search,
+    _first_seen,
+    _rank_within,
+    search_for,
+)
 
 
 def check_search(current: Placement, load: np.ndarray, cost: CostModel, horizon: int, step: int) -> Placement:
@@ -44,7 +53,10 @@ def check_search(current: Placement, load: np.ndarray, cost: CostModel, horizon:
     if search.overlap is not None:  # the tokens each server takes over from each other one
         held = found.hosting_matrix().transpose(1, 0, 2).astype(np.float64)
         weights = failover_shares(search.share, search.count)[:, None, :]
-        np.testing.assert_allclose(search.overlap, (held * weights) @ held.transpose(0, 2, 1), atol=1e-9)
+        expected = (held * weights) @ held.transpose(0, 2, 1)
+        diagonal = np.arange(found.num_servers)
+        expected[:, diagonal, diagonal] = -np.inf  # a server takes nothing over from itself
+        np.testing.assert_allclose(search.overlap, expected, atol=1e-9)
     used = found.used_slots()
     assert search.used.tolist() == [used[ordinal] for ordinal in found.ordinals]
     fresh = found.hosting_matrix() & ~current.hosting_matrix()
@@ -89,8 +101,12 @@ def test_move_budget_is_respected() -> None:
     load = trace_load(12, 64, seed=4)
     for budget in (1, 7, 40):
         search = search_for(current, load, CostModel(), 1000, max_moves=budget)
-        search.optimize()
+        start = search.objective()
+        assert search.optimize() < start  # the budget still buys a gain
         assert 0 < search.moves <= budget
+        # The budget counts (layer, expert, server) loads, as `diff` does.
+        loaded = search.matrix() & ~current.hosting_matrix()
+        assert int(loaded.sum()) == search.moves
 
 
 @SETTINGS
@@ -125,3 +141,31 @@ def test_escape_is_valid_and_never_worse(
     )
     assert_invariants(found)
     assert best == pytest.approx(predicted_seconds(current, found, load, cost, horizon), rel=1e-9, abs=1e-12)
+
+
+def test_a_binding_budget_buys_the_best_gain_per_load() -> None:
+    """Two proposals in different layers: a swap (two loads) of larger gain and a relocation (one
+    load). With one load left the relocation is granted; with no budget, both."""
+    current = round_robin(2, 8, [Server(i, 8) for i in range(4)], replication=1)
+    load = np.ones((2, 8))
+
+    def proposals(search: Search) -> tuple[np.ndarray, ...]:
+        e, f = int(search.table[0, 0, 0]), int(search.table[0, 1, 0])  # layer 0: e on 0, f on 1
+        g = int(search.table[1, 2, 0])  # layer 1: g on 2, relocated to 3
+        swap, relocate = SWAP_WEIGHT * 4.0, 2.5  # unweighted: 2.0 and 2.5 per load
+        return tuple(
+            np.array(column)
+            for column in zip(
+                (swap, _SWAP, 0, e, f, 0, 1), (relocate, _RELOCATE, 1, g, -1, 2, 3), strict=True
+            )
+        )
+
+    for budget, granted in (
+        (1, [_RELOCATE]),
+        (2, [_RELOCATE]),
+        (3, [_RELOCATE, _SWAP]),
+        (None, [_SWAP, _RELOCATE]),
+    ):
+        search = search_for(current, load, CostModel(), 100, max_moves=budget)
+        kinds = search._grant(proposals(search), allowance=10)[0]
+        assert sorted(kinds.tolist()) == sorted(granted), budget
