@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -132,8 +131,7 @@ def add_servers(
         hosting.add_server(ordinal)
         domains[ordinal] = domain
     target = sum(len(pairs) for pairs in hosting.pairs.values()) // len(hosting.pairs)
-    servers_in = Counter(domain for domain in domains.values() if domain is not None)
-    shared = frozenset(domain for domain, count in servers_in.items() if count > 1)
+    shared = _crowded_domains(current)
     fullest = _Fullest(hosting)
     receiving = sorted(new)
     while receiving:
@@ -165,6 +163,21 @@ def add_servers(
         hosting, domains, required_spread(sized, shape.num_pairs, shape.replication), sorted(new)
     )
     return _rebuild(current, shape, servers, hosting.lists())
+
+
+def _crowded_domains(placement: Placement) -> frozenset[str]:
+    """The named failure domains that hold two or more replicas of some pair: the only ones a
+    move can spread a pair out of."""
+    ids, _ = placement.domain_ids()  # named domains first, in sorted order
+    names = sorted({server.domain for server in placement.servers if server.domain is not None})
+    if not names:
+        return frozenset()
+    matrix = placement.hosting_matrix()  # [S, L, E]
+    one_hot = np.zeros((len(names), len(ids)), dtype=np.float32)
+    named = ids < len(names)
+    one_hot[ids[named], np.flatnonzero(named)] = 1
+    per_domain = one_hot @ matrix.reshape(len(ids), -1).astype(np.float32)  # [named domains, L*E]
+    return frozenset(name for name, row in zip(names, per_domain, strict=True) if row.max() > 1)
 
 
 def _spread_by_swaps(
