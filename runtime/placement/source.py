@@ -261,6 +261,7 @@ class PlacementSource:
         self.watch = watch
         self._last: PlacementBytes | None = None
         self._last_newness: Newness | None = None
+        self._changed = watch.changed if watch is not None else threading.Event()
         # (newness, parses) by (committed, pending) bytes: a candidate is parsed once per change
         self._scores: dict[tuple[bytes | None, bytes | None], tuple[Newness | None, bool]] = {}
 
@@ -281,6 +282,16 @@ class PlacementSource:
     def stop(self) -> None:
         if self.watch is not None:
             self.watch.stop()
+
+    def wait(self, timeout_s: float) -> None:
+        """Returns after `timeout_s`, or sooner: once the watch saw a change, or on :meth:`wake`
+        (a reader that polls the files every `timeout_s` takes the watch's changes at once)."""
+        self._changed.wait(timeout_s)
+        self._changed.clear()
+
+    def wake(self) -> None:
+        """Ends a :meth:`wait` now (a reader that is stopping)."""
+        self._changed.set()
 
     def read(self) -> PlacementBytes:
         candidates = [self.files.read()]

@@ -277,6 +277,7 @@ class AttentionService:
 
     def stop(self) -> None:
         self._stop.set()
+        self.source.wake()
         self.api.stop()
         self._runner.stop()
         if self._watcher.is_alive():
@@ -296,7 +297,10 @@ class AttentionService:
 
     # --- placement -------------------------------------------------------------------------------
     def _watch_placement(self) -> None:
-        while not self._stop.wait(self.options.placement_poll_s):
+        while not self._stop.is_set():
+            self.source.wait(self.options.placement_poll_s)  # a watched change ends it at once
+            if self._stop.is_set():
+                break
             try:
                 self._poll_placement()
             except Exception:  # never let the watcher die

@@ -5,6 +5,8 @@ is set the way its watch events set it (``_set`` with the ConfigMap as the API r
 from __future__ import annotations
 
 import base64
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,18 @@ def test_a_deleted_config_map_keeps_the_last_placement(tmp_path: Path, files: Mo
     assert versions(source) == (3, None)
     watch._set(config_map(placement(4), None))  # created again, newer
     assert versions(source) == (4, None)
+
+
+def test_a_reader_waiting_between_polls_is_woken_by_a_watched_change(files: MountedFiles) -> None:
+    watch = ConfigMapWatch("ns", "pool-placement")
+    source = PlacementSource(files, watch)
+    timer = threading.Timer(0.1, watch._set, [config_map(placement(2), None)])
+    started = time.monotonic()
+    timer.start()
+    source.wait(30.0)  # the poll interval: cut short by the change
+    assert time.monotonic() - started < 5.0
+    assert versions(source) == (2, None)
+    source.wake()  # a stopping reader: at once, too
+    started = time.monotonic()
+    source.wait(30.0)
+    assert time.monotonic() - started < 5.0
