@@ -127,7 +127,10 @@ def config_map_bytes(config_map: Mapping[str, Any] | None, origin: str) -> Place
 
     def value(key: str) -> bytes | None:
         if key in binary:
-            return base64.b64decode(binary[key])
+            try:
+                return base64.b64decode(binary[key], validate=True)
+            except ValueError:  # not base64 (written by hand?): bytes that do not parse, reported so
+                return str(binary[key]).encode()
         if key in data:
             return str(data[key]).encode()
         return None
@@ -144,9 +147,9 @@ class ConfigMapWatch(DaemonLoop):
         self.origin = f"ConfigMap {namespace}/{name}"
         self.latest: PlacementBytes | None = None
         self.synced = threading.Event()  # set by the first successful listing
+        self.tried = threading.Event()  # set once the first listing succeeded or failed
         self.changed = threading.Event()  # set on every new state (a reader may wait on it)
         self.failures = 0  # in a row
-        self.events = 0  # watch events applied, since start
         self._api: Any = None
         self._response: Any = None  # the open watch (closed by stop())
         super().__init__("eaas-placement-configmap")
@@ -168,6 +171,7 @@ class ConfigMapWatch(DaemonLoop):
                 if self._stop.is_set():
                     break
                 self.failures += 1
+                self.tried.set()
                 delay = min(MAX_RETRY_S, MIN_RETRY_S * 2 ** (self.failures - 1))
                 if self.failures == 1 or self.failures % 10 == 0:
                     log.warning(
@@ -196,6 +200,7 @@ class ConfigMapWatch(DaemonLoop):
             log.info("%s: watched again", self.origin)
         self.failures = 0
         self.synced.set()
+        self.tried.set()
         version = str((listing.get("metadata") or {}).get("resourceVersion", ""))
         while not self._stop.is_set():  # one watch request after another, from the last version seen
             version = self._watch(selector, version)
@@ -239,7 +244,6 @@ class ConfigMapWatch(DaemonLoop):
         if texts.same_contents(self.latest):
             return
         self.latest = texts
-        self.events += 1
         self.changed.set()
 
 
@@ -273,10 +277,11 @@ class PlacementSource:
 
     def start(self, wait_s: float = FIRST_SYNC_WAIT_S) -> PlacementSource:
         """Starts the watch and waits up to `wait_s` for its first listing (a starting server or
-        client then begins from the ConfigMap as it is, not from files a sync behind)."""
+        client then begins from the ConfigMap as it is, not from files a sync behind); a refused
+        or failed one ends the wait at once."""
         if self.watch is not None:
             self.watch.start()
-            self.watch.synced.wait(wait_s)
+            self.watch.tried.wait(wait_s)
         return self
 
     def stop(self) -> None:

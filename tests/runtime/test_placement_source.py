@@ -83,6 +83,9 @@ def test_config_map_bytes_are_the_file_bytes(tmp_path: Path) -> None:
     older = {"data": {PLACEMENT_KEY: committed.to_json()}}  # what an older operator wrote
     assert config_map_bytes(older, "x").parse()[0] == committed
     assert config_map_bytes(None, "x").empty  # deleted
+    written_by_hand = config_map_bytes({"binaryData": {PLACEMENT_KEY: "not base64!"}}, "ConfigMap ns/p")
+    with pytest.raises(PlacementError, match="ConfigMap ns/p placement"):  # reported, not a watch failure
+        written_by_hand.parse()
 
 
 def test_the_watch_wins_while_the_files_lag_and_never_goes_back(tmp_path: Path, files: MountedFiles) -> None:
