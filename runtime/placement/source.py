@@ -46,7 +46,7 @@ FileStamp = tuple[int, int, int, int] | None  # (device, inode, mtime ns, size);
 Newness = tuple[int, int]  # (newest version of committed and pending, committed version)
 
 MIN_RETRY_S = 0.5
-MAX_RETRY_S = 10.0
+MAX_RETRY_S = 4.0  # after an API server outage the watch is back within this (a list of one object)
 WATCH_S = 60  # one watch request's length (the API server ends it; the next resumes)
 FIRST_SYNC_WAIT_S = 3.0  # how long a starting reader waits for the watch's first listing
 
