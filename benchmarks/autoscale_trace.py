@@ -791,7 +791,7 @@ def calibrate(
         operator.set_replicas(servers)
         operator.wait_stable(servers)
         row = measure(cluster, url, peak, end - start, judged_from - start, args.window_s, slo_s)
-        committed, _ = operator.files.read()
+        committed, _ = operator.files.read().parse()
         assert committed is not None
         row["layer_balance"] = layer_balance(committed, top_k, BALANCE_TOKENS)
         row["layer_balance_round_robin"] = layer_balance(
