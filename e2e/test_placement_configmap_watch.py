@@ -8,7 +8,8 @@ A committed placement must reach every pod in seconds, not at the kubelet's next
 more): the source (:mod:`eaas.runtime.placement.source`) must see each change of the ConfigMap
 within 2 s while the mounted files stay behind; survive the ConfigMap's deletion and re-creation;
 and, refused by RBAC, log why and follow the files. An expert server started with
-``--placement-configmap`` loads a pending placement that only the ConfigMap has.
+``--placement-configmap`` loads a pending placement that only the ConfigMap has, and an attention
+client routes by a commit that only the ConfigMap has.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ from e2e.cluster import Cluster
 from e2e.operator.harness import service_account_kubeconfig
 from eaas.operator import naming
 from eaas.operator.builders.common import runtime_placement_role, runtime_placement_role_binding
+from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import preset, write_random_checkpoint
 from eaas.runtime.placement import Placement, round_robin, stored
 from eaas.runtime.placement.source import ConfigMapWatch, MountedFiles, PlacementSource
@@ -239,3 +242,63 @@ def test_an_expert_server_loads_a_placement_only_the_config_map_has(
     finally:
         process.kill()
         process.wait(timeout=10)
+
+
+def test_an_attention_client_routes_by_commits_only_the_config_map_has(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """``eaas attention-client`` as pods run it, its mounted placement file never written (a kubelet
+    that has not synced yet): it becomes ready on the first commit of the ConfigMap and routes by
+    the next one within 2 s."""
+    kubeconfig = account(cluster, namespace, tmp_path, role=True)
+    model = preset("mixtral")
+    checkpoint = write_random_checkpoint(model, tmp_path / "checkpoint", seed=3)
+    first = round_robin(model.moe_layers, model.num_experts, 1, replication=1).with_version(1)
+    ready_file = tmp_path / "ready.json"
+    env = {
+        **os.environ,
+        naming.ENV_PORT: "0",
+        naming.ENV_CHECKPOINT: str(checkpoint),
+        naming.ENV_PLACEMENT_FILE: str(tmp_path / "placement" / naming.PLACEMENT_KEY),  # never there
+        naming.ENV_PLACEMENT_CONFIGMAP: CONFIG_MAP,
+        naming.ENV_POD_NAME: "tiny-attention-abc",
+        naming.ENV_POOL: "tiny-attention",
+        naming.ENV_NAMESPACE: namespace,
+        naming.ENV_TRANSPORT: "tcp",
+    }
+    with LocalCluster(checkpoint, first, tmp_path / "servers", transports=("tcp",)) as servers:
+        command = [
+            sys.executable, "-m", "eaas.runtime.cli", "attention-client", "--host", "127.0.0.1",
+            "--server", f"0={servers.urls[0]}", "--ready-file", str(ready_file),
+            "--kubeconfig", str(kubeconfig),
+        ]  # fmt: skip
+        log_path = tmp_path / "client.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: ready_file.exists() or process.poll() is not None, "the client to start", 90)
+            assert process.poll() is None, log_path.read_text()
+            url = f"http://127.0.0.1:{json.loads(ready_file.read_text())['port']}"
+
+            def routed_version() -> int | None:
+                try:
+                    with urllib.request.urlopen(f"{url}/readyz", timeout=5) as response:
+                        return int(json.loads(response.read())["placement_version"])
+                except urllib.error.HTTPError:
+                    return None  # 503: no placement yet
+
+            assert routed_version() is None
+            cluster.core.create_namespaced_config_map(namespace, body(first, None))  # the first commit
+            wait_for(lambda: routed_version() == 1, "the first placement to be routed by", 30)
+            cluster.core.replace_namespaced_config_map(
+                CONFIG_MAP, namespace, body(first.with_version(2), None)
+            )
+            seconds = wait_for(lambda: routed_version() == 2, "the commit of v2 to be routed by", 10)
+            print(
+                f"commit of v2 routed by {seconds:.2f} s after the ConfigMap was written"
+            )  # the measurement
+            assert seconds <= PROPAGATION_S
+            assert "not watched" not in log_path.read_text()
+        finally:
+            process.kill()
+            process.wait(timeout=10)
