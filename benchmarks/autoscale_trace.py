@@ -149,12 +149,13 @@ from eaas.operator.autoscaler import HEADROOM as AUTOSCALER_HEADROOM
 from eaas.operator.autoscaler import Autoscaler, Capacity
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.client.routing import RoutingTable
+from eaas.runtime.contract import PENDING_KEY
 from eaas.runtime.lease import UTILIZATION_WINDOW_S, ExpertWait, TokenRate, Utilization
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import MoEConfig, write_random_checkpoint
 from eaas.runtime.placement import Placement
+from eaas.runtime.placement.source import MountedFiles
 from eaas.runtime.server.daemon import DaemonLoop
-from eaas.runtime.server.placement_watch import PlacementFiles
 from eaas.runtime.transport.shm_segment import remove_segments_of
 
 TICK_S = 0.5  # the local operator's reconcile period (the real one reacts to events within ~1 s)
@@ -489,7 +490,7 @@ class LocalOperator(DaemonLoop):
         super().__init__("local-operator")
         self.cluster, self.shape, self.replicas, self.resync_s = cluster, shape, replicas, resync_s
         self.round_robin = round_robin  # re-plan every scale step round-robin (not what the operator does)
-        self.files = PlacementFiles(cluster.workdir)
+        self.files = MountedFiles.directory(cluster.workdir)
         self.autoscaling: AutoscalingSpec | None = None
         self.capacity: Capacity | None = None  # tokenRate's learned capacity, kept over set_replicas
         self.autoscaler = Autoscaler()
@@ -498,7 +499,7 @@ class LocalOperator(DaemonLoop):
         self.latest: dict[int, tuple[float, float, float]] = {}  # ordinal -> (time, busy s, tokens) last seen
         self.utilization: dict[int, Utilization] = {}  # ordinal -> its busy fraction, as its Lease has it
         self.token_rate: dict[int, TokenRate] = {}  # ordinal -> its routed tokens per second
-        committed, pending = self.files.read()
+        committed, pending = self.files.read().parse()
         self.last_version = max((p.version for p in (committed, pending) if p is not None), default=0)
         self.timeline: list[dict[str, Any]] = []
         self.errors: list[str] = []
@@ -559,7 +560,7 @@ class LocalOperator(DaemonLoop):
             pods[ordinal] = expert_step.PodState(
                 ordinal, ordinal in self.ready, template_hash=TEMPLATE, uid=str(server.pid)
             )
-        committed, pending = self.files.read()
+        committed, pending = self.files.read().parse()
         return expert_step.Observed(
             pool="local", desired_replicas=self.replicas, shape=self.shape, template_hash=TEMPLATE, pods=pods,
             committed=committed, pending=pending, reports=reports, last_version=self.last_version,
@@ -576,9 +577,9 @@ class LocalOperator(DaemonLoop):
             if committed is not None:
                 write_atomically(self.files.committed_path, committed.to_json())
             if pending is not None:
-                write_atomically(self.files.pending_path, pending.to_json())
+                write_atomically(self.cluster.workdir / PENDING_KEY, pending.to_json())
             else:
-                self.files.pending_path.unlink(missing_ok=True)
+                (self.cluster.workdir / PENDING_KEY).unlink(missing_ok=True)
             self.last_version = max(p.version for p in (committed, pending) if p is not None)
         for ordinal in step.create_pods:
             self.cluster.add(ordinal)
@@ -602,7 +603,7 @@ class LocalOperator(DaemonLoop):
             )
             for ordinal in sorted(self.ready & set(self.cluster.servers) & set(self.utilization))
         }
-        committed, pending = self.files.read()
+        committed, pending = self.files.read().parse()
         utilization = expert_step.serving_utilization(reports, committed, pending)
         tokens = expert_step.serving_utilization(reports, committed, pending, "tokens_per_second")
         ready = len(self.ready & set(self.cluster.servers))
@@ -626,7 +627,7 @@ class LocalOperator(DaemonLoop):
         )  # fmt: skip
 
     def is_stable(self, replicas: int) -> bool:
-        committed, pending = self.files.read()
+        committed, pending = self.files.read().parse()
         return (
             pending is None
             and committed is not None
@@ -790,7 +791,7 @@ def calibrate(
         operator.set_replicas(servers)
         operator.wait_stable(servers)
         row = measure(cluster, url, peak, end - start, judged_from - start, args.window_s, slo_s)
-        committed, _ = operator.files.read()
+        committed, _ = operator.files.read().parse()
         assert committed is not None
         row["layer_balance"] = layer_balance(committed, top_k, BALANCE_TOKENS)
         row["layer_balance_round_robin"] = layer_balance(

@@ -5,6 +5,8 @@ Environment:
     EAAS_E2E_CLUSTER      ``local`` (default) or ``kind`` (pytest-kind, needs Docker)
     EAAS_E2E_KEEP_DIR     ``1`` keeps the local control plane's directory (logs, etcd) after the run
     EAAS_E2E_GPU_NODES    number of fake GPU nodes on the local backend (default 2)
+    EAAS_E2E_VOLUME_DELAY_SECONDS  process nodes: ConfigMap and Secret volumes show a change this
+                          late (default 0; a kubelet takes a minute or more: test with 60)
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -99,6 +99,18 @@ class FakeNodeSpec:
         }
 
 
+def volume_delay_from_environment() -> float:
+    """``EAAS_E2E_VOLUME_DELAY_SECONDS`` (seconds, >= 0; unset: 0)."""
+    text = os.environ.get("EAAS_E2E_VOLUME_DELAY_SECONDS", "") or "0"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(f"EAAS_E2E_VOLUME_DELAY_SECONDS={text!r}: expected seconds >= 0")
+    return value
+
+
 @dataclass(frozen=True)
 class ProcessNodeSpec:
     """GPU nodes whose pods really run (:mod:`e2e.podrunner`); no kwok nodes are made then."""
@@ -106,6 +118,9 @@ class ProcessNodeSpec:
     count: int = 2
     gpus: int = 8
     name_prefix: str = "gpu-node-"
+    # How late ConfigMap and Secret volumes show a change (:class:`e2e.podrunner.RunnerConfig`);
+    # default: EAAS_E2E_VOLUME_DELAY_SECONDS, else 0 (a kubelet takes a minute or more)
+    volume_delay_s: float = field(default_factory=volume_delay_from_environment)
 
     def names(self) -> list[str]:
         return [f"{self.name_prefix}{index}" for index in range(self.count)]
@@ -492,6 +507,7 @@ class ControlPlane:
             kubelet_cert=str(kubelet_cert),
             kubelet_key=str(kubelet_key),
             kubelet_client=KUBELET_CLIENT,
+            volume_delay_s=self.process_nodes.volume_delay_s,
         )
         config_path = self.work_dir / "podrunner.json"
         runner_config.save(config_path)

@@ -115,6 +115,10 @@ class RunnerConfig:
     kubelet_cert: str = ""
     kubelet_key: str = ""
     kubelet_client: str = ""
+    # ConfigMap and Secret volumes show a change of their object this many seconds after it was made
+    # (a kubelet takes its sync period plus its cache's TTL: a minute or more); 0: at once. A pod's
+    # first projection, when it starts, is the object as it is then (as a kubelet's).
+    volume_delay_s: float = 0.0
 
     @classmethod
     def load(cls, path: str) -> RunnerConfig:
@@ -122,6 +126,13 @@ class RunnerConfig:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__, indent=2))
+
+
+def _newer(version: str, than: str) -> bool:
+    """Is resourceVersion `version` later than `than`? (etcd revisions here; unequal when not numbers)"""
+    if version.isdigit() and than.isdigit():
+        return int(version) > int(than)
+    return version != than and bool(version)
 
 
 def now() -> str:
@@ -188,6 +199,8 @@ class Runner:
         self.node_uids: dict[str, str] = {}
         # ConfigMaps and Secrets by (kind, namespace, name), kept by watches; volumes read it.
         self.cache: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # With a volume delay: each object's states as the watches saw them, (when, object or None)
+        self.history: dict[tuple[str, str, str], list[tuple[float, dict[str, Any] | None]]] = {}
         self.log_servers: dict[str, kubeletlogs.NodeLogServer] = {}  # by node
 
     # nodes ------------------------------------------------------------------------------------------
@@ -424,10 +437,10 @@ class Runner:
                     seen = set()
                     for obj in listed["items"]:
                         key = (kind, obj["metadata"]["namespace"], obj["metadata"]["name"])
-                        self.cache[key] = obj
+                        self._cache(key, obj)
                         seen.add(key)
                     for key in [k for k in self.cache if k[0] == kind and k not in seen]:
-                        del self.cache[key]
+                        self._cache(key, None)
                     resource_version = listed["metadata"]["resourceVersion"]
                 stream = watch.Watch().stream(
                     lister, resource_version=resource_version, timeout_seconds=60, _preload_content=False
@@ -437,9 +450,9 @@ class Runner:
                     resource_version = obj["metadata"].get("resourceVersion", resource_version)
                     key = (kind, obj["metadata"].get("namespace", ""), obj["metadata"].get("name", ""))
                     if event["type"] == "DELETED":
-                        self.cache.pop(key, None)
+                        self._cache(key, None)
                     elif event["type"] in ("ADDED", "MODIFIED"):
-                        self.cache[key] = obj
+                        self._cache(key, obj)
             except ApiException as error:
                 if error.status == 410:
                     resource_version = ""
@@ -447,6 +460,26 @@ class Runner:
                 self.stopping.wait(1)
             except Exception:
                 self.stopping.wait(1)
+
+    def _cache(self, key: tuple[str, str, str], obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.cache.pop(key, None)
+        else:
+            self.cache[key] = obj
+        delay = self.settings.volume_delay_s
+        if delay > 0:
+            moment = time.monotonic()
+            states = [*self.history.get(key, []), (moment, obj)]
+            # drop what no delayed look can return any more: all but the newest state older than delay
+            while len(states) > 1 and states[1][0] <= moment - delay:
+                states.pop(0)
+            self.history[key] = states
+
+    def delayed(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object as it was ``volume_delay_s`` ago (None: absent then, or not seen that long ago)."""
+        cutoff = time.monotonic() - self.settings.volume_delay_s
+        older = [obj for moment, obj in self.history.get((kind, namespace, name), []) if moment <= cutoff]
+        return older[-1] if older else None
 
     def lookup(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         obj = self.cache.get((kind, namespace, name))
@@ -726,7 +759,7 @@ class PodWorker(threading.Thread):
                 if not path.exists():
                     raise NotYet(f"volume {name}: hostPath {path} does not exist")
             elif "configMap" in volume or "secret" in volume:
-                files, version = self._object_files(volume)
+                files, version = self._object_files(volume, initial)
                 if files is not None:
                     self._publish(name, files, version)
             elif "projected" in volume or "downwardAPI" in volume:
@@ -738,11 +771,20 @@ class PodWorker(threading.Thread):
                     f"volume {name}: {kind} volumes are not supported by the e2e process runner"
                 )
 
-    def _object_files(self, volume: dict[str, Any]) -> tuple[dict[str, tuple[bytes, int]] | None, str]:
+    def _object_files(
+        self, volume: dict[str, Any], initial: bool
+    ) -> tuple[dict[str, tuple[bytes, int]] | None, str]:
         kind = "ConfigMap" if "configMap" in volume else "Secret"
         source = volume.get("configMap") or volume["secret"]
         object_name = source.get("name") or source.get("secretName")
-        obj = self.runner.lookup(kind, self.namespace, object_name)
+        written = self.volume_versions.get(volume["name"])
+        if not initial and written is not None and self.runner.settings.volume_delay_s > 0:
+            obj = self.runner.delayed(kind, self.namespace, object_name)
+            version = str(((obj or {}).get("metadata") or {}).get("resourceVersion", ""))
+            if obj is None or not _newer(version, written):  # gone, unseen or older: kept, as a kubelet does
+                return None, written
+        else:
+            obj = self.runner.lookup(kind, self.namespace, object_name)
         if obj is None:
             if source.get("optional"):
                 return {}, "absent"

@@ -23,7 +23,7 @@ from e2e.backends import plane_cluster
 from e2e.backends import process_plane as process_plane_of
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane, ProcessNodeSpec
-from e2e.podrunner import Unsupported, _resource_value
+from e2e.podrunner import Runner, RunnerConfig, Unsupported, _newer, _resource_value
 from e2e.waiting import wait_until
 
 NODE = "runner-node-0"
@@ -216,3 +216,30 @@ def test_a_pod_that_starts_after_a_config_error_keeps_no_stale_reason(runner_clu
         assert ready.reason is None and ready.message is None, ready
         state = ready.container_statuses[0].state
         assert state.running is not None and state.waiting is None, state
+
+
+def test_volumes_can_show_changes_as_late_as_a_kubelet_does() -> None:
+    """With ``volume_delay_s`` a refreshed volume gets the object as it was that long ago (the
+    drills run with 60 s: a kubelet's sync period plus its cache's TTL); never an older one than it
+    has (the resourceVersions say which is later)."""
+    runner = Runner.__new__(Runner)  # the object cache alone: no API server, no nodes
+    runner.settings = RunnerConfig("", [], 1, "", "", "", "", "", "", 443, "", volume_delay_s=0.3)
+    runner.cache, runner.history = {}, {}
+    key = ("ConfigMap", "ns", "placement")
+
+    def config_map(version: str) -> dict[str, Any]:
+        return {"metadata": {"name": "placement", "resourceVersion": version}}
+
+    runner._cache(key, config_map("5"))
+    assert runner.delayed(*key) is None  # not seen 0.3 s ago: the volume keeps what it has
+    time.sleep(0.35)
+    runner._cache(key, config_map("7"))
+    assert runner.lookup(*key) == config_map("7")  # what a starting pod projects: the object now
+    assert runner.delayed(*key) == config_map("5")
+    time.sleep(0.35)
+    assert runner.delayed(*key) == config_map("7")
+    runner._cache(key, None)  # deleted: shown late too (and then a volume keeps its files)
+    assert runner.delayed(*key) == config_map("7")
+    # the states no delayed look can return any more are dropped
+    assert [state for _, state in runner.history[key]] == [config_map("7"), None]
+    assert _newer("10", "9") and not _newer("9", "10") and not _newer("7", "7")

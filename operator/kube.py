@@ -42,6 +42,7 @@ RESOURCES: dict[str, Resource] = {
     "ConfigMap": Resource("v1", "configmaps"),
     "Secret": Resource("v1", "secrets"),
     "ServiceAccount": Resource("v1", "serviceaccounts"),
+    "Role": Resource("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Resource("rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "Event": Resource("v1", "events"),

@@ -80,6 +80,11 @@ def runtime_account_name(service: str) -> str:
     return f"{service}-runtime"
 
 
+def runtime_placement_role_name(service: str) -> str:
+    """The Role (and its RoleBinding) that lets MoEService `service`'s pods read its placement ConfigMaps."""
+    return f"{service}-runtime-placement"
+
+
 def data_token_secret_name(service: str) -> str:
     """The Secret holding MoEService `service`'s data token (created by the operator, never read)."""
     return f"{service}-data-token"

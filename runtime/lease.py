@@ -542,17 +542,23 @@ class Heartbeat(DaemonLoop):
         return self._api
 
 
-def coordination_api(kubeconfig: Path | None) -> Any:
-    """A ``CoordinationV1Api`` from ``kubeconfig``, or from the pod's in-cluster configuration."""
+def api_client(kubeconfig: Path | None) -> Any:
+    """An ``ApiClient`` from ``kubeconfig``, or from the pod's in-cluster configuration (its
+    ServiceAccount): what every request of a pod to the API server goes through."""
     from kubernetes import client, config
 
     if kubeconfig is not None:
-        api_client = config.new_client_from_config(config_file=str(kubeconfig))
-    else:
-        configuration = client.Configuration()
-        config.load_incluster_config(client_configuration=configuration)
-        api_client = client.ApiClient(configuration)
-    return client.CoordinationV1Api(api_client)
+        return config.new_client_from_config(config_file=str(kubeconfig))
+    configuration = client.Configuration()
+    config.load_incluster_config(client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+def coordination_api(kubeconfig: Path | None) -> Any:
+    """A ``CoordinationV1Api`` from ``kubeconfig``, or from the pod's in-cluster configuration."""
+    from kubernetes import client
+
+    return client.CoordinationV1Api(api_client(kubeconfig))
 
 
 def raw_options(timeout_s: float) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     deployment = cluster.apps.read_namespaced_deployment(ATTENTION, namespace)
     volumes = {v.name: v for v in deployment.spec.template.spec.volumes}
     assert volumes["placement"].config_map.name == f"{POOL}-placement"
-    # -- the pods' own ServiceAccount, allowed exactly their Leases (kubectl auth can-i) -----------
+    # -- the pods' own ServiceAccount: their Leases and placement ConfigMaps (kubectl auth can-i) -
     account = f"system:serviceaccount:{namespace}:{NAME}-runtime"
     assert {p.spec.service_account_name for p in pods.values()} == {f"{NAME}-runtime"}
     assert deployment.spec.template.spec.service_account_name == f"{NAME}-runtime"
@@ -171,6 +171,12 @@ def test_moeservice_lifecycle(cluster: Cluster, namespace: str, operator: Operat
     assert not runtime_can("watch", "leases.coordination.k8s.io")
     assert not runtime_can("get", "secrets") and not runtime_can("list", "pods")
     assert not runtime_can("create", "leases.coordination.k8s.io", where="default")  # this namespace only
+    # their placement ConfigMaps (both slots'), watched by name, and no other ConfigMap
+    for config_map in (f"{POOL}-placement", f"{NAME}-green-experts-placement"):
+        for verb in ("get", "list", "watch"):
+            assert runtime_can(verb, f"configmaps/{config_map}"), (verb, config_map)
+        assert not runtime_can("update", f"configmaps/{config_map}")
+    assert not runtime_can("list", "configmaps") and not runtime_can("get", "configmaps/kube-root-ca.crt")
     # -- NetworkPolicies: stored and validated by the real API server (nothing enforces them here) --
     policies = client.NetworkingV1Api(cluster.api_client).list_namespaced_network_policy(namespace).items
     by_name = {p.metadata.name: p for p in policies}

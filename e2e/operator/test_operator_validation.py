@@ -202,6 +202,9 @@ def test_chart_rbac_is_least_privilege(cluster: Cluster, release: Release, names
     assert can("bind", "clusterroles/eaas-runtime")  # the runtime's role, to each MoEService's account
     assert not can("bind", "clusterroles/cluster-admin") and not can("escalate", "roles")
     assert can("create", "rolebindings") and not can("delete", "rolebindings")
+    # the pods' Role that reads their placement ConfigMaps by name (and so what it grants: list, watch)
+    assert can("create", "roles") and not can("update", "roles") and not can("delete", "roles")
+    assert can("watch", "configmaps") and not can("delete", "configmaps") and not can("update", "configmaps")
     assert not can("delete", "moeservices.eaas.io")
     assert not can("update", "pods")
     assert not can("delete", "deployments.apps") and not can("delete", "services")

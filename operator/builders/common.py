@@ -75,36 +75,62 @@ def data_token_volume(service: str) -> dict[str, Any]:
 
 def runtime_service_account(owner: Body) -> dict[str, Any]:
     """The pods' ServiceAccount for MoEService `owner` (used unless the spec names another)."""
-    service = owner["metadata"]["name"]
-    body = {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": {
-            "name": naming.runtime_account_name(service),
-            "namespace": owner["metadata"]["namespace"],
-            "labels": naming.common_labels(service, "runtime"),
-        },
-    }
-    return owned(body, owner)
+    return _runtime_object(
+        owner, "v1", "ServiceAccount", naming.runtime_account_name(owner["metadata"]["name"])
+    )
 
 
 def runtime_role_binding(owner: Body, cluster_role: str) -> dict[str, Any]:
     """Binds `cluster_role` (the runtime's: Leases) to the pods' ServiceAccount, in this namespace only."""
-    service, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    body = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": {
-            "name": naming.runtime_account_name(service),
-            "namespace": namespace,
-            "labels": naming.common_labels(service, "runtime"),
-        },
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
-        "subjects": [
-            {"kind": "ServiceAccount", "name": naming.runtime_account_name(service), "namespace": namespace}
+    service = owner["metadata"]["name"]
+    return _runtime_binding(owner, naming.runtime_account_name(service), "ClusterRole", cluster_role)
+
+
+def runtime_placement_role(owner: Body) -> dict[str, Any]:
+    """Reading the MoEService's placement ConfigMaps (both slots' expert pools) and no other: the
+    pods watch theirs (a watch by ``fieldSelector=metadata.name``, authorized as that name)."""
+    service = owner["metadata"]["name"]
+    rule = {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "verbs": ["get", "list", "watch"],
+        "resourceNames": [
+            naming.placement_config_map_name(naming.expert_pool_name(service, slot)) for slot in naming.SLOTS
         ],
     }
-    return owned(body, owner)
+    name = naming.runtime_placement_role_name(service)
+    return _runtime_object(owner, "rbac.authorization.k8s.io/v1", "Role", name, rules=[rule])
+
+
+def runtime_placement_role_binding(owner: Body) -> dict[str, Any]:
+    """Binds :func:`runtime_placement_role` to the pods' ServiceAccount."""
+    name = naming.runtime_placement_role_name(owner["metadata"]["name"])
+    return _runtime_binding(owner, name, "Role", name)
+
+
+def _runtime_binding(owner: Body, name: str, role_kind: str, role: str) -> dict[str, Any]:
+    service, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    account = {"kind": "ServiceAccount", "name": naming.runtime_account_name(service), "namespace": namespace}
+    return _runtime_object(
+        owner,
+        "rbac.authorization.k8s.io/v1",
+        "RoleBinding",
+        name,
+        roleRef={"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": role},
+        subjects=[account],
+    )
+
+
+def _runtime_object(owner: Body, api_version: str, kind: str, name: str, **fields: Any) -> dict[str, Any]:
+    """`kind` `name` (with `fields`) of the pods' access, in the MoEService's namespace and owned by it."""
+    service = owner["metadata"]["name"]
+    metadata = {"name": name, "namespace": owner["metadata"]["namespace"]}
+    body = {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": metadata | {"labels": naming.common_labels(service, "runtime")},
+    }
+    return owned(body | fields, owner)
 
 
 def data_token_secret(owner: Body) -> dict[str, Any]:

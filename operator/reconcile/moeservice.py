@@ -16,7 +16,13 @@ from eaas.operator.api.kinds import ATTENTIONPOOL, EXPERTPOOL, MOESERVICE
 from eaas.operator.api.moeservice import LearnedCapacity, MoEServiceSpec
 from eaas.operator.autoscaler import HEADROOM, Autoscaler
 from eaas.operator.builders import moeservice as build
-from eaas.operator.builders.common import data_token_secret, runtime_role_binding, runtime_service_account
+from eaas.operator.builders.common import (
+    data_token_secret,
+    runtime_placement_role,
+    runtime_placement_role_binding,
+    runtime_role_binding,
+    runtime_service_account,
+)
 from eaas.operator.builders.network import network_policies
 from eaas.operator.conditions import PROGRESSING, Observation
 from eaas.operator.kube import KubeError
@@ -89,7 +95,8 @@ def kept_status(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
     """What the pods need before they exist: their ServiceAccount, its RoleBinding to the runtime's
-    ClusterRole (when the operator knows it) and the data-token Secret. Create-only, every pass,
+    ClusterRole and the Role (and RoleBinding) to read their placement ConfigMaps (both when the
+    operator knows that ClusterRole) and the data-token Secret. Create-only, every pass,
     so a deleted one comes back (a Secret with a new token); 409 AlreadyExists otherwise."""
     name = body["metadata"]["name"]
     made = []
@@ -97,6 +104,12 @@ def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
         made.append(f"ServiceAccount {name}-runtime")
     if ctx.runtime_cluster_role and ctx.kube.create(runtime_role_binding(body, ctx.runtime_cluster_role)):
         made.append(f"RoleBinding {name}-runtime to ClusterRole {ctx.runtime_cluster_role}")
+    if ctx.runtime_cluster_role:  # the operator manages the pods' access: their placement ConfigMaps too
+        role = naming.runtime_placement_role_name(name)
+        if ctx.kube.create(runtime_placement_role(body)) is not None:
+            made.append(f"Role {role}")
+        if ctx.kube.create(runtime_placement_role_binding(body)) is not None:
+            made.append(f"RoleBinding {role}")
     if ctx.kube.create(data_token_secret(body)) is not None:
         made.append(f"Secret {name}-data-token")
     if made:

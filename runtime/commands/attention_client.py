@@ -29,6 +29,7 @@ from eaas.runtime.commands.options import (
     apply_threads,
     log_level_option,
     model_revision_option,
+    placement_configmap_option,
     serving_feature_options,
     threads_option,
 )
@@ -101,6 +102,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
     required=True,
     help="placement JSON the servers were started with; re-read while serving (it may appear later)",
 )
+@placement_configmap_option("--port and --namespace", "the mounted --placement file")
 @click.option(
     "--server",
     "server_specs",
@@ -221,6 +223,7 @@ def _parse_servers(values: tuple[str, ...]) -> dict[int, str]:
 def attention_client(
     checkpoint: Path,
     placement_path: Path,
+    placement_configmap: str | None,
     server_specs: tuple[str, ...],
     expert_service: str | None,
     expert_port: int,
@@ -285,6 +288,7 @@ def attention_client(
         )
         return
     from eaas.runtime.lease import Heartbeat
+    from eaas.runtime.placement.source import ConfigMapWatch, MountedFiles, PlacementSource
     from eaas.runtime.server.daemon import end_process
     from eaas.runtime.serving.serve import AttentionService, ServeOptions, dns_discovery, static_discovery
 
@@ -315,7 +319,14 @@ def attention_client(
         default_max_tokens=default_max_tokens,
         client=options,
     )
-    service = AttentionService(checkpoint, placement_path, discovery, serve_options)
+    watch = (
+        ConfigMapWatch(heartbeat.namespace, placement_configmap, heartbeat.kubeconfig)
+        if heartbeat is not None and placement_configmap
+        else None
+    )
+    service = AttentionService(
+        checkpoint, PlacementSource(MountedFiles(placement_path), watch), discovery, serve_options
+    )
     stop = threading.Event()
     leaving = threading.Event()
 

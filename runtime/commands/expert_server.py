@@ -17,6 +17,7 @@ from eaas.runtime.commands.options import (
     check_kernel_backend,
     log_level_option,
     model_revision_option,
+    placement_configmap_option,
     threads_option,
 )
 from eaas.runtime.lease import LeaseOptions, drain_timeout_option, lease_options, pool_of
@@ -59,6 +60,7 @@ from eaas.runtime.transport import transport_names
     show_default=True,
     help="how often --placement-dir is checked for changes",
 )
+@placement_configmap_option("--placement-dir and --namespace", "the mounted --placement-dir")
 @click.option("--ordinal", type=int, required=True, help="this server's ordinal in the placement")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address for the control port and tcp")
 @click.option("--control-port", default=0, show_default=True, help="HTTP control port (0 = any free port)")

@@ -1,4 +1,5 @@
 """The command-line options the commands share: ``--log-level``, ``--threads``, ``--model-revision``,
+``--placement-configmap``,
 ``--kernel-backend`` (expert servers and the commands that start them) and the serving features of
 ``eaas serve`` and ``eaas attention-client`` (kept free of heavy imports: ``--help`` must not load
 torch)."""
@@ -45,6 +46,19 @@ def model_revision_option(role: str) -> Callable[[F], F]:
         default=None,
         callback=check_revision,
         help=f"the checkpoint's revision (set in pods by the operator): {role}",
+    )
+
+
+def placement_configmap_option(needs: str, files: str) -> Callable[[F], F]:
+    """``--placement-configmap`` (``EAAS_PLACEMENT_CONFIGMAP``): the placement ConfigMap a pod
+    watches on the API server (`needs`: the options it goes with; `files`: what the kubelet keeps)."""
+    return click.option(
+        "--placement-configmap",
+        envvar=contract.ENV_PLACEMENT_CONFIGMAP,
+        show_envvar=True,
+        default=None,
+        help=f"with {needs}: watch this placement ConfigMap on the API server too (a change arrives in "
+        f"seconds; {files} follows at the kubelet's next sync)",
     )
 
 

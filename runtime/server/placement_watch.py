@@ -1,11 +1,14 @@
 """Following the placement ConfigMap: a running server loads the experts a new placement gives it.
 
-The operator's placement ConfigMap is mounted as a directory with ``placement.json`` (committed:
-what clients route by) and, during a change, ``pending.json`` (what servers must load before it
-is committed); kubelet replaces the files in place when the ConfigMap changes. Every
-``poll_s`` the watcher stats both files (cheap) and reads them only when a stat changed; a
-content change becomes a :class:`Target` — the experts this ordinal must serve — and the server
-is re-hosted (only new experts read from the checkpoint; the loop swaps stacks between batches).
+The operator's placement ConfigMap holds ``placement.json`` (committed: what clients route by)
+and, during a change, ``pending.json`` (what servers must load before it is committed). The
+server reads them from a :class:`~eaas.runtime.placement.source.PlacementSource`: the ConfigMap
+as its watch on the object last saw it, or the mounted files (which the kubelet refreshes only
+every minute or so) where those are newer or the API server cannot be reached. Every ``poll_s``
+the watcher asks the source (cheap: files are read only when a stat changed, the watch keeps its
+state in memory); a content change becomes a :class:`Target` — the experts this ordinal must
+serve — and the server is re-hosted (only new experts read from the checkpoint; the loop swaps
+stacks between batches).
 
 While a placement is pending, a server serves the union of its committed and pending experts:
 clients still route by the committed placement, so nothing they may send is dropped before the
@@ -14,24 +17,23 @@ dropped — once no attached client still routes by an older placement: a client
 on the placement they started with (it says which when it attaches a slot), so the experts only
 that placement had stay until its slots are released or their connections die. A server that is
 in neither placement (being drained) keeps serving what it has.
-A file that does not parse, or a placement whose experts cannot be loaded, is logged and counted
+A placement that does not parse, or whose experts cannot be loaded, is logged and counted
 (``eaas_expert_server_placement_errors_total``, ``/v1/info`` ``placement_error``); the server
-keeps serving its current experts and retries when the files change again.
+keeps serving its current experts and retries when the placement changes again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eaas.runtime.contract import PENDING_KEY, PLACEMENT_KEY
-from eaas.runtime.placement import Placement, PlacementError, stored
+from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.placement.placement import LayerExpert
+from eaas.runtime.placement.source import PlacementBytes, PlacementSource
 from eaas.runtime.server.daemon import DaemonLoop
 from eaas.runtime.server.peers import holders_in
 
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
     from eaas.runtime.server.expert_server import ExpertServer
 
 log = logging.getLogger("eaas.server.placement")
-
-FileStamp = tuple[int, int, int, int] | None  # (device, inode, mtime ns, size); None = absent
 
 
 @dataclass(frozen=True)
@@ -73,40 +73,12 @@ def target_for(ordinal: int, committed: Placement | None, pending: Placement | N
     return None
 
 
-class PlacementFiles:
-    """``placement.json`` and ``pending.json`` of one directory (either may be absent)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
-        self.committed_path = self.directory / PLACEMENT_KEY
-        self.pending_path = self.directory / PENDING_KEY
-
-    def stamps(self) -> tuple[FileStamp, FileStamp]:
-        return _stamp(self.committed_path), _stamp(self.pending_path)
-
-    def read_texts(self) -> tuple[bytes | None, bytes | None]:
-        """The files' contents as they are (packed or JSON: :mod:`eaas.runtime.placement.stored`)."""
-        return _read(self.committed_path), _read(self.pending_path)
-
-    def parse(self, texts: tuple[bytes | None, bytes | None]) -> tuple[Placement | None, Placement | None]:
-        """(committed, pending); raises ``PlacementError`` naming the file and the problem."""
-        placements: list[Placement | None] = []
-        for path, text in zip((self.committed_path, self.pending_path), texts, strict=True):
-            try:
-                placements.append(None if text is None else stored.unpack(text))
-            except PlacementError as error:
-                raise PlacementError(f"{path}: {error}") from error
-        return placements[0], placements[1]
-
-    def read(self) -> tuple[Placement | None, Placement | None]:
-        return self.parse(self.read_texts())
-
-
-def initial_target(files: PlacementFiles, ordinal: int) -> Target:
+def initial_target(source: PlacementSource, ordinal: int) -> Target:
     """What a starting server loads; raises ``PlacementError`` when there is nothing for it."""
-    committed, pending = files.read()
+    texts = source.read()
+    committed, pending = texts.parse()
     if committed is None and pending is None:
-        raise PlacementError(f"{files.directory}: neither {PLACEMENT_KEY} nor {PENDING_KEY} exists")
+        raise PlacementError(f"{source.origin}: neither {PLACEMENT_KEY} nor {PENDING_KEY} exists")
     target = target_for(ordinal, committed, pending)
     if target is None:
         versions = ", ".join(
@@ -114,17 +86,17 @@ def initial_target(files: PlacementFiles, ordinal: int) -> Target:
             for key, p in ((PLACEMENT_KEY, committed), (PENDING_KEY, pending))
             if p is not None
         )
-        raise PlacementError(f"{files.directory}: server {ordinal} is in no placement ({versions})")
+        raise PlacementError(f"{texts.origin}: server {ordinal} is in no placement ({versions})")
     return target
 
 
 class PlacementWatcher(DaemonLoop):
-    """Polls a :class:`PlacementFiles` in a daemon thread and re-hosts ``server`` on changes."""
+    """Polls a :class:`PlacementSource` in a daemon thread and re-hosts ``server`` on changes."""
 
     def __init__(
         self,
         server: ExpertServer,
-        files: PlacementFiles,
+        source: PlacementSource,
         poll_s: float = 1.0,
         on_version: Callable[[], None] | None = None,
     ) -> None:
@@ -133,13 +105,13 @@ class PlacementWatcher(DaemonLoop):
         if poll_s <= 0:
             raise ValueError(f"poll_s: must be > 0, got {poll_s}")
         self.server = server
-        self.files = files
+        self.source = source
         self.poll_s = poll_s
         self.on_version = on_version
-        self._stamps: tuple[FileStamp, FileStamp] | None = None
+        self._texts: PlacementBytes | None = None  # as last read
         self._digest = ""
         self._lingering: Target | None = None  # the target whose drops wait for older clients
-        # Whether the files, as last read, name this server (None: none read yet). A leaving
+        # Whether the placement, as last read, names this server (None: none read yet). A leaving
         # server (:mod:`eaas.runtime.server.departure`) goes once they do not.
         self.named: bool | None = None
         super().__init__("eaas-placement-watch")
@@ -151,7 +123,7 @@ class PlacementWatcher(DaemonLoop):
                 self.check()
                 self.release_lingering()
             except Exception:  # a bug here must not stop the watching, nor the serving
-                log.exception("checking the placement files failed")
+                log.exception("checking the placement failed")
             if self._version() != version and self.on_version is not None:
                 self.on_version()
 
@@ -170,31 +142,28 @@ class PlacementWatcher(DaemonLoop):
             self._rehost(target)
 
     def check(self) -> None:
-        """One poll: re-host when the files' contents changed to a placement that moves experts."""
-        stamps = self.files.stamps()
-        if stamps == self._stamps:
+        """One poll: re-host when the placement changed to one that moves experts."""
+        texts = self.source.read()
+        if texts is self._texts:  # the source hands the same object while nothing changed
             return
-        texts = self.files.read_texts()
-        if self.files.stamps() != stamps:  # written while we read: look again next poll
-            return
-        self._stamps = stamps
-        digest = hashlib.sha256(repr(texts).encode()).hexdigest()
+        self._texts = texts
+        digest = hashlib.sha256(repr((texts.committed, texts.pending)).encode()).hexdigest()
         if digest == self._digest:
             return
         self._digest = digest
         try:
-            committed, pending = self.files.parse(texts)
+            committed, pending = texts.parse()
         except PlacementError as error:
             self._fail(str(error))
             return
-        self.server.placement_error = None  # the files are good again
+        self.server.placement_error = None  # the placement is good again
         if self.server.config.peers is not None:
             self.server.config.peers.follow(holders_in(committed, pending))
         ordinal = self.server.config.ordinal
         if committed is not None or pending is not None:
             self.named = any(p is not None and ordinal in p.ordinals for p in (committed, pending))
         if committed is None and pending is None:
-            log.warning("%s: no placement file; keeping placement v%d", self.files.directory, self._version())
+            log.warning("%s: no placement; keeping placement v%d", texts.origin, self._version())
             return
         self._apply(target_for(ordinal, committed, pending))
 
@@ -232,7 +201,7 @@ class PlacementWatcher(DaemonLoop):
     def _rehost(self, target: Target) -> None:
         try:
             if not self.server.rehost(target.pairs, target.version):  # not taken (stopping): retry
-                self._stamps, self._digest = None, ""
+                self._texts, self._digest = None, ""
         except (ValueError, OSError) as error:
             self._fail(f"placement v{target.version}: cannot load its experts: {error}")
 
@@ -243,18 +212,3 @@ class PlacementWatcher(DaemonLoop):
 
     def _version(self) -> int:
         return self.server.placement_version
-
-
-def _stamp(path: Path) -> FileStamp:
-    try:
-        st = os.stat(path)  # follows kubelet's ..data symlinks to the current file
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None

@@ -16,13 +16,14 @@ from types import FrameType
 from eaas.runtime.auth import Tokens
 from eaas.runtime.lease import Heartbeat, LeaseSettings
 from eaas.runtime.placement import stored
+from eaas.runtime.placement.source import ConfigMapWatch, MountedFiles, PlacementSource
 from eaas.runtime.server.client_leases import ClientLeaseWatch
 from eaas.runtime.server.daemon import end_process
 from eaas.runtime.server.departure import Departure
 from eaas.runtime.server.expert_server import ExpertServer, ServerConfig
 from eaas.runtime.server.loop import LoopOptions
 from eaas.runtime.server.peers import PeerSource, holders_in
-from eaas.runtime.server.placement_watch import PlacementFiles, PlacementWatcher, initial_target
+from eaas.runtime.server.placement_watch import PlacementWatcher, initial_target
 
 
 class OptionError(ValueError):
@@ -43,6 +44,9 @@ class ExpertServerOptions:
     placement_path: Path | None = None  # placement JSON, read once (`eaas local`) ...
     placement_dir: Path | None = None  # ... or the mounted placement ConfigMap, followed while running
     placement_poll_seconds: float = 0.25
+    # With placement_dir and a heartbeat (its namespace and credentials): the placement ConfigMap,
+    # watched on the API server so that a change arrives in seconds, not at the kubelet's next sync
+    placement_configmap: str | None = None
     host: str = "127.0.0.1"  # address of the control port and the tcp transport
     control_port: int = 0  # 0 = any free port
     tcp_port: int = 0
@@ -101,19 +105,38 @@ def peer_source(
     return PeerSource(url_of, ordinal, tokens)
 
 
+def placement_source(options: ExpertServerOptions) -> PlacementSource | None:
+    """What the server follows with a placement directory: its files, and the placement ConfigMap's
+    watch where the ConfigMap, its namespace and the credentials are known (None without a
+    directory: ``--placement`` is read once)."""
+    if options.placement_dir is None:
+        return None
+    heartbeat = options.heartbeat
+    watch = (
+        ConfigMapWatch(heartbeat.namespace, options.placement_configmap, heartbeat.kubeconfig)
+        if options.placement_configmap and heartbeat is not None
+        else None
+    )
+    return PlacementSource(MountedFiles.directory(options.placement_dir), watch)
+
+
 class ExpertServerProcess:
     """The server of `options`, started (its experts loaded) on construction, which raises
     ``PlacementError``, ``ValueError`` or ``OSError`` on a placement, checkpoint or port it cannot use."""
 
     def __init__(self, options: ExpertServerOptions) -> None:
         self.options = options
-        self.files = PlacementFiles(options.placement_dir) if options.placement_dir is not None else None
+        self.source = placement_source(options)
         peers = options.peers
-        if self.files is not None:
-            target = initial_target(self.files, options.ordinal)
+        if self.source is not None:
+            try:
+                target = initial_target(self.source.start(), options.ordinal)
+                if peers is not None:
+                    peers.follow(holders_in(*self.source.read().parse()))
+            except BaseException:
+                self.source.stop()
+                raise
             hosted, version = tuple(sorted(target.pairs)), target.version
-            if peers is not None:
-                peers.follow(holders_in(*self.files.read()))
         else:
             assert options.placement_path is not None
             placement = stored.unpack(options.placement_path.read_bytes())
@@ -147,7 +170,7 @@ class ExpertServerProcess:
     def run(self) -> None:
         """Serve until SIGINT, or SIGTERM (with a placement directory: once departed), then end the
         process."""
-        options, server, files, heartbeat = self.options, self.server, self.files, self.options.heartbeat
+        options, server, source, heartbeat = self.options, self.server, self.source, self.options.heartbeat
         companions: list[PlacementWatcher | Heartbeat | ClientLeaseWatch | Departure] = []
         beats = (
             Heartbeat(
@@ -161,16 +184,16 @@ class ExpertServerProcess:
         )
         watcher = (
             PlacementWatcher(
-                server, files, options.placement_poll_seconds, beats.nudge if beats is not None else None
+                server, source, options.placement_poll_seconds, beats.nudge if beats is not None else None
             )
-            if files is not None
+            if source is not None
             else None
         )
 
         def named() -> bool | None:
             """Whether a placement still names this server: not once the operator wrote on its Lease
             that a committed one does not (a terminating pod's mounted files are not refreshed any
-            more), else as the placement files last said."""
+            more, and its watch may be cut off), else as the placement last said."""
             if beats is not None and beats.released:
                 return False
             return watcher.named if watcher is not None else None
@@ -235,4 +258,6 @@ class ExpertServerProcess:
         finally:
             for companion in companions:
                 companion.stop()
+            if source is not None:
+                source.stop()
         end_process(0)  # served and closed: no interpreter teardown (its CPU is the node's)

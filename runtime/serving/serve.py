@@ -11,9 +11,11 @@ leave the running batch between decoder steps, over a paged KV cache (``runtime/
 their tokens stream back as they are sampled (``completions.py``). ``batching="static"`` keeps the
 earlier ``BatchScheduler`` (greedy only), the baseline ``benchmarks/serving.py`` compares with.
 
-Placement: the placement file is read at start and re-read every ``placement_poll_s``. The file
+Placement: the committed placement is read at start and again every ``placement_poll_s`` from a
+:class:`~eaas.runtime.placement.source.PlacementSource`: the placement file, and in Kubernetes a
+watch on the placement ConfigMap (whichever is newer; never an older placement than one read). It
 may be missing at first (the operator commits the first placement once every expert server is
-ready); until one is read the service answers 503. When the file changes, a new ``RemoteExperts``
+ready); until one is read the service answers 503. When it changes, a new ``RemoteExperts``
 is built and connected beside the old one and swapped in between two batches (a batch in flight
 finishes on the placement it started with); the old one's slots are then released. Before the
 first placement is published, and so before ``/readyz`` says ready, the paged KV cache is
@@ -41,9 +43,11 @@ import torch
 
 from eaas.runtime.client.errors import ExpertUnavailable, HandshakeError
 from eaas.runtime.client.remote_experts import ClientOptions, RemoteExperts
+from eaas.runtime.contract import PLACEMENT_KEY
 from eaas.runtime.model import AttentionSide, CheckpointReader, Decoder
 from eaas.runtime.model.tokenizer import chat_template, load_tokenizer, special_tokens
 from eaas.runtime.placement import Placement, PlacementError, stored
+from eaas.runtime.placement.source import MountedFiles, PlacementSource
 from eaas.runtime.serving import responses
 from eaas.runtime.serving.batch_scheduler import BatchScheduler, Job, QueueFull
 from eaas.runtime.serving.chat import ChatTemplate, parse_chat, parse_messages
@@ -130,13 +134,17 @@ class AttentionService:
     def __init__(
         self,
         checkpoint: str | Path,
-        placement_file: str | Path,
+        placement: str | Path | PlacementSource,
         discovery: Discovery,
         options: ServeOptions | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        """`placement`: the committed placement's file (re-read when it changes), or a source that
+        also watches the placement ConfigMap (started and stopped with the service)."""
         self.options = options or ServeOptions()
-        self.placement_file = Path(placement_file)
+        if not isinstance(placement, PlacementSource):
+            placement = PlacementSource(MountedFiles(Path(placement)))
+        self.source = placement
         self.discovery = discovery
         reader = CheckpointReader(checkpoint)
         self.config = reader.config
@@ -244,6 +252,7 @@ class AttentionService:
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> AttentionService:
+        self.source.start()
         self._poll_placement()
         self._housekeeping()  # install the first placement before serving
         self._runner.start()
@@ -268,10 +277,12 @@ class AttentionService:
 
     def stop(self) -> None:
         self._stop.set()
+        self.source.wake()
         self.api.stop()
         self._runner.stop()
         if self._watcher.is_alive():
             self._watcher.join(timeout=5)
+        self.source.stop()
         with self._lock:
             pending, self._next = self._next, None
         for experts in (pending[1] if pending else None, self.experts):
@@ -286,19 +297,23 @@ class AttentionService:
 
     # --- placement -------------------------------------------------------------------------------
     def _watch_placement(self) -> None:
-        while not self._stop.wait(self.options.placement_poll_s):
+        while not self._stop.is_set():
+            self.source.wait(self.options.placement_poll_s)  # a watched change ends it at once
+            if self._stop.is_set():
+                break
             try:
                 self._poll_placement()
             except Exception:  # never let the watcher die
                 log.exception("reading the placement failed")
 
     def _poll_placement(self) -> None:
-        """Reads the placement file; a changed one gets connected ``RemoteExperts`` for the worker."""
-        try:
-            text = self.placement_file.read_bytes()
-        except OSError as exc:
+        """Reads the committed placement (:attr:`source`); a changed one gets connected
+        ``RemoteExperts`` for the worker."""
+        texts = self.source.read()
+        text = texts.committed
+        if text is None:
             if self.placement is None:
-                self.placement_error = f"placement file not readable yet: {exc}"
+                self.placement_error = f"{texts.origin}: no {PLACEMENT_KEY} yet"
             return
         if text == self._placement_text:
             return
@@ -308,7 +323,7 @@ class AttentionService:
             client_options = replace(self.options.client, client_id=f"attention-{uuid.uuid4().hex[:8]}")
             experts = RemoteExperts(self.config, placement, self.discovery(placement), client_options)
         except (PlacementError, ValueError) as exc:
-            self.placement_error = f"placement file {self.placement_file.name}: {exc}"
+            self.placement_error = f"{texts.origin} {PLACEMENT_KEY}: {exc}"
             log.error("%s; keeping the current placement", self.placement_error)
             return
         experts.on_liveness = self._liveness_changed

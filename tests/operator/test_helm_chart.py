@@ -46,12 +46,24 @@ EXPECTED_RULES = {
     ("networking.k8s.io", "networkpolicies"): {"create", "patch", "delete"},
     ("", "events"): {"create"},
 }
-# With runtimeRbac.create (the default): the pods' ServiceAccount and its RoleBinding, per MoEService.
+# With runtimeRbac.create (the default): the pods' ServiceAccount, its RoleBinding and the Role that
+# reads the MoEService's placement ConfigMaps by name, per MoEService. That Role grants list and
+# watch on configmaps, which the operator must hold to grant (it holds no escalate).
 RUNTIME_ACCESS_RULES = {
     ("", "serviceaccounts"): {"create"},
+    ("rbac.authorization.k8s.io", "roles"): {"create"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create"},
     ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
+    ("", "configmaps"): {"list", "watch"},
 }
+
+
+def merged(*tables: dict[tuple[str, str], set[str]]) -> dict[tuple[str, str], set[str]]:
+    result: dict[tuple[str, str], set[str]] = {}
+    for table in tables:
+        for key, verbs in table.items():
+            result.setdefault(key, set()).update(verbs)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +158,7 @@ def test_the_grafana_dashboard_ships_as_a_configmap_the_sidecar_loads(helm: str)
 def test_operator_rbac_is_exactly_what_it_uses(helm: str) -> None:
     documents = render(helm)
     roles = {doc["metadata"]["name"]: doc for doc in of_kind(documents, "ClusterRole")}
-    assert rules_table(roles["eaas-operator"]["rules"]) == EXPECTED_RULES | RUNTIME_ACCESS_RULES
+    assert rules_table(roles["eaas-operator"]["rules"]) == merged(EXPECTED_RULES, RUNTIME_ACCESS_RULES)
     (bind,) = [r for r in roles["eaas-operator"]["rules"] if "bind" in r["verbs"]]
     assert bind["resourceNames"] == ["eaas-runtime"]  # it may bind the runtime's role and no other
     for role in roles.values():

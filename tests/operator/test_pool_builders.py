@@ -12,7 +12,12 @@ from eaas.operator.api import AttentionPoolSpec, ExpertPoolSpec, MoEServiceSpec
 from eaas.operator.api.moeservice import NetworkPolicySpec
 from eaas.operator.api.pools import SecretKeySelector
 from eaas.operator.builders import attentionpool, expertpool, moeservice
-from eaas.operator.builders.common import data_token_secret, merge_patch
+from eaas.operator.builders.common import (
+    data_token_secret,
+    merge_patch,
+    runtime_placement_role,
+    runtime_placement_role_binding,
+)
 from eaas.operator.builders.network import network_policies
 from eaas.operator.planning import PoolShape, initial
 from eaas.runtime.placement import stored
@@ -45,6 +50,35 @@ def test_moeservice_children_are_owned_named_and_carry_the_model(
     attention_spec = AttentionPoolSpec.from_k8s(attention["spec"])
     assert attention_spec.placement_config_map == "tiny-experts-placement"
     assert attention_spec.expert_pool_name == "tiny-experts"
+
+
+def test_the_pods_may_read_their_placement_config_maps_and_no_other(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    role = runtime_placement_role(moes_body)
+    (rule,) = role["rules"]
+    # what each slot's pods are told to watch (and mount): the ConfigMap of that slot's expert pool
+    watched = [
+        moeservice.attention_pool_spec(moes_body, moes_spec, slot).placement_config_map
+        for slot in naming.SLOTS
+    ]
+    assert rule == {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "verbs": ["get", "list", "watch"],  # no write, and only these names
+        "resourceNames": watched,
+    }
+    assert watched == ["tiny-experts-placement", "tiny-green-experts-placement"]
+    assert (
+        role["metadata"]["namespace"] == "ns" and role["metadata"]["ownerReferences"][0]["uid"] == "moes-uid"
+    )
+    binding = runtime_placement_role_binding(moes_body)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-runtime", "namespace": "ns"}]
 
 
 @pytest.mark.parametrize(

@@ -103,13 +103,21 @@ the reconcilers create/patch/delete the children). Shared by the ClusterRole and
   verbs: ["create"]
 {{- if .Values.runtimeRbac.create }}
 # The runtime pods' access, per MoEService: a ServiceAccount and a RoleBinding to the runtime
-# ClusterRole, and no other (bind is limited to that one role by name; escalate is not granted).
+# ClusterRole, and no other (bind is limited to that one role by name; escalate is not granted);
+# and a Role that lets them get, list and watch their placement ConfigMaps by name, with its
+# RoleBinding.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
-  resources: ["rolebindings"]
+  resources: ["roles", "rolebindings"]
   verbs: ["create"]
+# Without escalate, RBAC lets the operator grant only what it holds: the pods' Role grants list and
+# watch on (named) ConfigMaps, so the operator holds them too. They show it nothing that get (above)
+# does not; it uses them for nothing else.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["list", "watch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["clusterroles"]
   verbs: ["bind"]
