@@ -3,6 +3,8 @@ tokenizers."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,28 @@ from typing import Any
 import pytest
 
 from eaas.runtime.model import FAMILIES, preset, write_random_checkpoint
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def _import_outside_the_repository(name: str) -> None:
+    """Imports the installed distribution `name` with the repository root off ``sys.path``.
+
+    ``python -m pytest`` (and pytest, for the ``e2e`` package) puts the repository root on
+    ``sys.path``, where ``kernels/`` (the source of ``eaas.kernels``) would shadow the ``kernels``
+    distribution that transformers imports (Hugging Face's hub kernels): transformers then fails
+    with ``ImportError: cannot import name 'CUDAProperties' from 'kernels'``. Imported once from
+    site-packages, the module is what every later ``import kernels`` gets."""
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPOSITORY]
+    try:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+_import_outside_the_repository("kernels")
 
 
 @pytest.fixture(scope="session")

@@ -288,3 +288,16 @@ def test_commands_sit_on_top() -> None:
     }
     assert not {name: targets for name, targets in client.items() if targets}, "the client imports serving"
     assert {"eaas.runtime.commands.expert_server", "eaas.runtime.commands.options"} <= set(graph)
+
+
+def test_the_top_level_name_kernels_is_not_the_repository_folder() -> None:
+    """transformers imports Hugging Face's ``kernels`` distribution; the repository's ``kernels/``
+    (``eaas.kernels``) must not stand in for it, whatever is on ``sys.path`` (tests/conftest.py)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is None:
+        return  # the distribution is not installed: nothing to shadow
+    import kernels
+
+    assert Path(str(kernels.__file__)).resolve().parent != ROOT / "kernels", kernels.__file__
