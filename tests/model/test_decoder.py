@@ -90,3 +90,20 @@ def test_byte_tokenizer_round_trips_utf8() -> None:
     assert tokenizer.decode([*tokenizer.encode("ab"), 300]) == "ab"
     with pytest.raises(ValueError, match="needs >= 256"):
         ByteTokenizer(100)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_attention_equals_the_reference_path(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """Attention read in place (``paged``) and the gathered oracle (``reference``) give the same
+    logits for the prefill and every decode step (sinks, windows, MLA: whatever the family has)."""
+    paged = load_reference(tiny_checkpoints[family], attention="paged")
+    reference = load_reference(tiny_checkpoints[family], attention="reference")
+    paged_tokens, paged_logits = paged.generate(PROMPTS, max_new_tokens=5)
+    reference_tokens, reference_logits = reference.generate(PROMPTS, max_new_tokens=5)
+    torch.testing.assert_close(paged_logits, reference_logits, rtol=1e-5, atol=1e-5)
+    assert paged_tokens == reference_tokens
+
+
+def test_unknown_attention_path_names_the_choices(tiny_checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="attention: unknown path 'flash'; choose one of paged, reference"):
+        load_reference(tiny_checkpoints["mixtral"], attention="flash")
