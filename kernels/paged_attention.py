@@ -12,11 +12,11 @@ logit per query head that takes its share of the softmax mass (gpt-oss). Softmax
 Backends (by name, ``BACKENDS``):
 
 - ``torch``: online softmax (flash-decoding's running max and sum) over chunks of the rows' block
-  columns. Each chunk gathers its blocks in the pool's layout into one buffer reused from chunk
-  to chunk (``[B, n, Hk, b, D]``, ``CHUNK_POSITIONS`` positions a row: a bounded copy, never the
-  whole cache), GQA by viewing the queries as ``[B, Hk, G * S, D]`` (no per-group copy of K/V),
-  and no score matrix beyond one chunk's. Runs anywhere; the CPU path. Without a table (the
-  contiguous ``KVCache``) the chunks are views: no copy at all.
+  columns. Each chunk gathers its blocks (``CHUNK_POSITIONS`` positions a row, into one buffer
+  reused from chunk to chunk: a bounded copy, never the whole cache) and brings their heads
+  together as ``[B, Hk, C, D]``; GQA by viewing the queries as ``[B, Hk, G * S, D]`` (no
+  per-group copy of K/V); no score matrix beyond one chunk's. Runs anywhere; the CPU path.
+  Without a table (the contiguous ``KVCache``) the chunks are views: no copy at all.
 - ``triton``: one program per (row, query, cached head, block of the G heads) that walks the row's
   blocks through the table (``paged_attention_triton.py``); CUDA, or CPU under
   ``TRITON_INTERPRET=1`` (tests). Imported on first use.
@@ -52,12 +52,13 @@ class PagedAttention(Protocol):
 
 
 class _Chunks:
-    """The rows' cached positions in chunks as ``[B, n, Hk, c, D]`` (n blocks of c positions):
-    with a table, a gather of n whole blocks into a buffer reused from chunk to chunk (one copy
-    of the chunk, in the pool's own block layout); without one, a view of the pool (n = 1)."""
+    """The rows' cached positions in chunks as ``[B, Hk, C, D]``: with a table, a gather of whole
+    blocks into a buffer reused from chunk to chunk, then (with more than one cached head) their
+    heads brought together; without a table, a view of the pool (no copy)."""
 
     def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor | None, chunk_positions: int) -> None:
-        self.pool, self.tables = pool, block_tables
+        self.pool = pool
+        self.tables = block_tables
         self.block_size = pool.shape[2]
         if block_tables is None:
             self.step = chunk_positions  # positions per chunk
@@ -70,15 +71,19 @@ class _Chunks:
     def first_position(self, start: int) -> int:
         return start if self.tables is None else start * self.block_size
 
-    def __call__(self, start: int) -> torch.Tensor:  # [B, n, Hk, c, D]
+    def __call__(self, start: int) -> torch.Tensor:  # [B, Hk, C, D]
         if self.tables is None:
-            return self.pool[:, None, :, start : start + self.step]
+            return self.pool[:, :, start : start + self.step]
         columns = self.tables[:, start : start + self.step]  # [B, n]
         batch, n = columns.shape
-        if self.buffer is None:
-            self.buffer = self.pool.new_empty(batch * self.step, *self.pool.shape[1:])
-        blocks = torch.index_select(self.pool, 0, columns.reshape(-1), out=self.buffer[: batch * n])
-        return blocks.view(batch, n, *self.pool.shape[1:])
+        _, heads, size, dim = self.pool.shape
+        out = None
+        if n == self.step:  # (index_select along dim 0: torch's fast path; along another, slow)
+            if self.buffer is None:
+                self.buffer = self.pool.new_empty(batch * n, heads, size, dim)
+            out = self.buffer
+        blocks = torch.index_select(self.pool, 0, columns.reshape(-1), out=out)  # [B*n, Hk, b, D]
+        return blocks.view(batch, n, heads, size, dim).transpose(1, 2).reshape(batch, heads, n * size, dim)
 
 
 def paged_attention_torch(
@@ -99,9 +104,9 @@ def paged_attention_torch(
     kv_heads = key_pool.shape[1]
     group = num_heads // kv_heads
     rows = group * steps  # queries per cached head
-    # Queries of one cached head side by side: [B, 1, Hk, G * S, Dk], rows ordered (g, s).
+    # Queries of one cached head side by side: [B, Hk, G * S, Dk], rows ordered (g, s).
     grouped = q.view(batch, steps, kv_heads, group, key_dim).permute(0, 2, 3, 1, 4)
-    grouped = grouped.reshape(batch, 1, kv_heads, rows, key_dim)
+    grouped = grouped.reshape(batch, kv_heads, rows, key_dim)
     query_positions = positions[:, None, None, :, None]  # [B, 1, 1, S, 1]
     stats_shape = (batch, kv_heads, group, steps, 1)
     if sinks is None:
@@ -114,14 +119,14 @@ def paged_attention_torch(
     key_chunks = _Chunks(key_pool, block_tables, chunk_positions)
     value_chunks = None if value_pool is None else _Chunks(value_pool, block_tables, chunk_positions)
     for start in key_chunks.starts:
-        keys = key_chunks(start)  # [B, n, Hk, c, Dk]
-        values = keys[..., :value_dim] if value_chunks is None else value_chunks(start)  # [B, n, Hk, c, Dv]
-        n, width = keys.shape[1], keys.shape[3]
-        scores = (grouped @ keys.transpose(-1, -2)).to(torch.float32)  # [B, n, Hk, G*S, c]
-        scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group, steps, n * width).mul_(scale)
+        keys = key_chunks(start)  # [B, Hk, C, Dk]
+        values = keys[..., :value_dim] if value_chunks is None else value_chunks(start)  # [B, Hk, C, Dv]
+        width = keys.shape[2]
+        scores = (grouped @ keys.transpose(-1, -2)).to(torch.float32).mul_(scale)  # [B, Hk, G*S, C]
+        scores = scores.view(batch, kv_heads, group, steps, width)
         first = key_chunks.first_position(start)
-        key_positions = torch.arange(first, first + n * width, device=q.device)
-        hidden = key_positions > query_positions  # [B, 1, 1, S, n*c]
+        key_positions = torch.arange(first, first + width, device=q.device)
+        hidden = key_positions > query_positions  # [B, 1, 1, S, C]
         if window:
             hidden |= key_positions <= query_positions - window
         scores.masked_fill_(hidden, float("-inf"))
@@ -130,8 +135,7 @@ def paged_attention_torch(
         probs = scores.sub_(safe_max).exp_()
         rescale = torch.exp(running_max - safe_max)
         running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
-        probs_by_block = probs.to(q.dtype).view(batch, kv_heads, rows, n, width).permute(0, 3, 1, 2, 4)
-        weighted = (probs_by_block @ values).sum(dim=1, dtype=torch.float32)  # [B, Hk, G*S, Dv]
+        weighted = probs.to(q.dtype).view(batch, kv_heads, rows, width) @ values  # [B, Hk, G*S, Dv]
         acc = acc.mul_(rescale.view(batch, kv_heads, rows, 1)).add_(weighted)
         running_max = new_max
     out = (acc / running_sum.view(batch, kv_heads, rows, 1)).view(batch, kv_heads, group, steps, value_dim)
