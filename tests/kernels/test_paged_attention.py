@@ -217,3 +217,25 @@ def test_triton_float16() -> None:
         [30], 1, heads=2, kv_heads=1, key_dim=16, value_dim=16, block_size=16, dtype=torch.float16
     )
     run(case, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16 is wrong in the interpreter)")
+@pytest.mark.parametrize("shape", ["qwen3_gqa", "deepseek_mla"])
+def test_triton_bfloat16_at_model_shapes(shape: str) -> None:
+    """The compiled kernel at the served shapes: Qwen3-30B-A3B's GQA (G = 8, D = 128) with a
+    window and sinks, DeepSeek-V3's MLA (128 heads over a 576-dim latent row, values 512)."""
+    if shape == "qwen3_gqa":
+        case = make_case([700, 33, 0, 1500], 1, 32, 4, 128, 128, 16, dtype=torch.bfloat16, seed=5)
+        sinks = torch.randn(32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        window = 128
+    else:
+        case = make_case([700, 33], 2, 128, 1, 576, 512, 16, shared_values=True, dtype=torch.bfloat16, seed=6)
+        sinks, window = None, 0
+    scale = case.q.shape[-1] ** -0.5
+    out = paged_attention(
+        case.q, case.key_pool, case.value_pool, case.tables, case.positions,
+        scale=scale, value_dim=case.value_dim, window=window, sinks=sinks, backend="triton",
+    )  # fmt: skip
+    expected = dense_reference(case, scale, window, sinks)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
