@@ -97,7 +97,8 @@ def _paged_attention_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
 
     span = block_size if HAS_TABLES else BLOCK_T  # positions per loop step
-    lowest = tl.maximum(position - window + 1, 0) if window > 0 else position * 0
+    # the first position a query sees (branch-free: ``window`` is a runtime value)
+    lowest = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
     for j in range(lowest // span, position // span + 1):
         if HAS_TABLES:
             block = tl.load(tables_ptr + row * stride_tb + j * stride_tw).to(tl.int64)
@@ -120,9 +121,9 @@ def _paged_attention_kernel(
             scores = tl.dot(q, keys, input_precision="ieee") * scale
         else:
             scores = tl.dot(q, keys) * scale  # [BLOCK_G, BLOCK_T] float32
-        visible = in_block & (key_positions <= position)
-        if window > 0:
-            visible = visible & (key_positions > position - window)
+        visible = (
+            in_block & (key_positions <= position) & ((key_positions > position - window) | (window <= 0))
+        )
         scores = tl.where(visible[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         probs = tl.exp(scores - new_max[:, None])
@@ -147,6 +148,17 @@ def _paged_attention_kernel(
     )
 
 
+def tile_sizes(group: int, key_dim: int, value_dim: int, block_size: int, has_tables: bool) -> dict[str, int]:
+    """The kernel's tiles (powers of two, at least 16: ``tl.dot``'s smallest on a GPU): up to 32
+    of a group's query heads a program, a pool block (or 16 positions without a table) a step."""
+    return {
+        "BLOCK_G": max(16, min(triton.next_power_of_2(group), 32)),
+        "BLOCK_T": max(16, triton.next_power_of_2(block_size)) if has_tables else 16,
+        "BLOCK_DK": max(16, triton.next_power_of_2(key_dim)),
+        "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
+    }
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [B, S, Hq, Dk]
     key_pool: torch.Tensor,  # [P, Hk, b, Dk]
@@ -165,11 +177,9 @@ def paged_attention_triton(
     group = num_heads // kv_heads
     values = key_pool if value_pool is None else value_pool
     out = torch.empty(batch, steps, num_heads, value_dim, dtype=q.dtype, device=q.device)
-    block_g = max(16, min(triton.next_power_of_2(group), 32))
-    block_t = triton.next_power_of_2(block_size) if block_tables is not None else 16
-    block_t = max(block_t, 16)
     tables = block_tables if block_tables is not None else positions  # unused without tables
-    grid = (batch * steps, kv_heads, triton.cdiv(group, block_g))
+    tiles = tile_sizes(group, key_dim, value_dim, block_size, block_tables is not None)
+    grid = (batch * steps, kv_heads, triton.cdiv(group, tiles["BLOCK_G"]))
     _paged_attention_kernel[grid](
         q,
         key_pool,
@@ -194,9 +204,6 @@ def paged_attention_triton(
         HAS_TABLES=block_tables is not None,
         HAS_SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32,
-        BLOCK_G=block_g,
-        BLOCK_T=block_t,
-        BLOCK_DK=max(16, triton.next_power_of_2(key_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+        **tiles,
     )
     return out

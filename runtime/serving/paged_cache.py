@@ -107,4 +107,4 @@ class PagedView:
         return CacheBlocks(self.pool.keys[layer], self.pool.values[layer], self.tables)
 
     def advance(self, num_new: torch.Tensor) -> None:
-        self.lengths += num_new
+        self.lengths += num_new.to(self.lengths.device, non_blocking=True)
