@@ -2,7 +2,8 @@
 
 Runs Triton's frontend, the NVIDIA backend and ptxas (shipped with triton) on every kernel with
 every tile configuration of ``tuned_configs.json``, and reports shared memory per program and
-whether the K loop is software-pipelined (asynchronous copies). Nothing is executed. Arguments
+whether the K loop is software-pipelined (asynchronous copies); then the paged-attention kernel at
+the served attention shapes (``PAGED_ATTENTION_SHAPES``). Nothing is executed. Arguments
 are specialised the way Triton's JIT specialises them at launch: ints equal to 1 become constants,
 pointers and ints divisible by 16 are marked so (without that, loads cannot be vectorised).
 
@@ -209,6 +210,42 @@ def check_all(arch: int, hidden: int, inter: int, dtype: str = "bf16") -> list[d
         align._shrink_kernel, {**shrink_values, "num_groups": 300}, {"BLOCK": align.SHRINK_BLOCK}, arch, 4, 1
     )
     reports.append({"kernel": "align", "ok": True})
+    return reports + check_paged_attention(arch, dtype)
+
+
+# (query heads per cached head, key dim, value dim) of the served attention shapes
+PAGED_ATTENTION_SHAPES = {"qwen3_gqa": (8, 128, 128), "deepseek_mla": (128, 576, 512)}
+
+
+def check_paged_attention(arch: int, dtype: str, block_size: int = 16) -> list[dict[str, Any]]:
+    """Compile the paged-attention kernel at each of ``PAGED_ATTENTION_SHAPES``, with a block
+    table and sinks (and MLA without a table: the contiguous cache); one report each."""
+    from eaas.kernels import paged_attention_triton
+
+    names = inspect.signature(paged_attention_triton._paged_attention_kernel.fn).parameters
+    values: dict[str, Any] = {name: 4096 for name in names if name.startswith("stride_")}
+    values.update({name: 1 for name in ("stride_qd", "stride_kd", "stride_vd", "stride_tw", "stride_ps")})
+    values.update({name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr")})
+    values.update({"tables_ptr": "*i64", "positions_ptr": "*i64", "scale": 0.1, "stride_od": 1})
+    values.update({"steps": 4, "group": 64, "key_dim": 64, "value_dim": 64, "block_size": 16, "window": 128})
+    reports = []
+    for shape, (group, key_dim, value_dim) in PAGED_ATTENTION_SHAPES.items():
+        for has_tables, has_sinks in ((True, True), (shape == "qwen3_gqa", False)):
+            tiles = paged_attention_triton.tile_sizes(group, key_dim, value_dim, block_size, has_tables)
+            constexprs = {"HAS_TABLES": has_tables, "HAS_SINKS": has_sinks, "IEEE": dtype == "fp32", **tiles}
+            compiled = compile_kernel(
+                paged_attention_triton._paged_attention_kernel, values, constexprs, arch, 4, 1
+            )
+            shared = int(compiled.metadata.shared)
+            reports.append(
+                {
+                    "kernel": "paged_attention",
+                    "variant": f"{shape}{'' if has_tables else ', no table'}{', sinks' if has_sinks else ''}",
+                    "config": tiles,
+                    "shared_bytes": shared,
+                    "ok": shared <= SHARED_MEMORY_PER_PROGRAM.get(arch, 99 * 1024),
+                }
+            )
     return reports
 
 

@@ -125,12 +125,13 @@ def every_command(
 
 def test_one_cli_vocabulary() -> None:
     """No description in any help is cut off; every --log-level has the same choices and default;
-    every --kernel-backend lists the registry's backends
+    every --attention offers the attention paths; every --kernel-backend lists the registry's backends
     and refuses an unknown one while reading the options (before a checkpoint is written or a
     process started)."""
     from eaas.kernels.registry import SHIPPED_BACKENDS
     from eaas.runtime.cli import main
     from eaas.runtime.commands.options import LOG_LEVELS
+    from eaas.runtime.model.attention import PATHS
 
     for words, command in every_command(main):
         shown = CliRunner().invoke(main, [*words, "--help"], terminal_width=80)
@@ -142,6 +143,10 @@ def test_one_cli_vocabulary() -> None:
         if level is not None:
             assert isinstance(level.type, click.Choice), words
             assert (tuple(level.type.choices), level.default) == (LOG_LEVELS, "INFO"), words
+        attention = next((p for p in command.params if "--attention" in getattr(p, "opts", ())), None)
+        if attention is not None:
+            assert isinstance(attention.type, click.Choice), words
+            assert (tuple(attention.type.choices), attention.default) == (PATHS, "paged"), words
         backend = next((p for p in command.params if "--kernel-backend" in getattr(p, "opts", ())), None)
         if backend is None:
             continue

@@ -235,6 +235,7 @@ def attention_client(
     reasoning_parser: str,
     structured_outputs_in_reasoning: bool,
     prefix_caching: bool,
+    attention: str,
     default_max_tokens: int | None,
     max_batch_size: int,
     api_keys: tuple[str, ...],
@@ -316,6 +317,7 @@ def attention_client(
         reasoning_parser=reasoning_parser,
         structured_outputs_in_reasoning=structured_outputs_in_reasoning,
         prefix_caching=prefix_caching,
+        attention=attention,
         default_max_tokens=default_max_tokens,
         client=options,
     )

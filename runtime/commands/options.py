@@ -124,9 +124,23 @@ def kernel_backend_option(command: F) -> F:
     )(command)
 
 
+# eaas.runtime.model.attention.PATHS, named here without importing torch (a test keeps them equal)
+ATTENTION_PATHS = ("paged", "reference")
+
+
 def serving_feature_options(command: F) -> F:
     """``--tool-call-parser``, ``--reasoning-parser``, ``--structured-outputs-in-reasoning``,
-    ``--enable-prefix-caching/--no-...`` and ``--default-max-tokens``."""
+    ``--enable-prefix-caching/--no-...``, ``--default-max-tokens`` and ``--attention``."""
+    command = click.option(
+        "--attention",
+        type=click.Choice(ATTENTION_PATHS),
+        default="paged",
+        show_default=True,
+        envvar="EAAS_ATTENTION",
+        show_envvar=True,
+        help="how attention reads the KV cache: paged (in place; Triton on CUDA, chunked torch on CPU) "
+        "or reference (the gathered oracle)",
+    )(command)
     command = click.option(
         "--default-max-tokens",
         type=click.IntRange(min=1),

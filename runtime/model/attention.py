@@ -3,7 +3,15 @@ rotary, attention sinks and a sliding window) and ``mla`` (DeepSeek's Multi-head
 over a latent KV cache).
 
 Both take the normalised hidden states of new tokens and return the attention output before
-the residual add. Legend: B = batch, S = new tokens per sequence, N = heads, D = head dim,
+the residual add. Two paths compute the attention itself (``PATHS``):
+
+- ``paged``: ``eaas.kernels.paged_attention`` reads the cache's blocks in place (``Cache.blocks``)
+  with an online softmax; no gathered copy of the cache, no per-group copy of K/V, no full score
+  matrix and no host sync. Its backend is Triton on CUDA, chunked torch on CPU.
+- ``reference``: the cache gathered into one tensor (``Cache.read``), K/V repeated per query
+  group and the whole score matrix in float32: the oracle the paged path is tested against.
+
+Legend: B = batch, S = new tokens per sequence, N = heads, D = head dim,
 L = cached positions, r = kv_lora_rank, R = rotary dims.
 """
 
@@ -12,9 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eaas.kernels.paged_attention import paged_attention
 from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.kv_cache import Cache
 from eaas.runtime.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_frequencies, yarn_mscale
+
+PATHS = ("paged", "reference")
 
 
 class Rope:
@@ -70,6 +81,7 @@ def gqa(
     positions: torch.Tensor,  # [B, S]
     cache: Cache,
     rope: Rope,
+    path: str = "paged",
 ) -> torch.Tensor:  # [B, S, H]
     c = config
     p = f"model.layers.{layer}.self_attn"
@@ -83,6 +95,22 @@ def gqa(
     cos, sin = rope(positions, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache.write(layer, positions, k, v)
+    window = c.sliding_window if layer in c.sliding_window_layers else 0
+    sinks = t.get(f"{p}.sinks")
+    if path == "paged":
+        blocks = cache.blocks(layer)
+        out = paged_attention(
+            q,
+            blocks.keys,
+            blocks.values,
+            blocks.tables,
+            positions,
+            scale=softmax_scale(c),
+            value_dim=c.head_dim,
+            window=window,
+            sinks=sinks,
+        )  # [B, S, N, D]
+        return _linear(out.reshape(batch, steps, c.num_heads * c.head_dim), t, f"{p}.o_proj")
     total = int(positions.max()) + 1
     group = c.num_heads // c.num_kv_heads
     cached_keys, cached_values = cache.read(layer, total)
@@ -90,8 +118,7 @@ def gqa(
     keys = cached_keys.repeat_interleave(group, dim=1)  # [B, N, L, D]
     values = cached_values.repeat_interleave(group, dim=1)
     scores = q.transpose(1, 2) @ keys.transpose(-1, -2) * softmax_scale(c)  # [B, N, S, L]
-    window = c.sliding_window if layer in c.sliding_window_layers else 0
-    probs = _causal_softmax(scores, positions, q.dtype, window, t.get(f"{p}.sinks"))
+    probs = _causal_softmax(scores, positions, q.dtype, window, sinks)
     out = (probs @ values).transpose(1, 2).reshape(batch, steps, c.num_heads * c.head_dim)
     return _linear(out, t, f"{p}.o_proj")
 
@@ -104,6 +131,7 @@ def mla(
     positions: torch.Tensor,  # [B, S]
     cache: Cache,
     rope: Rope,
+    path: str = "paged",
 ) -> torch.Tensor:  # [B, S, H]
     """MLA in its absorbed form: queries are mapped into the latent space (q_nope · W_UK), so
     attention reads the cached latent rows directly and no per-head K/V is ever materialised;
@@ -128,14 +156,20 @@ def mla(
     q_rot = apply_rope(q_rot, cos, sin, interleaved=rope.interleaved)
     k_rot = apply_rope(k_rot, cos, sin, interleaved=rope.interleaved)
     cache.write(layer, positions, torch.cat((latent[:, :, None], k_rot), dim=-1))
-    total = int(positions.max()) + 1
-    rows = cache.read(layer, total)[0][:, 0]  # [B, L, r + R]
     kv_b = t[f"{p}.kv_b_proj.weight"].view(c.num_heads, nope + vdim, r)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [N, nope, r], [N, v, r]
     q_full = torch.cat((torch.einsum("bsnd,ndr->bsnr", q_nope, w_uk), q_rot), dim=-1)  # [B, S, N, r + R]
-    scores = torch.einsum("bsnc,blc->bnsl", q_full, rows) * softmax_scale(c)  # [B, N, S, L]
-    probs = _causal_softmax(scores, positions, q.dtype)
-    out_latent = torch.einsum("bnsl,blr->bsnr", probs, rows[..., :r])  # [B, S, N, r]
+    if path == "paged":  # one cached head shared by all N query heads; values = the latent dims
+        blocks = cache.blocks(layer)
+        out_latent = paged_attention(
+            q_full, blocks.keys, None, blocks.tables, positions, scale=softmax_scale(c), value_dim=r
+        )  # [B, S, N, r]
+    else:
+        total = int(positions.max()) + 1
+        rows = cache.read(layer, total)[0][:, 0]  # [B, L, r + R]
+        scores = torch.einsum("bsnc,blc->bnsl", q_full, rows) * softmax_scale(c)  # [B, N, S, L]
+        probs = _causal_softmax(scores, positions, q.dtype)
+        out_latent = torch.einsum("bnsl,blr->bsnr", probs, rows[..., :r])  # [B, S, N, r]
     out = torch.einsum("bsnr,nvr->bsnv", out_latent, w_uv).reshape(batch, steps, c.num_heads * vdim)
     return F.linear(out, t[f"{p}.o_proj.weight"])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eaas.runtime.model.attention import VARIANTS, Rope
+from eaas.runtime.model.attention import PATHS, VARIANTS, Rope
 from eaas.runtime.model.checkpoint import CheckpointReader
 from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.kv_cache import Cache
@@ -28,9 +28,13 @@ from eaas.runtime.model.naming import (
 
 
 class AttentionSide:
-    """Attention-side weights of every layer and the math that uses them."""
+    """Attention-side weights of every layer and the math that uses them. ``attention`` picks how
+    attention reads the cache (``attention.PATHS``): ``paged`` in place, ``reference`` the oracle."""
 
-    def __init__(self, config: MoEConfig, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: MoEConfig, tensors: dict[str, torch.Tensor], attention: str = "paged") -> None:
+        if attention not in PATHS:
+            raise ValueError(f"attention: unknown path {attention!r}; choose one of {', '.join(PATHS)}")
+        self.attention_path = attention
         self.config = config
         self.t = tensors
         self.dtype = tensors[EMBED].dtype
@@ -38,8 +42,12 @@ class AttentionSide:
         self._variant = VARIANTS[config.attention]
 
     @classmethod
-    def from_checkpoint(cls, reader: CheckpointReader, dtype: torch.dtype | None = None) -> AttentionSide:
-        return cls(reader.config, reader.load(attention_side_tensor_names(reader.config), dtype=dtype))
+    def from_checkpoint(
+        cls, reader: CheckpointReader, dtype: torch.dtype | None = None, attention: str = "paged"
+    ) -> AttentionSide:
+        return cls(
+            reader.config, reader.load(attention_side_tensor_names(reader.config), dtype=dtype), attention
+        )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] int -> hidden [B, S, H]."""
@@ -56,7 +64,7 @@ class AttentionSide:
         c = self.config
         x = rms_norm(h, self.t[f"model.layers.{layer}.input_layernorm.weight"], c.rms_norm_eps)
         positions = cache.lengths[:, None] + torch.arange(h.shape[1], device=h.device)  # [B, S]
-        return h + self._variant(c, self.t, layer, x, positions, cache, self.rope)
+        return h + self._variant(c, self.t, layer, x, positions, cache, self.rope, self.attention_path)
 
     def ffn_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(

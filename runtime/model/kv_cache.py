@@ -8,6 +8,7 @@ full K/V); its values are the latent part of the same rows, so ``values`` is Non
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -15,9 +16,21 @@ import torch
 from eaas.runtime.model.config import MoEConfig
 
 
+@dataclass(frozen=True)
+class CacheBlocks:
+    """One layer of a cache as attention reads it in place (``eaas.kernels.paged_attention``):
+    sequence i's position p is at ``keys[tables[i, p // b], :, p % b]`` (b = ``keys.shape[2]``);
+    with ``tables`` None, sequence i's positions are block i (a contiguous cache)."""
+
+    keys: torch.Tensor  # [P, h, b, Dk]
+    values: torch.Tensor | None  # [P, h, b, Dv]; None: MLA's values are the keys' latent dims
+    tables: torch.Tensor | None  # [B, W] int64 on the cache's device
+
+
 class Cache(Protocol):
     """What attention and the decoder need from a KV cache: the contiguous ``KVCache`` here, or a
-    paged view (``runtime/serving/paged_cache.py``)."""
+    paged view (``runtime/serving/paged_cache.py``). ``read`` gathers positions into a new tensor
+    (the reference attention); ``blocks`` hands out the storage to read in place."""
 
     lengths: torch.Tensor  # [B] positions cached so far
 
@@ -26,6 +39,7 @@ class Cache(Protocol):
         self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None
     ) -> None: ...
     def read(self, layer: int, total: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def blocks(self, layer: int) -> CacheBlocks: ...
     def advance(self, num_new: torch.Tensor) -> None: ...
 
 
@@ -69,6 +83,7 @@ class KVCache:
             for _ in layers
         ]
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.bound = max_len  # positions the current step may reach (``check_room`` narrows it)
 
     def check_room(self, num_positions: int) -> None:
         """Raises unless every sequence can take ``num_positions`` more positions."""
@@ -77,6 +92,7 @@ class KVCache:
             raise KVCacheFull(
                 f"sequence length {needed} exceeds the KV cache capacity max_len={self.max_len}"
             )
+        self.bound = needed
 
     def write(
         self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None
@@ -94,6 +110,14 @@ class KVCache:
         """Keys (and values; None for MLA) of positions [0, total): [B, heads, total, D]."""
         values = self.values[layer]
         return self.keys[layer][:, :, :total], None if values is None else values[:, :, :total]
+
+    def blocks(self, layer: int) -> CacheBlocks:
+        """Each sequence's positions [0, bound) as one block: views, no copy."""
+        values = self.values[layer]
+        bound = self.bound
+        return CacheBlocks(
+            self.keys[layer][:, :, :bound], None if values is None else values[:, :, :bound], None
+        )
 
     def advance(self, num_new: torch.Tensor) -> None:
         self.lengths += num_new

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.model.kv_cache import KVCacheFull, cache_numbers_per_token, cache_rows
+from eaas.runtime.model.kv_cache import CacheBlocks, KVCacheFull, cache_numbers_per_token, cache_rows
 
 
 class KVPool:
@@ -50,19 +50,25 @@ class KVPool:
 
 class PagedView:
     """One step's cache (the ``Cache`` protocol): sequence b's position p lives in block
-    ``tables[b, p // b]`` at offset ``p % b``; ``lengths`` [B] positions already cached."""
+    ``tables[b, p // b]`` at offset ``p % b``; ``lengths`` [B] positions already cached.
+
+    The tables and lengths live on the pool's device; what the host must know (the longest row,
+    for ``check_room``) comes from the lists the view is built from, so a step never waits on
+    the device to learn it."""
 
     def __init__(self, pool: KVPool, tables: list[list[int]], lengths: list[int], steps: int) -> None:
         self.pool = pool
         size = pool.block_size
+        device = pool.keys[0].device
         width = max(-(-(length + steps) // size) for length in lengths)  # blocks a row may touch
         self.capacity = width * size
         padded = [table[:width] + [pool.scratch] * (width - len(table[:width])) for table in tables]
-        self.tables = torch.tensor(padded, dtype=torch.int64)  # [B, width]
-        self.lengths = torch.tensor(lengths, dtype=torch.int64)
+        self.tables = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, width]
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+        self._longest = max(lengths)  # host copy of lengths.max()
 
     def check_room(self, num_positions: int) -> None:
-        needed = int(self.lengths.max()) + num_positions
+        needed = self._longest + num_positions
         if needed > self.capacity:
             raise KVCacheFull(
                 f"sequence length {needed} exceeds the blocks given to this step ({self.capacity})"
@@ -96,5 +102,9 @@ class PagedView:
         pool_values = self.pool.values[layer]
         return gather(self.pool.keys[layer]), None if pool_values is None else gather(pool_values)
 
+    def blocks(self, layer: int) -> CacheBlocks:
+        """The layer's whole pool and this step's tables: attention reads the blocks in place."""
+        return CacheBlocks(self.pool.keys[layer], self.pool.values[layer], self.tables)
+
     def advance(self, num_new: torch.Tensor) -> None:
-        self.lengths += num_new
+        self.lengths += num_new.to(self.lengths.device, non_blocking=True)

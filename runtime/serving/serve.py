@@ -120,6 +120,7 @@ class ServeOptions:
     kv_cache_bytes: int = 256 << 20  # continuous: the paged KV cache
     prefix_caching: bool = True  # continuous: reuse the KV blocks of shared prefixes
     block_size: int = 16  # continuous: positions per KV block
+    attention: str = "paged"  # how attention reads the cache (``attention.PATHS``; reference: the oracle)
     request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
     placement_poll_s: float = 1.0
     tool_call_parser: str | None = None  # the format of the model's tool calls (None: by its family)
@@ -166,7 +167,7 @@ class AttentionService:
         self.tokenizer.keep(m for form in formats if form is not None for m in form.markers)
         self.markers = Markers(self.tokenizer)
         self.chat_template = ChatTemplate(chat_template(checkpoint), special_tokens(checkpoint))
-        self.side = AttentionSide.from_checkpoint(reader, dtype=dtype)
+        self.side = AttentionSide.from_checkpoint(reader, dtype=dtype, attention=self.options.attention)
         o = self.options
         context = self.config.max_position_embeddings
         # One sequence holds no more positions than the KV cache has; a cache that holds no block is

@@ -3,7 +3,8 @@
 Runs ``python -m eaas.kernels.compile_check`` (Triton's NVIDIA backend and ptxas, nothing is
 executed) in a subprocess without TRITON_INTERPRET: every default tile configuration (and the
 bias/clamped-SwiGLU and FP8 variants of the largest) must fit in
-shared memory at its ``programs_per_sm``, and with ``num_stages > 1`` the K loop must be
+shared memory at its ``programs_per_sm``, and so must the paged-attention kernel at Qwen3's GQA
+and DeepSeek's MLA shapes; and with ``num_stages > 1`` the K loop must be
 software-pipelined. This is the GPU code path as far as a CPU can check it.
 """
 
@@ -39,4 +40,8 @@ def test_kernels_compile_for_sm90() -> None:
         assert report["ok"], f"does not fit in shared memory: {report}"
         if report["config"]["num_stages"] > 1:
             assert report["pipelined"], f"K loop not pipelined: {report}"
+    attention = [report for report in reports if report["kernel"] == "paged_attention"]
+    assert {report["variant"].split(",")[0] for report in attention} == {"qwen3_gqa", "deepseek_mla"}
+    for report in attention:
+        assert report["ok"], f"does not fit in shared memory: {report}"
     assert result.returncode == 0
