@@ -22,6 +22,7 @@ from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube, KubeError
 from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
+from eaas.operator.refresh import Refresh
 from eaas.operator.renewals import RenewalClock
 from eaas.operator.triggers import Triggers
 
@@ -84,6 +85,7 @@ class Context:
     renewals: RenewalClock = field(default_factory=RenewalClock)  # when servers' Leases were seen renewed
     leases: LeaseWatch = field(init=False)  # what each Lease said last (the Lease watch)
     triggers: Triggers = field(default_factory=Triggers)  # which objects' events call for a reconcile
+    refresh: Refresh = field(default_factory=Refresh)  # what passes make sure of less often than each time
     # Reconcile (kind, namespace, name) again in `delay` seconds (set by the handlers; a no-op
     # where nothing schedules, as in tests that call the reconcilers directly).
     recheck: Callable[[str, str, str, float], None] = lambda kind, namespace, name, delay: None
@@ -134,6 +136,7 @@ class Context:
         with self._locks_guard:
             self._locks.pop((kind, namespace, name), None)
         self.triggers.forget(kind, namespace, name)
+        self.refresh.forget((kind, namespace, name))
         self.autoscalers.pop((namespace, name), None)
         self.rival_writers.discard((namespace, name))
         if self.rebalancer is not None and kind == "ExpertPool":

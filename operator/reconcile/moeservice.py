@@ -28,6 +28,7 @@ from eaas.runtime.contract import GROUP
 
 logger = logging.getLogger("eaas.operator")
 PERSIST_S = 60.0  # the learned capacity goes to the MoEService's status at most this often
+PREREQUISITES_EVERY_S = 300.0  # the pods' ServiceAccount, RoleBinding and Secret: made sure of this often
 
 
 def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
@@ -89,9 +90,13 @@ def kept_status(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
     """What the pods need before they exist: their ServiceAccount, its RoleBinding to the runtime's
-    ClusterRole (when the operator knows it) and the data-token Secret. Create-only, every pass,
-    so a deleted one comes back (a Secret with a new token); 409 AlreadyExists otherwise."""
+    ClusterRole (when the operator knows it) and the data-token Secret. Create-only (409
+    AlreadyExists when there), on the first pass and then every :data:`PREREQUISITES_EVERY_S`
+    (:mod:`eaas.operator.refresh`), so a deleted one comes back (a Secret with a new token)."""
     name = body["metadata"]["name"]
+    key = (MOESERVICE.kind, body["metadata"]["namespace"], name)
+    if not ctx.refresh.due(key, PREREQUISITES_EVERY_S):
+        return
     made = []
     if ctx.kube.create(runtime_service_account(body)) is not None:
         made.append(f"ServiceAccount {name}-runtime")
@@ -101,6 +106,7 @@ def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
         made.append(f"Secret {name}-data-token")
     if made:
         ctx.event(body, "Normal", "Created", "created " + ", ".join(made))
+    ctx.refresh.done(key)
 
 
 def apply_network_policies(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec) -> None:
