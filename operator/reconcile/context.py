@@ -22,7 +22,7 @@ from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube, KubeError
 from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
-from eaas.operator.refresh import Refresh
+from eaas.operator.refresh import Refresh, digest
 from eaas.operator.renewals import RenewalClock
 from eaas.operator.triggers import Triggers
 
@@ -32,6 +32,9 @@ logger = logging.getLogger("eaas.operator")
 
 
 MAX_EVENT_MESSAGE = 1024  # the API server refuses longer Event messages
+# An unchanged child (a Service, a PodDisruptionBudget, a NetworkPolicy) is applied again this often:
+# drift, or a deleted one, is put right within this time (:meth:`Context.apply_seldom`).
+APPLY_EVERY_S = 300.0
 
 
 def event_object(obj: Mapping[str, Any], type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
@@ -110,6 +113,28 @@ class Context:
         except KubeError as error:
             name = obj["metadata"]["name"]
             logger.warning("could not post Event %s (%s) about %s: %s", reason, message, name, error)
+
+    def apply_seldom(self, obj: dict[str, Any], first: Callable[[], None] | None = None) -> bool:
+        """Server-side apply `obj` (a child the operator alone owns) unless this same desired object
+        was applied within :data:`APPLY_EVERY_S`; True when it was applied now. `first` runs
+        before an apply (a check that may raise, e.g. who owns the object there)."""
+        metadata = obj["metadata"]
+        key, version = ("apply", obj["kind"], metadata["namespace"], metadata["name"]), digest(obj)
+        if not self.refresh.due(key, APPLY_EVERY_S, version):
+            return False
+        if first is not None:
+            first()
+        self.kube.apply(obj)
+        self.refresh.done(key, version)
+        return True
+
+    def delete_seldom(self, kind: str, namespace: str, name: str) -> None:
+        """Delete a child the operator made and no longer wants (once, then every
+        :data:`APPLY_EVERY_S`, in case something made it again)."""
+        key = ("apply", kind, namespace, name)
+        if self.refresh.due(key, APPLY_EVERY_S, "deleted"):
+            self.kube.delete(kind, namespace, name)
+            self.refresh.done(key, "deleted")
 
     def lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         """One lock per object: a timer and an event handler never reconcile it at the same time."""

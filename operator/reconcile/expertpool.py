@@ -52,8 +52,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ctx.write_status(EXPERTPOOL.kind, body, base_status, invalid_spec(describe_validation_error(error)))
         return
 
-    ctx.kube.apply(build.headless_service(body, spec))
-    ctx.kube.apply(build.disruption_budget(body, spec))
+    ctx.apply_seldom(build.headless_service(body, spec))
+    ctx.apply_seldom(build.disruption_budget(body, spec))
     pods = {}
     uids = {}
     pod_objects = ctx.kube.list("Pod", namespace, selector)

@@ -110,12 +110,13 @@ def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
 
 
 def apply_network_policies(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec) -> None:
-    """The NetworkPolicies, server-side applied (a no-op when unchanged); removed when disabled."""
+    """The NetworkPolicies, server-side applied when they change (and every few minutes:
+    :meth:`Context.apply_seldom`); removed when disabled."""
     for policy in network_policies(body, spec, ctx.operator_namespace):
         if spec.network_policy.enabled:
-            ctx.kube.apply(policy)
+            ctx.apply_seldom(policy)
         else:
-            ctx.kube.delete("NetworkPolicy", policy["metadata"]["namespace"], policy["metadata"]["name"])
+            ctx.delete_seldom("NetworkPolicy", policy["metadata"]["namespace"], policy["metadata"]["name"])
 
 
 def set_expert_replicas(

@@ -118,15 +118,18 @@ def advance(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, deletin
 
 
 def point_api_service(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, slot: naming.Slot) -> None:
-    """The MoEService's API Service, selecting `slot`'s attention pods (server-side applied: a
-    no-op when unchanged). A Service of that name that this MoEService does not control is left
-    alone and reported."""
+    """The MoEService's API Service, selecting `slot`'s attention pods (server-side applied when
+    it changes, and every few minutes: :meth:`Context.apply_seldom`). A Service of that name that
+    this MoEService does not control is left alone and reported."""
     desired = build.api_service(body, spec, slot)
     metadata = desired["metadata"]
-    existing = ctx.kube.get("Service", metadata["namespace"], metadata["name"])
-    if existing is not None:
-        check_owner(body, {**existing, "kind": "Service"})
-    ctx.kube.apply(desired)
+
+    def ours() -> None:
+        existing = ctx.kube.get("Service", metadata["namespace"], metadata["name"])
+        if existing is not None:
+            check_owner(body, {**existing, "kind": "Service"})
+
+    ctx.apply_seldom(desired, first=ours)
 
 
 def ensure_pair(

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from eaas.operator.metrics import OperatorMetrics
-from eaas.operator.reconcile.context import Context
+from eaas.operator.reconcile.context import APPLY_EVERY_S, Context
 from eaas.operator.reconcile.moeservice import PREREQUISITES_EVERY_S, ensure_pod_prerequisites
 from eaas.operator.refresh import Refresh
 from tests.operator.memory_kube import MemoryKube
@@ -72,3 +72,56 @@ def test_a_failed_pass_is_tried_again_on_the_next_one_and_a_deleted_moeservice_i
     context.forget("MoEService", metadata["namespace"], metadata["name"])
     ensure_pod_prerequisites(context, moes_body)
     assert len(kube.creates) == 4
+
+
+class ApplyingKube(MemoryKube):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[tuple[str, str]] = []
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(("apply", obj["metadata"]["name"]))
+        return super().apply(obj)
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        self.requests.append(("delete", name))
+        return super().delete(kind, namespace, name, uid)
+
+
+def test_an_unchanged_child_is_applied_again_only_every_few_minutes() -> None:
+    now = [0.0]
+    kube = ApplyingKube()
+    context = Context(
+        kube=kube,  # type: ignore[arg-type]
+        metrics=OperatorMetrics(CollectorRegistry()),
+        refresh=Refresh(clock=lambda: now[0]),
+    )
+    service = {"kind": "Service", "metadata": {"name": "s", "namespace": "ns"}, "spec": {"ports": [1]}}
+    assert context.apply_seldom(service)
+    for _ in range(5):  # resyncs with nothing changed
+        now[0] += 10
+        assert not context.apply_seldom(service)
+    changed = {**service, "spec": {"ports": [2]}}
+    assert context.apply_seldom(changed)  # a change is applied at once
+    now[0] += APPLY_EVERY_S
+    assert context.apply_seldom(changed)  # drift (or a deleted child) is put right within the interval
+    assert kube.requests == [("apply", "s")] * 3
+    for _ in range(3):
+        context.delete_seldom("Service", "ns", "s")
+    assert kube.requests[3:] == [("delete", "s")]
+    assert context.apply_seldom(changed)  # wanted again: applied at once
+
+
+def test_the_api_service_owned_by_someone_else_is_still_refused(moes_body: dict[str, Any]) -> None:
+    from eaas.operator.api.moeservice import MoEServiceSpec
+    from eaas.operator.reconcile.revisions import NotOurs, point_api_service
+
+    kube = ApplyingKube()
+    name = moes_body["metadata"]["name"]
+    kube.objects[("Service", name)] = {"kind": "Service", "metadata": {"name": name, "ownerReferences": []}}
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    spec = MoEServiceSpec.from_k8s(moes_body["spec"])
+    for _ in range(2):
+        with pytest.raises(NotOurs):
+            point_api_service(context, moes_body, spec, "blue")
+    assert kube.requests == []
