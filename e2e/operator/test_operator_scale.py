@@ -40,4 +40,5 @@ def test_steady_state_requests_and_reconciles_are_bounded(run: ScaleRun) -> None
     resync_per_min = 60 / RESYNC_SECONDS
     for kind, per_minute in window["reconciles_per_object_per_min"].items():
         assert per_minute <= 1.25 * resync_per_min, f"{kind} reconciled {per_minute:.1f}/min: {detail}"
-    assert run.operator is not None and not run.operator.forbidden(), run.operator.log_tail()
+    assert run.operator is not None
+    assert not run.operator.forbidden(), run.operator.log_tail()

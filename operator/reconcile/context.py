@@ -24,6 +24,7 @@ from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
 from eaas.operator.refresh import Refresh, digest
 from eaas.operator.renewals import RenewalClock
+from eaas.operator.store import Store
 from eaas.operator.triggers import Triggers
 
 FIELD_PATH = re.compile(r"[a-z][A-Za-z0-9]*(\.[a-z][A-Za-z0-9]*)*")
@@ -89,6 +90,7 @@ class Context:
     leases: LeaseWatch = field(init=False)  # what each Lease said last (the Lease watch)
     triggers: Triggers = field(default_factory=Triggers)  # which objects' events call for a reconcile
     refresh: Refresh = field(default_factory=Refresh)  # what passes make sure of less often than each time
+    store: Store = field(default_factory=Store)  # the custom resources' newest bodies (watch events, writes)
     # Reconcile (kind, namespace, name) again in `delay` seconds (set by the handlers; a no-op
     # where nothing schedules, as in tests that call the reconcilers directly).
     recheck: Callable[[str, str, str, float], None] = lambda kind, namespace, name, delay: None
@@ -113,6 +115,16 @@ class Context:
         except KubeError as error:
             name = obj["metadata"]["name"]
             logger.warning("could not post Event %s (%s) about %s: %s", reason, message, name, error)
+
+    def current(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """A custom resource as last seen (:attr:`store`), else as the API server has it now (None
+        when it does not exist)."""
+        body = self.store.get(kind, namespace, name)
+        if body is None:
+            body = self.kube.get(kind, namespace, name)
+            if body is not None:
+                self.store.saw(kind, body)
+        return body
 
     def apply_seldom(self, obj: dict[str, Any], first: Callable[[], None] | None = None) -> bool:
         """Server-side apply `obj` (a child the operator alone owns) unless this same desired object
@@ -162,6 +174,7 @@ class Context:
             self._locks.pop((kind, namespace, name), None)
         self.triggers.forget(kind, namespace, name)
         self.refresh.forget((kind, namespace, name))
+        self.store.forget(kind, namespace, name)
         self.autoscalers.pop((namespace, name), None)
         self.rival_writers.discard((namespace, name))
         if self.rebalancer is not None and kind == "ExpertPool":

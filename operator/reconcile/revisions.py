@@ -60,7 +60,7 @@ def advance(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, deletin
     serving = serving_slot(body)
     other = naming.other_slot(serving)
     desired = spec.model.revision_id
-    current = ctx.kube.get(EXPERTPOOL.kind, namespace, naming.expert_pool_name(name, serving))
+    current = ctx.current(EXPERTPOOL.kind, namespace, naming.expert_pool_name(name, serving))
     serving_model = pool_model(current)
     if serving_model is None or serving_model.revision_id == desired:
         experts, attention = ensure_pair(ctx, body, spec, serving)
@@ -202,10 +202,11 @@ def ensure_child(
 ) -> dict[str, Any]:
     """Create the pool, or merge-patch its spec to the desired one (except the `ignore`d fields)."""
     kind, namespace, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
-    current = ctx.kube.get(kind, namespace, name)
+    current = ctx.current(kind, namespace, name)
     if current is None:
         created = ctx.kube.create(desired)
         if created is not None:
+            ctx.store.saw(kind, created)
             ctx.event(owner, "Normal", "Created", f"created {kind} {name}")
             return created
         current = ctx.kube.get(kind, namespace, name) or desired
@@ -222,6 +223,7 @@ def ensure_child(
         patch["metadata"] = {"labels": missing_labels}
     if patch:
         current = ctx.kube.merge_patch(kind, namespace, name, patch)
+        ctx.store.saw(kind, current)
     return current
 
 
