@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from e2e.backends import plane_cluster
+from e2e.binaries import KWOK_PLANE, Binaries
 from e2e.cluster import Cluster
 from e2e.controlplane import ControlPlane, FakeNodeSpec
 from e2e.lease_simulator import LeaseSimulator, admin_ssl_context
@@ -70,7 +71,10 @@ class ScaleRun:
         self.keep = keep
         spec = FakeNodeSpec(count=nodes, gpus=8, cpu="64", memory="512Gi", pods=110)
         self.plane = ControlPlane(
-            nodes=spec, work_dir=self.work / "plane", api_server_args=audit_args(self.work / "audit")
+            binaries=Binaries.locate(KWOK_PLANE),
+            nodes=spec,
+            work_dir=self.work / "plane",
+            api_server_args=audit_args(self.work / "audit"),
         )
         self.audit = AuditLog(self.work / "audit" / "audit.log")
         self.operator: OperatorProcess | None = None
