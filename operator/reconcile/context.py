@@ -91,6 +91,8 @@ class Context:
     triggers: Triggers = field(default_factory=Triggers)  # which objects' events call for a reconcile
     refresh: Refresh = field(default_factory=Refresh)  # what passes make sure of less often than each time
     store: Store = field(default_factory=Store)  # the custom resources' newest bodies (watch events, writes)
+    # Placement ConfigMaps as decoded: (namespace, name) -> (resourceVersion, (committed, pending, error))
+    placements: dict[tuple[str, str], tuple[str, Any]] = field(default_factory=dict)
     # Reconcile (kind, namespace, name) again in `delay` seconds (set by the handlers; a no-op
     # where nothing schedules, as in tests that call the reconcilers directly).
     recheck: Callable[[str, str, str, float], None] = lambda kind, namespace, name, delay: None
@@ -175,6 +177,8 @@ class Context:
         self.triggers.forget(kind, namespace, name)
         self.refresh.forget((kind, namespace, name))
         self.store.forget(kind, namespace, name)
+        if kind == "ExpertPool":
+            self.placements.pop((namespace, naming.placement_config_map_name(name)), None)
         self.autoscalers.pop((namespace, name), None)
         self.rival_writers.discard((namespace, name))
         if self.rebalancer is not None and kind == "ExpertPool":
