@@ -125,3 +125,38 @@ def test_the_api_service_owned_by_someone_else_is_still_refused(moes_body: dict[
         with pytest.raises(NotOurs):
             point_api_service(context, moes_body, spec, "blue")
     assert kube.requests == []
+
+
+class ReadingKube(ApplyingKube):
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.requests.append(("get", name))
+        return super().get(kind, namespace, name)
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        self.requests.append(("list", kind))
+        return super().list(kind, namespace, selector)
+
+
+def test_an_empty_other_slot_is_looked_at_again_only_when_a_rollout_may_fill_it(
+    moes_body: dict[str, Any],
+) -> None:
+    from eaas.operator.reconcile.revisions import retire
+
+    kube = ReadingKube()
+    context = Context(kube=kube, metrics=OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    lease = {
+        "kind": "Lease",
+        "metadata": {"name": "tiny-green-experts-0", "labels": {"eaas.io/pool": "tiny-green-experts"}},
+    }
+    kube.objects[("Lease", "tiny-green-experts-0")] = lease  # a retired server still going
+    assert retire(context, moes_body, "green", "r1") is None
+    assert retire(context, moes_body, "green", "r1") is None  # told again: its Lease is still there
+    assert kube.requests.count(("list", "Lease")) == 2
+    del kube.objects[("Lease", "tiny-green-experts-0")]
+    retire(context, moes_body, "green", "r1")  # now nothing is left of the pair
+    asked = len(kube.requests)
+    for _ in range(5):  # resyncs: the empty slot costs no request
+        assert retire(context, moes_body, "green", "r1") is None
+    assert len(kube.requests) == asked
+    retire(context, moes_body, "green", "r2")  # another revision serves: looked at again
+    assert len(kube.requests) == asked + 3
