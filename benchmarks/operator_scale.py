@@ -128,13 +128,15 @@ def main() -> None:
     total_cpu = [(r["services"], r["operator_cpu_ms_per_pool_per_s"] * r["services"]) for r in rows]
     cpu_ms = value_at(total_cpu, AT) / AT
     rss = value_at([(r["services"], r["operator_peak_rss_mib"]) for r in rows], AT)
-    resync_per_min = 60 / resync
+    # A window of w seconds holds at most w / resync + 1 resync passes of an object: more is a
+    # reconcile the operator triggered itself (or a Lease's news, none in the steady state).
+    resync_per_min = (window_s / resync + 1) * 60 / window_s
     most_reconciles = max(max(r["reconciles_per_object_per_min"].values(), default=0.0) for r in rows)
     print(
         f"\nat {AT} MoEServices (a line through {len(rows)} sizes of {servers} servers): "
         f"{per_pool_requests:.3f} requests/s per pool, {cpu_ms:.2f} ms CPU per pool per s, "
         f"peak RSS {rss:.0f} MiB (chart limit {CHART_MEMORY_LIMIT_MIB} MiB); most reconciles of one "
-        f"object {most_reconciles:.2f}/min (the resync alone: {resync_per_min:.0f}/min)"
+        f"object {most_reconciles:.2f}/min (the resync alone: at most {resync_per_min:.1f}/min in the window)"
     )
     targets = {
         f"api_requests_per_s_per_pool_at_{AT}": target(
@@ -142,8 +144,8 @@ def main() -> None:
         ),
         f"operator_cpu_ms_per_pool_per_s_at_{AT}": target(round(cpu_ms, 2), 5.0, higher_is_better=False),
         f"operator_rss_mib_at_{AT}": target(round(rss, 1), 256.0, higher_is_better=False),
-        "reconciles_per_object_per_min_over_resync": target(
-            round(most_reconciles / resync_per_min, 2), 1.25, higher_is_better=False
+        "reconciles_per_object_over_resync_passes": target(
+            round(most_reconciles / resync_per_min, 2), 1.0, higher_is_better=False
         ),
         "conflicts_and_throttled": target(
             sum(r["conflicts_409"] + r["throttled_429"] for r in rows), 0, higher_is_better=False
