@@ -12,6 +12,7 @@ may run on the same machine).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -66,6 +67,7 @@ class ScaleRun:
         work_dir: Path | None = None,
         keep: bool = False,
     ) -> None:
+        self._own_work = work_dir is None
         self.work = work_dir or Path(tempfile.mkdtemp(prefix="eaas-scale-"))
         self.resync_seconds = resync_seconds
         self.keep = keep
@@ -133,6 +135,8 @@ class ScaleRun:
             if self.operator is not None:
                 self.operator.stop()
             self.plane.stop(remove_work_dir=not self.keep)
+            if self._own_work and not self.keep:  # the audit log, the operator's log and kubeconfig
+                shutil.rmtree(self.work, ignore_errors=True)
 
     # -- the workload ----------------------------------------------------------------------------
     def pool_status(self, service: str) -> dict[str, Any]:
