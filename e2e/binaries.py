@@ -29,6 +29,16 @@ BINARY_NAMES = (
     "prometheus",
     "prometheus-adapter",
 )
+# What a control plane with kwok nodes only uses (no process nodes, no metrics pipeline).
+KWOK_PLANE = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "helm",
+    "kwok",
+)
 
 
 class MissingBinariesError(RuntimeError):
@@ -84,10 +94,11 @@ class Binaries:
     prometheus_adapter: Path
 
     @classmethod
-    def from_dir(cls, directory: Path) -> Binaries:
-        """Binaries in `directory`; raises :class:`MissingBinariesError` naming what is missing."""
+    def from_dir(cls, directory: Path, required: tuple[str, ...] = BINARY_NAMES) -> Binaries:
+        """Binaries in `directory`; raises :class:`MissingBinariesError` naming what is missing of
+        `required` (default: all)."""
         paths = {name: directory / name for name in BINARY_NAMES}
-        missing = [name for name, path in paths.items() if not os.access(path, os.X_OK)]
+        missing = [name for name in required if not os.access(paths[name], os.X_OK)]
         if missing:
             raise MissingBinariesError(
                 f"Kubernetes test binaries missing in {directory}: {', '.join(missing)}. "
@@ -97,9 +108,9 @@ class Binaries:
         return cls(**{name.replace("-", "_"): path for name, path in paths.items()})
 
     @classmethod
-    def locate(cls) -> Binaries:
-        """The cached binaries for the pinned versions."""
-        return cls.from_dir(bin_dir())
+    def locate(cls, required: tuple[str, ...] = BINARY_NAMES) -> Binaries:
+        """The cached binaries for the pinned versions (`required`: those that must be there)."""
+        return cls.from_dir(bin_dir(), required)
 
 
 def tool_path(name: str) -> str:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -194,6 +194,7 @@ class ControlPlane:
         attached: bool = True,
         keep_work_dir: bool = False,
         process_nodes: ProcessNodeSpec | None = None,
+        api_server_args: Sequence[str] = (),
     ) -> None:
         self.binaries = binaries or bins.Binaries.locate()
         self._own_work_dir = work_dir is None
@@ -205,6 +206,7 @@ class ControlPlane:
         self.log_dir = self.work_dir / "logs"
         self.server = ""
         self.process_nodes = process_nodes
+        self.api_server_args = list(api_server_args)  # extra kube-apiserver flags (e.g. audit logging)
         self.node_names = process_nodes.names() if process_nodes else self.nodes.names()
         self.startup_seconds = 0.0
         self.processes: list[ManagedProcess] = []
@@ -390,6 +392,7 @@ class ControlPlane:
                 f"--service-account-key-file={pki.service_account_public_key}",
                 f"--service-account-signing-key-file={pki.service_account_key}",
                 "--profiling=false",
+                *self.api_server_args,
             ],
         )
         self.kubeconfig.write_text(yaml.safe_dump(_kubeconfig(self.server, pki)))

@@ -90,6 +90,7 @@ def event_handler(kind: Kind, reconcile: Reconcile) -> Callable[..., None]:
         if type == "DELETED":
             ctx.forget(kind.kind, body["metadata"]["namespace"], body["metadata"]["name"])
             return
+        ctx.store.saw(kind.kind, body)
         if not ctx.triggers.due(kind.kind, body):
             return  # a status patch (the operator's own, mostly): the resync looks at it anyway
         try:

@@ -61,6 +61,8 @@ class OperatorProcess:
     process: ManagedProcess | None = None
     metrics_port: int = 0
     health_port: int = 0
+    resync_seconds: float = RESYNC_SECONDS  # EAAS_OPERATOR_RESYNC_SECONDS (the chart's default: 10)
+    verbose: bool = False  # --verbose: debug logging (kopf's own patches included)
     # (start, end) in seconds since the epoch: a kube-apiserver that has just started refuses
     # requests until its RBAC caches are filled, so its 403s then are not the chart's fault
     forbidden_grace: list[tuple[float, float]] = field(default_factory=list)
@@ -80,10 +82,11 @@ class OperatorProcess:
             str(self.health_port),
             "--request-timeout",
             "10",
+            *(["--verbose"] if self.verbose else []),
         ]
         env = {
             **os.environ,
-            "EAAS_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS),
+            "EAAS_OPERATOR_RESYNC_SECONDS": str(self.resync_seconds),
             "EAAS_RUNTIME_CLUSTER_ROLE": RUNTIME_CLUSTER_ROLE,  # as the chart's Deployment passes it
             "EAAS_OPERATOR_POD_NAMESPACE": self.namespace,
         }

@@ -26,8 +26,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
         )
         return
     deployment = ctx.kube.apply(build.deployment(body, spec))
-    ctx.kube.apply(build.service(body, spec))
-    ctx.kube.apply(build.disruption_budget(body, spec))
+    ctx.apply_seldom(build.service(body, spec))
+    ctx.apply_seldom(build.disruption_budget(body, spec))
     observed = deployment.get("status") or {}
     generation_seen = observed.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
     status = {

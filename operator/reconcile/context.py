@@ -22,7 +22,9 @@ from eaas.operator.conditions import Observation, merge
 from eaas.operator.kube import Kube, KubeError
 from eaas.operator.lease_watch import LeaseWatch
 from eaas.operator.metrics import OperatorMetrics
+from eaas.operator.refresh import Refresh, digest
 from eaas.operator.renewals import RenewalClock
+from eaas.operator.store import Store
 from eaas.operator.triggers import Triggers
 
 FIELD_PATH = re.compile(r"[a-z][A-Za-z0-9]*(\.[a-z][A-Za-z0-9]*)*")
@@ -31,6 +33,9 @@ logger = logging.getLogger("eaas.operator")
 
 
 MAX_EVENT_MESSAGE = 1024  # the API server refuses longer Event messages
+# An unchanged child (a Service, a PodDisruptionBudget, a NetworkPolicy) is applied again this often:
+# drift, or a deleted one, is put right within this time (:meth:`Context.apply_seldom`).
+APPLY_EVERY_S = 300.0
 
 
 def event_object(obj: Mapping[str, Any], type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
@@ -84,6 +89,10 @@ class Context:
     renewals: RenewalClock = field(default_factory=RenewalClock)  # when servers' Leases were seen renewed
     leases: LeaseWatch = field(init=False)  # what each Lease said last (the Lease watch)
     triggers: Triggers = field(default_factory=Triggers)  # which objects' events call for a reconcile
+    refresh: Refresh = field(default_factory=Refresh)  # what passes make sure of less often than each time
+    store: Store = field(default_factory=Store)  # the custom resources' newest bodies (watch events, writes)
+    # Placement ConfigMaps as decoded: (namespace, name) -> (resourceVersion, (committed, pending, error))
+    placements: dict[tuple[str, str], tuple[str, Any]] = field(default_factory=dict)
     # Reconcile (kind, namespace, name) again in `delay` seconds (set by the handlers; a no-op
     # where nothing schedules, as in tests that call the reconcilers directly).
     recheck: Callable[[str, str, str, float], None] = lambda kind, namespace, name, delay: None
@@ -111,6 +120,38 @@ class Context:
             name = obj["metadata"]["name"]
             logger.warning("could not post Event %s (%s) about %s: %s", reason, message, name, error)
 
+    def current(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """A custom resource as last seen (:attr:`store`), else as the API server has it now (None
+        when it does not exist)."""
+        body = self.store.get(kind, namespace, name)
+        if body is None:
+            body = self.kube.get(kind, namespace, name)
+            if body is not None:
+                self.store.saw(kind, body)
+        return body
+
+    def apply_seldom(self, obj: dict[str, Any], first: Callable[[], None] | None = None) -> bool:
+        """Server-side apply `obj` (a child the operator alone owns) unless this same desired object
+        was applied within :data:`APPLY_EVERY_S`; True when it was applied now. `first` runs
+        before an apply (a check that may raise, e.g. who owns the object there)."""
+        metadata = obj["metadata"]
+        key, version = ("apply", obj["kind"], metadata["namespace"], metadata["name"]), digest(obj)
+        if not self.refresh.due(key, APPLY_EVERY_S, version):
+            return False
+        if first is not None:
+            first()
+        self.kube.apply(obj)
+        self.refresh.done(key, version)
+        return True
+
+    def delete_seldom(self, kind: str, namespace: str, name: str) -> None:
+        """Delete a child the operator made and no longer wants (once, then every
+        :data:`APPLY_EVERY_S`, in case something made it again)."""
+        key = ("apply", kind, namespace, name)
+        if self.refresh.due(key, APPLY_EVERY_S, "deleted"):
+            self.kube.delete(kind, namespace, name)
+            self.refresh.done(key, "deleted")
+
     def lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         """One lock per object: a timer and an event handler never reconcile it at the same time."""
         with self._locks_guard:
@@ -136,6 +177,10 @@ class Context:
         with self._locks_guard:
             self._locks.pop((kind, namespace, name), None)
         self.triggers.forget(kind, namespace, name)
+        self.refresh.forget((kind, namespace, name))
+        self.store.forget(kind, namespace, name)
+        if kind == "ExpertPool":
+            self.placements.pop((namespace, naming.placement_config_map_name(name)), None)
         self.autoscalers.pop((namespace, name), None)
         self.rival_writers.discard((namespace, name))
         if self.rebalancer is not None and kind == "ExpertPool":

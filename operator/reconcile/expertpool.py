@@ -52,8 +52,8 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
         ctx.write_status(EXPERTPOOL.kind, body, base_status, invalid_spec(describe_validation_error(error)))
         return
 
-    ctx.kube.apply(build.headless_service(body, spec))
-    ctx.kube.apply(build.disruption_budget(body, spec))
+    ctx.apply_seldom(build.headless_service(body, spec))
+    ctx.apply_seldom(build.disruption_budget(body, spec))
     pods = {}
     uids = {}
     pod_objects = ctx.kube.list("Pod", namespace, selector)
@@ -64,7 +64,7 @@ def reconcile(ctx: Context, body: Mapping[str, Any], rebalance: bool = False) ->
             pods[ordinal] = pod_state(ordinal, pod, time.time(), blind)
             uids[ordinal] = pod["metadata"]["uid"]
     config_map = ctx.kube.get("ConfigMap", namespace, naming.placement_config_map_name(name))
-    committed, pending, placement_error = read_placements(config_map)
+    committed, pending, placement_error = read_placements(config_map, ctx.placements)
     leases = ctx.kube.list("Lease", namespace, {naming.POOL_LABEL: name})
     now = time.time()
     observed = expert_step.Observed(
@@ -351,15 +351,34 @@ def not_stored(
     )
 
 
-def read_placements(config_map: Mapping[str, Any] | None) -> tuple[Placement | None, Placement | None, str]:
-    """(committed, pending, error) from the placement ConfigMap (all None/empty when it is absent)."""
+Placements = tuple[Placement | None, Placement | None, str]  # (committed, pending, error)
+
+
+def read_placements(
+    config_map: Mapping[str, Any] | None, parsed: dict[tuple[str, str], tuple[str, Placements]] | None = None
+) -> Placements:
+    """(committed, pending, error) from the placement ConfigMap (all None/empty when it is absent).
+    With `parsed` ((namespace, name) -> (resourceVersion, result): :attr:`Context.placements`) a
+    ConfigMap whose resourceVersion was read before is not decoded again (a DeepSeek-V3 placement
+    of 64 servers takes milliseconds to decode, on every resync of every pool); Placements are
+    immutable, so one object serves every pass."""
     if config_map is None:
         return None, None, ""
+    metadata = config_map.get("metadata") or {}
+    key, version = (
+        (metadata.get("namespace") or "", metadata.get("name") or ""),
+        metadata.get("resourceVersion"),
+    )
+    if parsed is not None and version and (known := parsed.get(key)) is not None and known[0] == version:
+        return known[1]
     try:
         committed, pending = stored.read_config_map(config_map)
+        result: Placements = (committed, pending, "")
     except PlacementError as error:
-        return None, None, str(error)
-    return committed, pending, ""
+        result = (None, None, str(error))
+    if parsed is not None and version:
+        parsed[key] = (version, result)
+    return result
 
 
 def server_reports(

@@ -34,6 +34,7 @@ from eaas.runtime.contract import GROUP
 
 logger = logging.getLogger("eaas.operator")
 PERSIST_S = 60.0  # the learned capacity goes to the MoEService's status at most this often
+PREREQUISITES_EVERY_S = 300.0  # the pods' ServiceAccount, RoleBinding and Secret: made sure of this often
 
 
 def reconcile(ctx: Context, body: Mapping[str, Any]) -> None:
@@ -96,9 +97,13 @@ def kept_status(body: Mapping[str, Any]) -> dict[str, Any]:
 def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
     """What the pods need before they exist: their ServiceAccount, its RoleBinding to the runtime's
     ClusterRole and the Role (and RoleBinding) to read their placement ConfigMaps (both when the
-    operator knows that ClusterRole) and the data-token Secret. Create-only, every pass,
-    so a deleted one comes back (a Secret with a new token); 409 AlreadyExists otherwise."""
+    operator knows that ClusterRole) and the data-token Secret. Create-only (409 AlreadyExists when
+    there), on the first pass and then every :data:`PREREQUISITES_EVERY_S`
+    (:mod:`eaas.operator.refresh`), so a deleted one comes back (a Secret with a new token)."""
     name = body["metadata"]["name"]
+    key = (MOESERVICE.kind, body["metadata"]["namespace"], name)
+    if not ctx.refresh.due(key, PREREQUISITES_EVERY_S):
+        return
     made = []
     if ctx.kube.create(runtime_service_account(body)) is not None:
         made.append(f"ServiceAccount {name}-runtime")
@@ -114,15 +119,17 @@ def ensure_pod_prerequisites(ctx: Context, body: Mapping[str, Any]) -> None:
         made.append(f"Secret {name}-data-token")
     if made:
         ctx.event(body, "Normal", "Created", "created " + ", ".join(made))
+    ctx.refresh.done(key)
 
 
 def apply_network_policies(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec) -> None:
-    """The NetworkPolicies, server-side applied (a no-op when unchanged); removed when disabled."""
+    """The NetworkPolicies, server-side applied when they change (and every few minutes:
+    :meth:`Context.apply_seldom`); removed when disabled."""
     for policy in network_policies(body, spec, ctx.operator_namespace):
         if spec.network_policy.enabled:
-            ctx.kube.apply(policy)
+            ctx.apply_seldom(policy)
         else:
-            ctx.kube.delete("NetworkPolicy", policy["metadata"]["namespace"], policy["metadata"]["name"])
+            ctx.delete_seldom("NetworkPolicy", policy["metadata"]["namespace"], policy["metadata"]["name"])
 
 
 def set_expert_replicas(

@@ -30,7 +30,7 @@ from eaas.operator.builders import moeservice as build
 from eaas.operator.builders.common import merge_patch
 from eaas.operator.conditions import DEGRADED, PROGRESSING, READY, find
 from eaas.operator.kube import KubeError
-from eaas.operator.reconcile.context import Context
+from eaas.operator.reconcile.context import APPLY_EVERY_S, Context
 
 
 class NotOurs(Exception):
@@ -60,14 +60,15 @@ def advance(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, deletin
     serving = serving_slot(body)
     other = naming.other_slot(serving)
     desired = spec.model.revision_id
-    current = ctx.kube.get(EXPERTPOOL.kind, namespace, naming.expert_pool_name(name, serving))
+    current = ctx.current(EXPERTPOOL.kind, namespace, naming.expert_pool_name(name, serving))
     serving_model = pool_model(current)
     if serving_model is None or serving_model.revision_id == desired:
         experts, attention = ensure_pair(ctx, body, spec, serving)
-        retiring = None if deleting else retire(ctx, body, other)
+        retiring = None if deleting else retire(ctx, body, other, desired)
         return Slots(serving, experts, attention, desired, retiring=retiring)
 
     # A new revision: the serving pair keeps its model; everything else of the spec still applies.
+    ctx.refresh.forget(("retired", namespace, name, other))  # the other slot fills: look at it again
     kept = spec.model_copy(update={"model": serving_model})
     experts, attention = ensure_pair(ctx, body, kept, serving)
     revision = serving_model.revision_id
@@ -118,15 +119,18 @@ def advance(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, deletin
 
 
 def point_api_service(ctx: Context, body: Mapping[str, Any], spec: MoEServiceSpec, slot: naming.Slot) -> None:
-    """The MoEService's API Service, selecting `slot`'s attention pods (server-side applied: a
-    no-op when unchanged). A Service of that name that this MoEService does not control is left
-    alone and reported."""
+    """The MoEService's API Service, selecting `slot`'s attention pods (server-side applied when
+    it changes, and every few minutes: :meth:`Context.apply_seldom`). A Service of that name that
+    this MoEService does not control is left alone and reported."""
     desired = build.api_service(body, spec, slot)
     metadata = desired["metadata"]
-    existing = ctx.kube.get("Service", metadata["namespace"], metadata["name"])
-    if existing is not None:
-        check_owner(body, {**existing, "kind": "Service"})
-    ctx.kube.apply(desired)
+
+    def ours() -> None:
+        existing = ctx.kube.get("Service", metadata["namespace"], metadata["name"])
+        if existing is not None:
+            check_owner(body, {**existing, "kind": "Service"})
+
+    ctx.apply_seldom(desired, first=ours)
 
 
 def ensure_pair(
@@ -137,10 +141,19 @@ def ensure_pair(
     return experts, attention
 
 
-def retire(ctx: Context, body: Mapping[str, Any], slot: naming.Slot) -> SlotRevision | None:
+def retire(
+    ctx: Context, body: Mapping[str, Any], slot: naming.Slot, serving_revision: str = ""
+) -> SlotRevision | None:
     """Take down `slot`'s pair if it exists: the AttentionPool first, the ExpertPool once none of
-    the attention pods is left (they finish their requests on the servers). None when gone."""
+    the attention pods is left (they finish their requests on the servers). None when gone.
+
+    Once the slot was found empty (no pools, no server Leases left) while `serving_revision`
+    serves, it is looked at again only every :data:`APPLY_EVERY_S`: the slot is filled only by a
+    new revision's rollout, which changes the serving revision."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    cleared = ("retired", namespace, name, slot)
+    if not ctx.refresh.due(cleared, APPLY_EVERY_S, serving_revision):
+        return None
     attention_name = naming.attention_pool_name(name, slot)
     attention = ctx.kube.get(ATTENTIONPOOL.kind, namespace, attention_name)
     experts_name = naming.expert_pool_name(name, slot)
@@ -148,7 +161,8 @@ def retire(ctx: Context, body: Mapping[str, Any], slot: naming.Slot) -> SlotRevi
     if attention is None and experts is None:
         # Its servers may still be going (garbage collection): tell them again, every pass, that no
         # placement needs them. A server's own Lease write as SIGTERM arrives may drop the word.
-        release_servers(ctx, namespace, experts_name)
+        if not release_servers(ctx, namespace, experts_name):
+            ctx.refresh.done(cleared, serving_revision)  # nothing left of the pair
         return None
     revision = next(
         (model.revision_id for model in map(pool_model, (experts, attention)) if model is not None), ""
@@ -169,12 +183,13 @@ def retire(ctx: Context, body: Mapping[str, Any], slot: naming.Slot) -> SlotRevi
     )
 
 
-def release_servers(ctx: Context, namespace: str, name: str) -> None:
+def release_servers(ctx: Context, namespace: str, name: str) -> int:
     """Tell a retiring pool's (`name`) servers, on their Leases, that no placement needs them: on
     SIGTERM they exit once no client holds a slot (none does: the pair's attention pods are gone),
-    instead of serving nobody until their drain timeout."""
+    instead of serving nobody until their drain timeout. Returns how many Leases it has left."""
     released = {"metadata": {"annotations": {naming.RELEASED_ANNOTATION: "retired"}}}
-    for lease in ctx.kube.list("Lease", namespace, {naming.POOL_LABEL: name}):
+    leases = ctx.kube.list("Lease", namespace, {naming.POOL_LABEL: name})
+    for lease in leases:
         if naming.RELEASED_ANNOTATION in (lease["metadata"].get("annotations") or {}):
             continue
         try:
@@ -182,6 +197,7 @@ def release_servers(ctx: Context, namespace: str, name: str) -> None:
         except KubeError as error:
             if error.status != 404:  # gone already: nothing to tell
                 raise
+    return len(leases)
 
 
 def delete_pool(ctx: Context, body: Mapping[str, Any], pool: Mapping[str, Any]) -> None:
@@ -199,10 +215,11 @@ def ensure_child(
 ) -> dict[str, Any]:
     """Create the pool, or merge-patch its spec to the desired one (except the `ignore`d fields)."""
     kind, namespace, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
-    current = ctx.kube.get(kind, namespace, name)
+    current = ctx.current(kind, namespace, name)
     if current is None:
         created = ctx.kube.create(desired)
         if created is not None:
+            ctx.store.saw(kind, created)
             ctx.event(owner, "Normal", "Created", f"created {kind} {name}")
             return created
         current = ctx.kube.get(kind, namespace, name) or desired
@@ -219,6 +236,7 @@ def ensure_child(
         patch["metadata"] = {"labels": missing_labels}
     if patch:
         current = ctx.kube.merge_patch(kind, namespace, name, patch)
+        ctx.store.saw(kind, current)
     return current
 
 

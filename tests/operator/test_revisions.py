@@ -42,8 +42,21 @@ class Plane:
         return self.kube.objects[("MoEService", "tiny")]
 
     def reconcile(self) -> dict[str, Any]:
+        self.watch()
         moeservice.reconcile(self.ctx, copy.deepcopy(self.service))
         return self.service.get("status") or {}
+
+    def watch(self) -> None:
+        """What kopf's watch has delivered by the next pass: every pool as it is now, and the
+        deletion of those gone (the stand-in keeps no resourceVersions: the newest is the stored one)."""
+        for kind in ("ExpertPool", "AttentionPool"):
+            for name in ("tiny-experts", "tiny-green-experts", "tiny-attention", "tiny-green-attention"):
+                obj = self.kube.objects.get((kind, name))
+                if obj is not None:
+                    self.ctx.store.forget(kind, "ns", name)
+                    self.ctx.store.saw(kind, obj)
+                else:
+                    self.ctx.store.forget(kind, "ns", name)
 
     def edit(self, **model: Any) -> None:
         spec = self.service["spec"]
