@@ -32,9 +32,25 @@ def walkthrough() -> str:
     return block.group(1)
 
 
+def deploy_example_headers() -> set[tuple[str, ...]]:
+    """The column headers of docs/deploy.md's example output of ``kubectl get eaas`` (one table
+    per kind)."""
+    text = (ROOT / "docs" / "deploy.md").read_text().split("kubectl get eaas", 1)[1]
+    block = re.search(r"```text\n(.*?)```", text, re.DOTALL)
+    assert block is not None, "docs/deploy.md: no example output after kubectl get eaas"
+    headers = {tuple(line.split()) for line in block.group(1).splitlines() if line.startswith("NAME ")}
+    assert len(headers) == 3, "docs/deploy.md: the example should show the three kinds' tables"
+    return headers
+
+
 def test_the_local_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
     script = walkthrough()
-    needed_commands = ("make -s cluster-up", "kubectl logs deploy/eaas-operator", "kubectl drain")
+    needed_commands = (
+        "make -s cluster-up",
+        "kubectl get eaas",
+        "kubectl logs deploy/eaas-operator",
+        "kubectl drain",
+    )
     for needed in (CHECKPOINTS, MANIFEST, *needed_commands, "make cluster-down"):
         assert needed in script, f"the walkthrough no longer has {needed!r}: update this test"
     manifest = tmp_path / "moeservice-tiny-cpu.yaml"
@@ -65,4 +81,8 @@ def test_the_local_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert "node/gpu-node-0 drained" in output
     for reason in ("ServerLeaving", "PlacementCommitted", "ServerReleased"):
         assert reason in run.stdout, f"no {reason} Event after the drain:\n{run.stdout[-4000:]}"
+    printed = {tuple(line.split()) for line in run.stdout.splitlines() if line.startswith("NAME ")}
+    assert printed >= deploy_example_headers(), (
+        f"kubectl get eaas printed other columns:\n{run.stdout[:4000]}"
+    )
     assert not (tmp_path / "cluster").exists()  # make cluster-down removed it
