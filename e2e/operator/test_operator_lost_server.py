@@ -2,7 +2,7 @@
 # (the kubernetes client types every model field as Optional; a None here is a test failure anyway.)
 """A lost expert server on a real control plane: its heartbeat Lease expires → the operator
 re-places its experts on the survivors (R kept), commits that, deletes the lost pod, and brings
-the pool back to its size one server at a time.
+the pool back to its size.
 
 The pods here run nothing (kwok marks them Running), so the test writes the Lease a server would
 write: owned by the pod, in the pool, last renewed long ago (what a crashed or hung server leaves).
