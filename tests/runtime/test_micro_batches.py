@@ -11,13 +11,18 @@ from typing import Any
 
 import pytest
 import torch
-from datapath_helpers import drill_cluster
+from datapath_helpers import PROMPTS, drill_cluster
 
 from e2e.waiting import wait_until
-from eaas.runtime.client import ClientOptions
+from eaas.runtime.client import AttentionClient, ClientOptions
 from eaas.runtime.client.remote_experts import RemoteExperts
 from eaas.runtime.local.cluster import LocalCluster
-from eaas.runtime.model import CheckpointReader, LocalExperts
+from eaas.runtime.local.session import StepHook
+from eaas.runtime.model import CheckpointReader, Decoder, LocalExperts, load_reference
+from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.paged_cache import KVPool
+from eaas.runtime.serving.sampling import SamplingParams
+from eaas.runtime.serving.scheduler import Sequence
 
 FAMILY = "deepseek_v3"
 KILLED = 1
@@ -120,4 +125,50 @@ def test_a_server_killed_with_two_tickets_outstanding_resends_each_share_once(
         assert KILLED not in experts.live_servers
     finally:
         experts.close()
+        cluster.restart(KILLED)
+
+
+def run_engine(decoder: Decoder, micro_batches: int) -> list[Sequence]:
+    """Greedy and seeded rows through an engine whose steps are cut into ``micro_batches``."""
+    per_block = KVPool.bytes_per_block(decoder.config, 4, decoder.side.dtype)
+    options = EngineOptions(
+        64 * per_block, block_size=4, max_batch_tokens=8, max_seqs=4, micro_batches=micro_batches
+    )
+    engine = Engine(decoder, options)
+    seqs = [
+        engine.add(
+            prompt,
+            SamplingParams(max_tokens=6, temperature=0.8, seed=i) if i % 2 else SamplingParams(max_tokens=6),
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    while engine.has_work():
+        engine.step()
+    return seqs
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_server_sigkilled_mid_pipeline_fails_no_request_and_changes_no_token(
+    cluster: LocalCluster, tiny_checkpoints: dict[str, Path], transport: str, micro_batches: int
+) -> None:
+    for ordinal in cluster.servers:
+        if not cluster.is_alive(ordinal):
+            cluster.restart(ordinal)
+    want = [seq.output for seq in run_engine(load_reference(tiny_checkpoints[FAMILY]), 1)]
+    options = ClientOptions(transport=transport, request_timeout_s=5.0, rejoin_min_s=0.1, rejoin_max_s=0.5)
+    client = AttentionClient(cluster.checkpoint, cluster.placement, cluster.urls, options).connect()
+    experts = client.experts
+    try:
+        first_moe = client.config.moe_layers[0]
+        kill_at = 3 * micro_batches  # a few steps in, with micro-batches in flight to every server
+        client.decoder.experts = StepHook(
+            experts, first_moe, lambda n: cluster.kill(KILLED) if n == kill_at else None
+        )
+        seqs = run_engine(client.decoder, micro_batches)
+        assert [seq.finish_reason for seq in seqs] == ["length"] * len(PROMPTS)  # 0 failed
+        assert [seq.output for seq in seqs] == want
+        assert experts.counters.failovers == 1 and experts.counters.resent_entries > 0
+    finally:
+        client.close()
         cluster.restart(KILLED)
