@@ -1,0 +1,144 @@
+"""``e2e_decode.py --micro-batches 1,2,3``: decode with a step cut into m pipelined micro-batches.
+
+Expert servers run the ``simulated:0:ENTRY_US`` backend, ENTRY_US set from the attention client's
+own time per layer (measured first, with experts that answer zeros) so that one layer's expert
+round trip is ``ratio`` x the client's time for that layer: ratio 1 (2BO's case) and ratio 2
+(3BO's). For each m: decode tokens/s, p99 inter-token latency (a step gives every row its token),
+CPU seconds per token (client + servers), and the overlap achieved: the share of the 1BO run's
+expert wait that the client no longer spends blocked. Every run's tokens must equal m = 1's.
+Numbers from a loaded 2-core machine: the ratios matter, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import cpu_seconds, target
+
+from eaas.runtime.client import AttentionClient, ClientOptions
+from eaas.runtime.local.cluster import LocalCluster
+from eaas.runtime.model import Decoder, preset, write_random_checkpoint
+from eaas.runtime.model.decoder import MicroBatch
+from eaas.runtime.model.kv_cache import KVCache
+from eaas.runtime.placement import round_robin
+from eaas.runtime.serving.micro_batches import split_rows
+
+BATCH, PROMPT_LEN, SERVERS = 32, 8, 4
+MODEL = {"hidden_size": 512, "expert_intermediate_size": 128, "num_layers": 4, "num_heads": 8,
+         "num_kv_heads": 4, "head_dim": 64, "vocab_size": 512}  # fmt: skip
+
+
+class NoExperts:
+    """Experts that answer zeros at once: the client's own time per layer."""
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+def decode(
+    decoder: Decoder, batch: list[list[int]], steps: int, micro_batches: int
+) -> tuple[list[float], list]:
+    """Per-step seconds of ``steps`` greedy decode steps (after the prefill) and the tokens."""
+    groups = split_rows([1.0] * len(batch), micro_batches)
+    caches = [
+        KVCache(decoder.config, len(rows), PROMPT_LEN + steps + 1, dtype=decoder.side.dtype)
+        for rows in groups
+    ]
+    tokens = torch.tensor(batch)  # [B, S]
+    num_new = torch.full((len(batch),), PROMPT_LEN)
+    seconds, generated = [], []
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        batches = [
+            MicroBatch(tokens[rows], num_new[rows], cache) for rows, cache in zip(groups, caches, strict=True)
+        ]
+        hiddens = decoder.hidden_micro_batches(batches)
+        with torch.inference_mode():
+            next_tokens = torch.empty(len(batch), dtype=torch.int64)
+            for rows, batch_, hidden in zip(groups, batches, hiddens, strict=True):
+                last = hidden[torch.arange(len(rows)), batch_.num_new - 1]
+                next_tokens[rows] = decoder.side.logits(last).argmax(-1)
+        if step:  # the prefill is not a decode step
+            seconds.append(time.perf_counter() - started)
+        generated.append(next_tokens)
+        tokens, num_new = next_tokens[:, None], torch.ones(len(batch), dtype=torch.int64)
+    return seconds, torch.stack(generated, dim=1).tolist()
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+
+
+def run(args: Any, choices: list[int], tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    steps, reps = (8, 1) if args.quick else (24, 3)
+    steps, reps = args.steps or steps, args.reps or reps
+    config = preset("mixtral", "tiny", **MODEL)
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, config.vocab_size, (BATCH, PROMPT_LEN), generator=generator).tolist()
+    checkpoint = write_random_checkpoint(config, tmp / "checkpoint", seed=0)
+    torch.set_num_threads(1)
+    placement = round_robin(config.moe_layers, config.num_experts, SERVERS, replication=1)
+    results, targets, failed = [], {}, 0
+    for ratio in (1.0, 2.0):
+        # The client's time per layer (attention, router, norms) with free experts.
+        bare = AttentionClient(checkpoint, placement, {o: "http://127.0.0.1:1" for o in placement.ordinals})
+        free = Decoder(bare.decoder.side, NoExperts())
+        decode(free, batch, 2, 1)
+        layer_s = statistics.median(s for _ in range(reps) for s in decode(free, batch, steps, 1)[0])
+        layer_s /= config.num_layers
+        entries = BATCH * config.top_k / SERVERS  # per server and layer, on average
+        entry_us = ratio * layer_s * 1e6 / entries
+        backend = f"simulated:0:{entry_us:.1f}"
+        by_m: dict[int, dict[str, Any]] = {}
+        with LocalCluster(checkpoint, placement, tmp / f"cluster-{ratio}", kernel_backend=backend) as cluster:
+            pids = tuple(server.pid for server in cluster.servers.values())
+            options = ClientOptions(transport="shm", request_timeout_s=10.0)
+            with AttentionClient(checkpoint, placement, cluster.urls, options) as client:
+                want = None
+                for m in choices:
+                    decode(client.decoder, batch, 2, m)  # warm-up
+                    step_s: list[float] = []
+                    here, there = time.process_time(), sum(map(cpu_seconds, pids))
+                    waited = client.experts.counters.expert_seconds
+                    for _ in range(reps):
+                        seconds, tokens = decode(client.decoder, batch, steps, m)
+                        step_s += seconds
+                        want = want or tokens
+                        failed += tokens != want
+                    cpu = time.process_time() - here + sum(map(cpu_seconds, pids)) - there
+                    waited = client.experts.counters.expert_seconds - waited
+                    by_m[m] = {
+                        "run": f"{m}BO", "ratio_expert_to_attention": ratio, "micro_batches": m,
+                        "tokens_per_s": BATCH * len(step_s) / sum(step_s),
+                        "p99_inter_token_ms": 1e3 * p99(step_s),
+                        "cpu_s_per_token": cpu / (BATCH * len(step_s)),
+                        "expert_wait_s_per_forward": waited / (reps * (steps + 1)),
+                        "client_layer_ms": 1e3 * layer_s, "simulated_backend": backend,
+                    }  # fmt: skip
+        base_wait = by_m[min(choices)]["expert_wait_s_per_forward"]
+        for row in by_m.values():
+            row["overlap"] = 1 - row["expert_wait_s_per_forward"] / base_wait if base_wait else 0.0
+            row["vs_1BO"] = row["tokens_per_s"] / by_m[min(choices)]["tokens_per_s"]
+            results.append(row)
+        if ratio == 1.0 and 1 in by_m and 2 in by_m:
+            targets["2BO_vs_1BO_tokens_per_s_rt_eq_attention"] = target(by_m[2]["vs_1BO"], 1.6)
+            targets["2BO_vs_1BO_p99_inter_token"] = target(
+                by_m[2]["p99_inter_token_ms"] / by_m[1]["p99_inter_token_ms"], 1.1, higher_is_better=False
+            )
+        if ratio == 2.0 and 2 in by_m and 3 in by_m:
+            targets["3BO_vs_2BO_tokens_per_s_rt_2x_attention"] = target(
+                by_m[3]["tokens_per_s"] / by_m[2]["tokens_per_s"], 1.25
+            )
+    targets["failed_requests"] = target(failed, 0, higher_is_better=False)
+    header = ("run", "RT/attn", "tok/s", "vs 1BO", "p99 ms", "overlap", "CPU s/tok")
+    print("{:<5} {:>8} {:>10} {:>7} {:>8} {:>8} {:>10}".format(*header))
+    for row in results:
+        print(f"{row['run']:<5} {row['ratio_expert_to_attention']:>8.1f} {row['tokens_per_s']:>10.1f} "
+              f"{row['vs_1BO']:>7.2f} {row['p99_inter_token_ms']:>8.1f} {row['overlap']:>8.2f} "
+              f"{row['cpu_s_per_token']:>10.4f}")  # fmt: skip
+    print(f"failed requests (tokens differing from m = {min(choices)}): {failed}")
+    return results, targets
