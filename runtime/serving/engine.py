@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ from eaas.runtime.model.config import MoEConfig
 from eaas.runtime.model.decoder import Decoder, MicroBatch
 from eaas.runtime.serving.blocks import BlockAllocator
 from eaas.runtime.serving.grammar import allowed_tokens, first_line
-from eaas.runtime.serving.micro_batches import CHOICES, row_work, split_rows
+from eaas.runtime.serving.micro_batches import AUTO, CHOICES, AutoMicroBatches, row_work, split_rows
 from eaas.runtime.serving.paged_cache import KVPool, PagedView
 from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample, score
 from eaas.runtime.serving.scheduler import Scheduler, Sequence
@@ -62,7 +63,8 @@ class EngineOptions:
     max_batch_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
     max_seqs: int = 64  # sequences running at once
     prefix_caching: bool = True  # reuse the computed KV blocks of shared prefixes (``blocks``)
-    micro_batches: int = 1  # a step's rows cut into this many micro-batches, pipelined (``micro_batches``)
+    # A step's rows cut into this many micro-batches, pipelined (``micro_batches``); "auto": measured.
+    micro_batches: int | str = 1
 
 
 class StepFailed(RuntimeError):
@@ -86,8 +88,9 @@ class Engine:
     def __init__(self, decoder: Decoder, options: EngineOptions | None = None) -> None:
         self.decoder = decoder
         self.options = o = options or EngineOptions()
-        if o.micro_batches not in CHOICES:
-            raise ValueError(f"micro_batches: must be one of {list(CHOICES)}, got {o.micro_batches}")
+        if o.micro_batches not in (*CHOICES, AUTO):
+            raise ValueError(f"micro_batches: must be one of {[*CHOICES, AUTO]}, got {o.micro_batches!r}")
+        self.auto = AutoMicroBatches() if o.micro_batches == AUTO else None
         config = decoder.config
         num_blocks = self.pool_blocks(config, o, decoder.side.dtype)
         self.pool = KVPool(config, num_blocks, o.block_size, dtype=decoder.side.dtype)
@@ -158,7 +161,9 @@ class Engine:
             return []
         hidden_size = self.decoder.config.hidden_size
         work = [row_work(want, seq.num_computed + want, hidden_size) for seq, want in plan]
-        groups = split_rows(work, self.options.micro_batches)
+        count = self.auto.count(len(plan)) if self.auto is not None else int(self.options.micro_batches)
+        groups = split_rows(work, count)
+        started = time.monotonic()
         try:
             hiddens = self.decoder.hidden_micro_batches([self._micro_batch(plan, rows) for rows in groups])
             with torch.inference_mode():
@@ -175,6 +180,8 @@ class Engine:
             for seq, _ in plan:
                 self._finish(seq, "error")
             raise StepFailed([seq for seq, _ in plan], exc) from exc
+        if self.auto is not None:
+            self._observe(len(groups), len(plan), time.monotonic() - started)
         ready = []
         finished: list[Event] = []
         for row, (seq, want) in enumerate(plan):
@@ -192,6 +199,15 @@ class Engine:
         for (_, seq), choice in self._sample(ready, logits, events):
             self._take(seq, choice, events)
         return events
+
+    def _observe(self, count: int, rows: int, seconds: float) -> None:
+        """Tells ``auto`` what a step took; logs the count it picks after its trials."""
+        assert self.auto is not None
+        trying = self.auto.trying
+        self.auto.observe(count, rows, seconds)
+        if trying and not self.auto.trying:
+            measured = ", ".join(f"{m}: {1e3 * s:.2f}" for m, s in self.auto.last_pick.items())
+            log.info("micro-batches auto: %d (ms per row of a step with %s)", self.auto.chosen, measured)
 
     def _micro_batch(self, plan: list[tuple[Sequence, int]], rows: list[int]) -> MicroBatch:
         """The decoder's input for ``rows`` of ``plan``: their chunks right-padded, their cache."""

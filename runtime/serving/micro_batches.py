@@ -4,13 +4,20 @@ A row's work is its new tokens through every linear layer and the experts, plus 
 its context for each of them; rows are dealt to the micro-batch with the least work so far, the
 heaviest first (LPT), so a long prefill chunk sits alone while decodes fill the others. A row is
 never cut: a micro-batch of one prefill chunk can outweigh the rest.
+
+``AutoMicroBatches`` (``--micro-batches auto``) picks the count by measuring: it runs each count
+for a few steps, keeps the one with the least time per token, and measures again now and then;
+a count must beat 1 by more than ``margin`` to be kept, so auto is not slower than 1 by more than
+the noise of its own trials.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 CHOICES = (1, 2, 3)  # micro-batches a step may be cut into ("auto" picks one of them)
+AUTO = "auto"
 
 
 def row_work(new_tokens: int, context: int, hidden_size: int) -> float:
@@ -35,3 +42,53 @@ def split_rows(work: Sequence[float], micro_batches: int) -> list[list[int]]:
         groups[lightest].append(row)
         loads[lightest] += work[row]
     return [sorted(group) for group in groups]
+
+
+class AutoMicroBatches:
+    """Picks the micro-batch count from measured step times (seconds per row of a step).
+
+    Trials: each count in ``CHOICES`` for ``trial_steps`` steps with at least that many rows, in
+    turns; then the count with the least median seconds per row (1 unless another beats it by
+    more than ``margin``) for ``keep_steps`` steps; then trials again (the load may have changed)."""
+
+    def __init__(self, trial_steps: int = 6, keep_steps: int = 500, margin: float = 0.03) -> None:
+        self.trial_steps = trial_steps
+        self.keep_steps = keep_steps
+        self.margin = margin
+        self.chosen = 1
+        self.per_row: dict[int, list[float]] = {m: [] for m in CHOICES}
+        self._kept = 0
+        self.last_pick: dict[int, float] = {}  # count -> median seconds per row of the last trials
+
+    @property
+    def trying(self) -> bool:
+        return any(len(samples) < self.trial_steps for samples in self.per_row.values())
+
+    def count(self, rows: int) -> int:
+        """The count for a step of ``rows`` rows."""
+        if self.trying:
+            for m in CHOICES:  # the first count short of samples that this step can give one
+                if len(self.per_row[m]) < self.trial_steps and m <= rows:
+                    return m
+        return min(self.chosen, max(rows, 1))
+
+    def observe(self, count: int, rows: int, seconds: float) -> None:
+        """A step of ``rows`` rows cut into ``count`` micro-batches took ``seconds``."""
+        if rows < 1:
+            return
+        if self.trying:
+            if count <= rows and len(self.per_row[count]) < self.trial_steps:
+                self.per_row[count].append(seconds / rows)
+            if not self.trying:
+                self._pick()
+            return
+        self._kept += 1
+        if self._kept >= self.keep_steps:
+            self.per_row = {m: [] for m in CHOICES}
+            self._kept = 0
+
+    def _pick(self) -> None:
+        medians = {m: statistics.median(samples) for m, samples in self.per_row.items()}
+        best = min(medians, key=lambda m: medians[m])
+        self.chosen = best if medians[best] < medians[1] * (1 - self.margin) else 1
+        self.last_pick = medians

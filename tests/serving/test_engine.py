@@ -177,7 +177,7 @@ def test_a_row_that_cannot_be_sampled_fails_its_sequence_alone(
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_moe"])
 def test_micro_batches_give_the_tokens_of_one_batch(family: str, tiny_checkpoints: dict[str, Path]) -> None:
     """The same staggered run (chunked prefill mixed with decodes, greedy and seeded rows) with a
-    step cut into 1, 2 and 3 pipelined micro-batches: the same tokens."""
+    step cut into 1, 2 and 3 pipelined micro-batches, and "auto" (trying each): the same tokens."""
     decoder = load_reference(tiny_checkpoints[family])
     params = [
         SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=7 + i)
@@ -185,11 +185,11 @@ def test_micro_batches_give_the_tokens_of_one_batch(family: str, tiny_checkpoint
         else SamplingParams(max_tokens=n)
         for i, n in enumerate(NEW_TOKENS)
     ]
-    outputs = {}
-    for micro_batches in (1, 2, 3):
+    outputs: dict[int | str, list[list[int]]] = {}
+    for micro_batches in (1, 2, 3, "auto"):
         options = replace(options_for(decoder, 64), micro_batches=micro_batches)
         outputs[micro_batches] = [seq.output for seq in run_staggered(Engine(decoder, options), params)]
-    assert outputs[2] == outputs[1] and outputs[3] == outputs[1]
+    assert outputs[2] == outputs[1] and outputs[3] == outputs[1] and outputs["auto"] == outputs[1]
 
 
 def test_micro_batches_are_balanced_in_work_not_rows(tiny_checkpoints: dict[str, Path]) -> None:

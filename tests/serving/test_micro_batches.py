@@ -1,0 +1,45 @@
+"""``--micro-batches auto``: trials of each count, the fastest kept (1 unless another is clearly
+faster), trials again later; counts a step cannot have are skipped."""
+
+from __future__ import annotations
+
+from eaas.runtime.serving.micro_batches import CHOICES, AutoMicroBatches
+
+
+def run(auto: AutoMicroBatches, per_row: dict[int, float], steps: int, rows: int = 8) -> list[int]:
+    used = []
+    for _ in range(steps):
+        count = auto.count(rows)
+        used.append(count)
+        auto.observe(count, rows, per_row[count] * rows)
+    return used
+
+
+def test_auto_tries_every_count_then_keeps_the_fastest() -> None:
+    auto = AutoMicroBatches(trial_steps=3, keep_steps=10)
+    used = run(auto, {1: 1.0, 2: 0.6, 3: 0.7}, 9)
+    assert sorted(used) == [1, 1, 1, 2, 2, 2, 3, 3, 3] and not auto.trying
+    assert auto.chosen == 2 and run(auto, {1: 1.0, 2: 0.6, 3: 0.7}, 5) == [2] * 5
+
+
+def test_auto_keeps_one_unless_another_beats_it_by_the_margin() -> None:
+    auto = AutoMicroBatches(trial_steps=2, margin=0.03)
+    run(auto, {1: 1.0, 2: 0.98, 3: 1.5}, 6)
+    assert auto.chosen == 1  # 2% faster is noise
+
+
+def test_auto_measures_again_after_keep_steps() -> None:
+    auto = AutoMicroBatches(trial_steps=2, keep_steps=4)
+    run(auto, {1: 1.0, 2: 0.5, 3: 0.9}, 6)
+    assert auto.chosen == 2
+    run(auto, {1: 1.0, 2: 0.5, 3: 0.9}, 4)  # kept for 4 steps: trials again
+    assert auto.trying
+    run(auto, {1: 1.0, 2: 2.0, 3: 3.0}, 6)  # the load changed: 1 is best now
+    assert auto.chosen == 1
+
+
+def test_a_step_is_never_cut_into_more_micro_batches_than_rows() -> None:
+    auto = AutoMicroBatches(trial_steps=2)
+    assert all(auto.count(1) == 1 for _ in CHOICES)
+    used = run(auto, {1: 1.0, 2: 0.5, 3: 0.1}, 10, rows=2)
+    assert 3 not in used and auto.chosen == 1 and auto.trying  # 3 never tried: never picked
