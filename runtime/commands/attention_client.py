@@ -232,6 +232,7 @@ def attention_client(
     reasoning_parser: str,
     structured_outputs_in_reasoning: bool,
     prefix_caching: bool,
+    micro_batches: str,
     default_max_tokens: int | None,
     max_batch_size: int,
     api_keys: tuple[str, ...],
@@ -312,6 +313,7 @@ def attention_client(
         reasoning_parser=reasoning_parser,
         structured_outputs_in_reasoning=structured_outputs_in_reasoning,
         prefix_caching=prefix_caching,
+        micro_batches=micro_batches if micro_batches == "auto" else int(micro_batches),
         default_max_tokens=default_max_tokens,
         client=options,
     )

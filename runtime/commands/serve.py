@@ -98,6 +98,7 @@ def serve(
     reasoning_parser: str,
     structured_outputs_in_reasoning: bool,
     prefix_caching: bool,
+    micro_batches: str,
     default_max_tokens: int | None,
     log_level: str,
 ) -> None:
@@ -163,6 +164,7 @@ def serve(
                 reasoning_parser=reasoning_parser,
                 structured_outputs_in_reasoning=structured_outputs_in_reasoning,
                 prefix_caching=prefix_caching,
+                micro_batches=micro_batches if micro_batches == "auto" else int(micro_batches),
                 default_max_tokens=default_max_tokens,
                 client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )
