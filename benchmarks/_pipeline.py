@@ -1,11 +1,16 @@
 """``e2e_decode.py --micro-batches 1,2,3``: decode with a step cut into m pipelined micro-batches.
 
-Expert servers run the ``simulated:0:ENTRY_US`` backend, ENTRY_US set from the attention client's
+A ``mixtral``-family random model (hidden 512, 4 MoE layers x 8 experts, expert intermediate 128),
+batch 128, prompt 8: a batch large enough that halving it does not double the client's time per
+token (at batch 32 the client's projections are bound by reading their weights, and each
+micro-batch reads them again). 2 expert servers (shm, R = 1) run the ``simulated:0:ENTRY_US``
+backend, ENTRY_US set from the attention client's
 own time per layer (measured first, with experts that answer zeros) so that one layer's expert
 round trip is ``ratio`` x the client's time for that layer: ratio 1 (2BO's case) and ratio 2
 (3BO's). For each m: decode tokens/s, p99 inter-token latency (a step gives every row its token),
 CPU seconds per token (client + servers), and the overlap achieved: the share of the 1BO run's
-expert wait that the client no longer spends blocked. Every run's tokens must equal m = 1's.
+expert wait that the client no longer spends blocked. The counts are timed in turns (1, 2, 3, 1,
+...), medians over repetitions. Every run's tokens must equal m = 1's.
 Numbers from a loaded 2-core machine: the ratios matter, not the absolute times.
 """
 
@@ -27,7 +32,7 @@ from eaas.runtime.model.kv_cache import KVCache
 from eaas.runtime.placement import round_robin
 from eaas.runtime.serving.micro_batches import split_rows
 
-BATCH, PROMPT_LEN, SERVERS = 32, 8, 4
+BATCH, PROMPT_LEN, SERVERS = 128, 8, 2
 MODEL = {"hidden_size": 512, "expert_intermediate_size": 128, "num_layers": 4, "num_heads": 8,
          "num_kv_heads": 4, "head_dim": 64, "vocab_size": 512}  # fmt: skip
 
@@ -74,7 +79,7 @@ def p99(values: list[float]) -> float:
 
 
 def run(args: Any, choices: list[int], tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    steps, reps = (8, 1) if args.quick else (24, 3)
+    steps, reps = (6, 3) if args.quick else (24, 5)
     steps, reps = args.steps or steps, args.reps or reps
     config = preset("mixtral", "tiny", **MODEL)
     generator = torch.Generator().manual_seed(0)
@@ -83,40 +88,45 @@ def run(args: Any, choices: list[int], tmp: Path) -> tuple[list[dict[str, Any]],
     torch.set_num_threads(1)
     placement = round_robin(config.moe_layers, config.num_experts, SERVERS, replication=1)
     results, targets, failed = [], {}, 0
+    # The client's time per layer (attention, router, norms) with experts that cost nothing.
+    bare = AttentionClient(checkpoint, placement, {o: "http://127.0.0.1:1" for o in placement.ordinals})
+    free = Decoder(bare.decoder.side, NoExperts())
+    decode(free, batch, 2, 1)
+    layer_s = statistics.median(s for _ in range(reps) for s in decode(free, batch, steps, 1)[0])
+    layer_s /= config.num_layers
     for ratio in (1.0, 2.0):
-        # The client's time per layer (attention, router, norms) with free experts.
-        bare = AttentionClient(checkpoint, placement, {o: "http://127.0.0.1:1" for o in placement.ordinals})
-        free = Decoder(bare.decoder.side, NoExperts())
-        decode(free, batch, 2, 1)
-        layer_s = statistics.median(s for _ in range(reps) for s in decode(free, batch, steps, 1)[0])
-        layer_s /= config.num_layers
         entries = BATCH * config.top_k / SERVERS  # per server and layer, on average
-        entry_us = ratio * layer_s * 1e6 / entries
-        backend = f"simulated:0:{entry_us:.1f}"
+        backend = f"simulated:0:{ratio * layer_s * 1e6 / entries:.1f}"
         by_m: dict[int, dict[str, Any]] = {}
         with LocalCluster(checkpoint, placement, tmp / f"cluster-{ratio}", kernel_backend=backend) as cluster:
             pids = tuple(server.pid for server in cluster.servers.values())
             options = ClientOptions(transport="shm", request_timeout_s=10.0)
             with AttentionClient(checkpoint, placement, cluster.urls, options) as client:
-                want = None
-                for m in choices:
-                    decode(client.decoder, batch, 2, m)  # warm-up
-                    step_s: list[float] = []
-                    here, there = time.process_time(), sum(map(cpu_seconds, pids))
-                    waited = client.experts.counters.expert_seconds
-                    for _ in range(reps):
+                want = decode(client.decoder, batch, 2, 1)[1]  # warm-up
+                want = decode(client.decoder, batch, steps, 1)[1]
+                step_s: dict[int, list[float]] = {m: [] for m in choices}
+                rep_tps: dict[int, list[float]] = {m: [] for m in choices}
+                cpu = {m: [0.0, 0.0] for m in choices}  # CPU seconds: this client, the servers
+                waited = dict.fromkeys(choices, 0.0)
+                for _ in range(reps):
+                    for m in choices:  # in turns: the machine's load falls on every count alike
+                        here, there = time.process_time(), sum(map(cpu_seconds, pids))
+                        before = client.experts.counters.expert_seconds
                         seconds, tokens = decode(client.decoder, batch, steps, m)
-                        step_s += seconds
-                        want = want or tokens
+                        cpu[m][0] += time.process_time() - here
+                        cpu[m][1] += sum(map(cpu_seconds, pids)) - there
+                        waited[m] += client.experts.counters.expert_seconds - before
+                        step_s[m] += seconds
+                        rep_tps[m].append(BATCH * len(seconds) / sum(seconds))
                         failed += tokens != want
-                    cpu = time.process_time() - here + sum(map(cpu_seconds, pids)) - there
-                    waited = client.experts.counters.expert_seconds - waited
+                for m in choices:
                     by_m[m] = {
                         "run": f"{m}BO", "ratio_expert_to_attention": ratio, "micro_batches": m,
-                        "tokens_per_s": BATCH * len(step_s) / sum(step_s),
-                        "p99_inter_token_ms": 1e3 * p99(step_s),
-                        "cpu_s_per_token": cpu / (BATCH * len(step_s)),
-                        "expert_wait_s_per_forward": waited / (reps * (steps + 1)),
+                        "tokens_per_s": statistics.median(rep_tps[m]),
+                        "p99_inter_token_ms": 1e3 * p99(step_s[m]),
+                        "cpu_s_per_token": sum(cpu[m]) / (BATCH * len(step_s[m])),
+                        "client_cpu_s_per_token": cpu[m][0] / (BATCH * len(step_s[m])),
+                        "expert_wait_s_per_forward": waited[m] / (reps * (steps + 1)),
                         "client_layer_ms": 1e3 * layer_s, "simulated_backend": backend,
                     }  # fmt: skip
         base_wait = by_m[min(choices)]["expert_wait_s_per_forward"]
