@@ -36,6 +36,15 @@ def cluster(
         yield cluster
 
 
+@pytest.fixture
+def healthy(cluster: LocalCluster) -> LocalCluster:
+    """The cluster with every server running (a test kills one)."""
+    for ordinal in cluster.servers:
+        if not cluster.is_alive(ordinal):
+            cluster.restart(ordinal)
+    return cluster
+
+
 @pytest.fixture(scope="module")
 def local_experts(tiny_checkpoints: dict[str, Path]) -> LocalExperts:
     return LocalExperts.from_checkpoint(CheckpointReader(tiny_checkpoints[FAMILY]))
@@ -61,11 +70,9 @@ def experts_for(cluster: LocalCluster, transport: str) -> RemoteExperts:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 def test_tickets_in_flight_together_equal_the_blocking_call_in_any_wait_order(
-    cluster: LocalCluster, local_experts: LocalExperts, transport: str
+    healthy: LocalCluster, local_experts: LocalExperts, transport: str
 ) -> None:
-    for ordinal in cluster.servers:
-        if not cluster.is_alive(ordinal):
-            cluster.restart(ordinal)
+    cluster = healthy
     experts = experts_for(cluster, transport)
     config = experts.config
     first, last = config.moe_layers[0], config.moe_layers[-1]
@@ -90,14 +97,12 @@ def test_tickets_in_flight_together_equal_the_blocking_call_in_any_wait_order(
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 def test_a_server_killed_with_two_tickets_outstanding_resends_each_share_once(
-    cluster: LocalCluster, local_experts: LocalExperts, transport: str
+    healthy: LocalCluster, local_experts: LocalExperts, transport: str
 ) -> None:
+    cluster = healthy
     """Server 1 stops with ticket 0's request on its slot and ticket 1's queued behind it, then is
     SIGKILLed: both tickets re-route exactly the entries they had assigned to it, once each, and
     their answers equal the in-process experts (nothing lost, nothing summed twice)."""
-    for ordinal in cluster.servers:
-        if not cluster.is_alive(ordinal):
-            cluster.restart(ordinal)
     experts = experts_for(cluster, transport)
     config = experts.config
     layer = config.moe_layers[0]
@@ -150,11 +155,9 @@ def run_engine(decoder: Decoder, micro_batches: int) -> list[Sequence]:
 @pytest.mark.parametrize("micro_batches", [2, 3])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_server_sigkilled_mid_pipeline_fails_no_request_and_changes_no_token(
-    cluster: LocalCluster, tiny_checkpoints: dict[str, Path], transport: str, micro_batches: int
+    healthy: LocalCluster, tiny_checkpoints: dict[str, Path], transport: str, micro_batches: int
 ) -> None:
-    for ordinal in cluster.servers:
-        if not cluster.is_alive(ordinal):
-            cluster.restart(ordinal)
+    cluster = healthy
     want = [seq.output for seq in run_engine(load_reference(tiny_checkpoints[FAMILY]), 1)]
     options = ClientOptions(transport=transport, request_timeout_s=5.0, rejoin_min_s=0.1, rejoin_max_s=0.5)
     client = AttentionClient(cluster.checkpoint, cluster.placement, cluster.urls, options).connect()
