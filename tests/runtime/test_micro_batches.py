@@ -153,10 +153,20 @@ def run_engine(decoder: Decoder, micro_batches: int) -> list[Sequence]:
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_server_sigkilled_mid_pipeline_fails_no_request_and_changes_no_token(
-    healthy: LocalCluster, tiny_checkpoints: dict[str, Path], transport: str, micro_batches: int
+@pytest.mark.parametrize(
+    ("transport", "sig"),
+    [("shm", signal.SIGKILL), ("tcp", signal.SIGKILL), ("shm", signal.SIGSTOP)],
+    ids=["shm-SIGKILL", "tcp-SIGKILL", "shm-SIGSTOP"],
+)
+def test_a_server_killed_or_hung_mid_pipeline_fails_no_request_and_changes_no_token(
+    healthy: LocalCluster,
+    tiny_checkpoints: dict[str, Path],
+    transport: str,
+    sig: signal.Signals,
+    micro_batches: int,
 ) -> None:
+    """SIGKILL (its slot closes) or SIGSTOP (it hangs: probed, then failed) with micro-batches
+    in flight: every sequence finishes with the tokens of the unsplit reference run."""
     cluster = healthy
     want = [seq.output for seq in run_engine(load_reference(tiny_checkpoints[FAMILY]), 1)]
     options = ClientOptions(transport=transport, request_timeout_s=5.0, rejoin_min_s=0.1, rejoin_max_s=0.5)
@@ -166,12 +176,13 @@ def test_a_server_sigkilled_mid_pipeline_fails_no_request_and_changes_no_token(
         first_moe = client.config.moe_layers[0]
         kill_at = 3 * micro_batches  # a few steps in, with micro-batches in flight to every server
         client.decoder.experts = StepHook(
-            experts, first_moe, lambda n: cluster.kill(KILLED) if n == kill_at else None
+            experts, first_moe, lambda n: cluster.kill(KILLED, sig) if n == kill_at else None
         )
         seqs = run_engine(client.decoder, micro_batches)
         assert [seq.finish_reason for seq in seqs] == ["length"] * len(PROMPTS)  # 0 failed
         assert [seq.output for seq in seqs] == want
         assert experts.counters.failovers == 1 and experts.counters.resent_entries > 0
     finally:
+        cluster.kill(KILLED, signal.SIGCONT)
         client.close()
         cluster.restart(KILLED)
