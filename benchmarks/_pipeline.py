@@ -10,7 +10,9 @@ round trip is ``ratio`` x the client's time for that layer: ratio 1 (2BO's case)
 (3BO's). For each m: decode tokens/s, p99 inter-token latency (a step gives every row its token),
 CPU seconds per token (client + servers), and the overlap achieved: the share of the 1BO run's
 expert wait that the client no longer spends blocked. The counts are timed in turns (1, 2, 3, 1,
-...), medians over repetitions. Every run's tokens must equal m = 1's.
+...), medians over repetitions. Then the serving engine on the real ``torch`` backend, 64
+sequences, with each count and with ``auto`` (target: auto >= 0.97x m = 1's tokens/s; its trials
+are in the run, so a short run charges them more). Every run's tokens must equal m = 1's.
 Numbers from a loaded 2-core machine: the ratios matter, not the absolute times.
 """
 
@@ -26,11 +28,13 @@ from _common import cpu_seconds, target
 
 from eaas.runtime.client import AttentionClient, ClientOptions
 from eaas.runtime.local.cluster import LocalCluster
-from eaas.runtime.model import Decoder, preset, write_random_checkpoint
+from eaas.runtime.model import CheckpointReader, Decoder, preset, write_random_checkpoint
 from eaas.runtime.model.decoder import MicroBatch
 from eaas.runtime.model.kv_cache import KVCache
 from eaas.runtime.placement import round_robin
-from eaas.runtime.serving.micro_batches import split_rows
+from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.micro_batches import AUTO, split_rows
+from eaas.runtime.serving.sampling import SamplingParams
 
 BATCH, PROMPT_LEN, SERVERS = 128, 8, 2
 MODEL = {"hidden_size": 512, "expert_intermediate_size": 128, "num_layers": 4, "num_heads": 8,
@@ -151,4 +155,48 @@ def run(args: Any, choices: list[int], tmp: Path) -> tuple[list[dict[str, Any]],
               f"{row['vs_1BO']:>7.2f} {row['p99_inter_token_ms']:>8.1f} {row['overlap']:>8.2f} "
               f"{row['cpu_s_per_token']:>10.4f}")  # fmt: skip
     print(f"failed requests (tokens differing from m = {min(choices)}): {failed}")
+    engine_rows, auto_vs_1, engine_failed = torch_backend(checkpoint, placement, choices, steps, reps, tmp)
+    results += engine_rows
+    targets["auto_vs_1BO_torch_backend"] = target(auto_vs_1, 0.97)
+    targets["failed_requests"] = target(failed + engine_failed, 0, higher_is_better=False)
     return results, targets
+
+
+def torch_backend(
+    checkpoint: Path, placement: Any, choices: list[int], steps: int, reps: int, tmp: Path
+) -> tuple[list[dict[str, Any]], float, int]:
+    """The serving engine on the real ``torch`` expert backend: SEQUENCES sequences of 8 x steps
+    new tokens each (continuous batching), with each count and with ``auto`` (its trials
+    included), in turns. Returns the rows, auto's tokens/s over m = 1's, and runs whose tokens
+    differ from m = 1's."""
+    sequences, new_tokens = 64, 8 * steps
+    generator = torch.Generator().manual_seed(1)
+    config = CheckpointReader(checkpoint).config
+    prompts = torch.randint(0, config.vocab_size, (sequences, PROMPT_LEN), generator=generator).tolist()
+    counts: list[int | str] = [*choices, AUTO]
+    tps: dict[int | str, list[float]] = {m: [] for m in counts}
+    failed, want = 0, None
+    cluster = LocalCluster(checkpoint, placement, tmp / "cluster-torch")
+    options = ClientOptions(transport="shm")
+    with cluster, AttentionClient(checkpoint, placement, cluster.urls, options) as client:
+        for _ in range(reps):
+            for m in counts:  # in turns
+                engine = Engine(client.decoder, EngineOptions(max_seqs=sequences, micro_batches=m))
+                seqs = [engine.add(prompt, SamplingParams(max_tokens=new_tokens)) for prompt in prompts]
+                started = time.perf_counter()
+                while engine.has_work():
+                    engine.step()
+                tps[m].append(sequences * new_tokens / (time.perf_counter() - started))
+                outputs = [seq.output for seq in seqs]
+                want = want or outputs
+                failed += outputs != want
+    base = statistics.median(tps[min(choices)])
+    rows = [
+        {"run": f"torch_engine_{m if m == AUTO else f'{m}BO'}", "micro_batches": m, "sequences": sequences,
+         "new_tokens": new_tokens, "tokens_per_s": statistics.median(tps[m]),
+         "vs_1BO": statistics.median(tps[m]) / base}
+        for m in counts
+    ]  # fmt: skip
+    for row in rows:
+        print(f"{row['run']:<22} {row['tokens_per_s']:>10.1f} tokens/s {row['vs_1BO']:>6.2f}x m = 1")
+    return rows, statistics.median(tps[AUTO]) / base, failed
