@@ -48,8 +48,9 @@ class AutoMicroBatches:
     """Picks the micro-batch count from measured step times (seconds per row of a step).
 
     Trials: each count in ``CHOICES`` for ``trial_steps`` steps with at least that many rows, in
-    turns; then the count with the least median seconds per row (1 unless another beats it by
-    more than ``margin``) for ``keep_steps`` steps; then trials again (the load may have changed)."""
+    turns (3 only when 2 beat 1: a round trip that 2 cannot hide at all is one 3 cannot either);
+    then the count with the least median seconds per row (1 unless another beats it by more than
+    ``margin``) for ``keep_steps`` steps; then trials again (the load may have changed)."""
 
     def __init__(self, trial_steps: int = 6, keep_steps: int = 500, margin: float = 0.03) -> None:
         self.trial_steps = trial_steps
@@ -58,17 +59,20 @@ class AutoMicroBatches:
         self.chosen = 1
         self.per_row: dict[int, list[float]] = {m: [] for m in CHOICES}
         self._kept = 0
+        self._skipped: set[int] = set()  # counts the trials leave out this time
         self.last_pick: dict[int, float] = {}  # count -> median seconds per row of the last trials
 
     @property
     def trying(self) -> bool:
-        return any(len(samples) < self.trial_steps for samples in self.per_row.values())
+        return any(
+            len(samples) < self.trial_steps for m, samples in self.per_row.items() if m not in self._skipped
+        )
 
     def count(self, rows: int) -> int:
         """The count for a step of ``rows`` rows."""
         if self.trying:
             for m in CHOICES:  # the first count short of samples that this step can give one
-                if len(self.per_row[m]) < self.trial_steps and m <= rows:
+                if len(self.per_row[m]) < self.trial_steps and m <= rows and m not in self._skipped:
                     return m
         return min(self.chosen, max(rows, 1))
 
@@ -79,6 +83,9 @@ class AutoMicroBatches:
         if self.trying:
             if count <= rows and len(self.per_row[count]) < self.trial_steps:
                 self.per_row[count].append(seconds / rows)
+            tried_two = count == 2 and len(self.per_row[2]) == self.trial_steps == len(self.per_row[1])
+            if tried_two and self._median(2) >= self._median(1) * (1 - self.margin):
+                self._skipped = {m for m in CHOICES if m > 2}  # 2 did not beat 1
             if not self.trying:
                 self._pick()
             return
@@ -86,9 +93,13 @@ class AutoMicroBatches:
         if self._kept >= self.keep_steps:
             self.per_row = {m: [] for m in CHOICES}
             self._kept = 0
+            self._skipped = set()
+
+    def _median(self, count: int) -> float:
+        return statistics.median(self.per_row[count])
 
     def _pick(self) -> None:
-        medians = {m: statistics.median(samples) for m, samples in self.per_row.items()}
+        medians = {m: self._median(m) for m in CHOICES if m not in self._skipped}
         best = min(medians, key=lambda m: medians[m])
         self.chosen = best if medians[best] < medians[1] * (1 - self.margin) else 1
         self.last_pick = medians

@@ -30,8 +30,9 @@ def test_auto_tries_every_count_then_keeps_the_fastest() -> None:
 
 def test_auto_keeps_one_unless_another_beats_it_by_the_margin() -> None:
     auto = AutoMicroBatches(trial_steps=2, margin=0.03)
-    run(auto, {1: 1.0, 2: 0.98, 3: 1.5}, 6)
-    assert auto.chosen == 1  # 2% faster is noise
+    used = run(auto, {1: 1.0, 2: 0.98, 3: 1.5}, 4)
+    assert auto.chosen == 1 and not auto.trying  # 2% faster is noise
+    assert 3 not in used  # 2 did not beat 1: 3 is not tried (its trials would cost the most)
 
 
 def test_auto_measures_again_after_keep_steps() -> None:
@@ -40,8 +41,8 @@ def test_auto_measures_again_after_keep_steps() -> None:
     assert auto.chosen == 2
     run(auto, {1: 1.0, 2: 0.5, 3: 0.9}, 4)  # kept for 4 steps: trials again
     assert auto.trying
-    run(auto, {1: 1.0, 2: 2.0, 3: 3.0}, 6)  # the load changed: 1 is best now
-    assert auto.chosen == 1
+    run(auto, {1: 1.0, 2: 2.0, 3: 3.0}, 4)  # the load changed: 1 is best now
+    assert auto.chosen == 1 and not auto.trying
 
 
 def test_a_step_is_never_cut_into_more_micro_batches_than_rows() -> None:
