@@ -23,7 +23,10 @@ in every other EaaS run). ``nixl`` against ``tcp`` is reported (``vs_tcp``), wit
 ``nixl`` needs the NIXL library (``pip install 'eaas[nixl]'``): without it the script stops and
 says so (``--compare tcp`` runs without it).
 
+``--micro-batches 1,2,3`` measures the micro-batch pipeline instead (``_pipeline.py``).
+
 Usage: python benchmarks/e2e_decode.py [--quick] [--json-out PATH] [--steps N] [--reps N] [--compare tcp,nixl]
+       [--micro-batches 1,2,3]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _pipeline
 import torch
 from _common import cpu_seconds, emit, parser, target
 
@@ -97,7 +101,21 @@ def main() -> None:
     cli.add_argument(
         "--compare", default="tcp,nixl", help="transports measured beside shm, in turns with it ('' for none)"
     )
+    cli.add_argument(
+        "--micro-batches",
+        default="",
+        help="instead: decode with steps cut into these micro-batch counts "
+        "(of 1, 2, 3), expert servers on the simulated backend (see _pipeline.py)",
+    )
     args = cli.parse_args()
+    if args.micro_batches:
+        choices = sorted({int(m) for m in args.micro_batches.split(",")})
+        if not set(choices) <= {1, 2, 3}:
+            raise SystemExit(f"e2e_decode: --micro-batches takes 1, 2, 3; got {args.micro_batches}")
+        with tempfile.TemporaryDirectory(prefix="eaas-e2e-") as tmp:
+            results, targets = _pipeline.run(args, choices, Path(tmp))
+        emit("e2e_decode", results, targets, args.json_out)
+        return
     compared = [name.strip() for name in args.compare.split(",") if name.strip() and name.strip() != "shm"]
     if "nixl" in compared:
         try:

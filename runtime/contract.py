@@ -90,6 +90,7 @@ ENV_HEARTBEAT_INTERVAL = "EAAS_HEARTBEAT_INTERVAL_SECONDS"
 ENV_HEARTBEAT_TIMEOUT = "EAAS_HEARTBEAT_TIMEOUT_SECONDS"
 # How long a process serves on after SIGTERM (the pod's grace period less a margin for the exit)
 ENV_DRAIN_TIMEOUT = "EAAS_DRAIN_TIMEOUT_SECONDS"
+ENV_MICRO_BATCHES = "EAAS_MICRO_BATCHES"  # micro-batches per step of an attention client: 1, 2, 3 or auto
 ENV_DATA_TOKENS = "EAAS_DATA_TOKENS"  # data tokens given directly (whitespace-separated)
 ENV_DATA_TOKEN_FILE = "EAAS_DATA_TOKEN_FILE"  # the file of a mounted Secret that holds them
 DATA_TOKEN_MOUNT = "/etc/eaas/data-token"

@@ -40,6 +40,15 @@ class SecretKeySelector(CRDModel):
 class AttentionPoolTemplate(PodSettings):
     """Attention clients: embeddings, attention with KV cache, router, LM head; the OpenAI-compatible API."""
 
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.microBatches >= 0 && self.microBatches <= 3",
+            "microBatches must be 0 (auto: measured on live steps), 1, 2 or 3",
+            field_path=".microBatches",
+            check=lambda p: 0 <= p.micro_batches <= 3,
+        ),
+    )
+
     replicas: int = Field(default=1, ge=1, le=1024)
     """Attention-client pods (each holds whole sequences; scale on requests)."""
     gpus_per_pod: int = Field(default=1, ge=0, le=16)
@@ -49,6 +58,10 @@ class AttentionPoolTemplate(PodSettings):
     api_keys_secret: SecretKeySelector | None = None
     """Secret key holding the bearer API keys the OpenAI-compatible API requires on ``/v1/``
     (whitespace-separated: put the old and the new key during a rotation); unset: no key."""
+    micro_batches: int = 1
+    """Micro-batches each decoder step is cut into, pipelined so that one's attention runs while
+    another's experts compute (2 or 3 hide the expert round trip); 0: auto, each tried on live
+    steps and the fastest kept."""
 
 
 class ExpertPoolTemplate(PodSettings):

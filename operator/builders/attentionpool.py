@@ -67,6 +67,7 @@ def deployment(pool: Body, spec: AttentionPoolSpec) -> dict[str, Any]:
         naming.ENV_EXPERT_SERVICE: f"{spec.expert_pool_name}.{namespace}.svc",
         naming.ENV_EXPERT_PORT: spec.expert_pool_port,
         naming.ENV_DRAIN_TIMEOUT: drain_timeout(spec),
+        naming.ENV_MICRO_BATCHES: spec.micro_batches or "auto",
         **ucx_env(spec.transport, spec.ucx),
     }
     container = {

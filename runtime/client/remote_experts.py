@@ -4,10 +4,20 @@ For one MoE layer: pick a live replica for every (token, expert) entry (``Routin
 each server its tokens once with the expert ids it should apply, wait for all servers in
 parallel, and sum the partial results.
 
+Micro-batches: ``submit`` starts a layer's exchange and returns a ``Ticket``; ``wait`` gives its
+answer (calling the executor is both at once). Several tickets may be in flight, so the decoder
+runs one micro-batch's attention while another's experts compute. Each server's slot carries one
+request of this client at a time: a ticket's chunk for a busy server waits its turn (tickets in
+submission order), and every ``submit`` and ``wait`` takes the answers that are there and sends
+what is due, for all tickets. One thread drives it (the decoding thread); the rejoin and probe
+threads only hand it channels and answers.
+
 Failover: a server that closes its connection, dies or hangs is marked dead; the entries it
-owed are re-routed to live replicas of the same experts and sent again, so the layer's answer is
-the same. A background thread re-attaches dead servers (exponential backoff); a server that
-answers the handshake again rejoins the routing table at the start of the next layer. With no
+owed (in flight or still queued, for every ticket) are re-routed to live replicas of the same
+experts and sent again once that ticket's round is back, so each is resent once and none is
+summed twice: the layer's answer is the same. A background thread re-attaches dead servers
+(exponential backoff); a server that answers the handshake again rejoins the routing table at the
+next ``submit``. With no
 live replica left for an expert, the layer waits up to ``unavailable_wait_s`` for one to rejoin
 (servers that only freed this client's slots, after it hung past its Lease, answer within
 ``rejoin_min_s``), then ``ExpertUnavailable`` names the layer and expert.
@@ -113,6 +123,35 @@ class ClientCounters:
     expert_seconds: float = 0.0  # wall time in MoE layers' expert calls: dispatch, wait, combine, failover
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One MoE layer's exchange in flight (:meth:`RemoteExperts.submit`): what is owed, what came back."""
+
+    layer: int
+    x: torch.Tensor  # [T, H]
+    weights: torch.Tensor  # [T, K] float32
+    todo: torch.Tensor  # [T, K] int64 on the host: the entries routed this round (-1: none)
+    out: torch.Tensor  # [T, H] float32: the partial results summed so far
+    assignment: torch.Tensor | None = None  # [T, K] the server index of each entry this round
+    queues: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)  # chunks to send
+    failed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # server -> rows it owes again
+    needs_route: bool = False  # an expert had no live replica when it was (re)routed
+    give_up_at: float | None = None  # while an expert has no live replica: until rejoins are awaited
+    error: RemoteError | None = None
+
+
+@dataclass(eq=False)
+class Flight:
+    """The one request of this client a server holds (its slot carries one at a time)."""
+
+    ticket: Ticket
+    rows: torch.Tensor  # [T_s] the ticket's rows it answers for
+    sent_at: float
+    deadline: float
+    check_at: float  # past this, unanswered: the server is probed
+    probe: Future[str | None] | None = None
+
+
 class RemoteExperts:
     def __init__(
         self,
@@ -163,6 +202,8 @@ class RemoteExperts:
         self._answered = [True] * len(self.connections)
         self._rejoined: dict[int, tuple[Channel, dict[str, Any]]] = {}  # index -> new channel, handle
         self._stale_handles: dict[int, dict[str, Any]] = {}  # index -> slot to release on the server
+        self._tickets: list[Ticket] = []  # submitted and not yet waited for, oldest first
+        self._flights: list[Flight | None] = [None] * len(self.connections)  # per server
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._rejoiner: threading.Thread | None = None
@@ -211,6 +252,8 @@ class RemoteExperts:
             slots.append((self.connections[index], handle))
         slots += [(self.connections[index], handle) for index, handle in stale.items()]
         slots += [(conn, conn.drop()) for conn in self.connections]
+        self._flights = [None] * len(self.connections)
+        self._tickets = []
         self.live[:] = False
         self._prober.shutdown(wait=False, cancel_futures=True)
         return slots
@@ -254,134 +297,228 @@ class RemoteExperts:
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Routed-expert output [T, H] for x [T, H], expert ids [T, K], router weights [T, K]."""
+        return self.wait(self.submit(layer, x, expert_ids, weights))
+
+    def submit(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> Ticket:
+        """Starts one MoE layer's exchange for x [T, H], expert ids [T, K], router weights [T, K]
+        and returns at once (or once a server's slot frees up for it): :meth:`wait` gives the
+        answer. Several tickets may be in flight (micro-batches); each server carries one request
+        of this client at a time, taken in the order the tickets were submitted. Rejoined servers
+        enter the routing table here, never under a ticket in flight. x must stay unchanged until
+        :meth:`wait` returns."""
         started = time.monotonic()
         try:
-            return self._call(layer, x, expert_ids, weights)
+            self._apply_rejoins()  # (a server that rejoins has nothing in flight)
+            ticket = Ticket(
+                layer,
+                x,
+                weights.to(torch.float32),
+                expert_ids.to("cpu", torch.int64),
+                torch.zeros(x.shape, dtype=torch.float32, device=x.device),
+            )
+            self._tickets.append(ticket)
+            try:
+                self._route(ticket, blocking=True)
+                self._pump()
+            except BaseException:
+                self._forget(ticket)
+                raise
+            return ticket
         finally:
             self.counters.expert_seconds += time.monotonic() - started
 
-    def _call(
-        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        self._apply_rejoins()
-        # Partial sums accumulate in float32 where x is; routing is decided on the host.
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        todo = expert_ids.to("cpu", torch.int64)  # [T, K]; entries already computed become -1
-        weights = weights.to(torch.float32)
-        give_up_at: float | None = None  # while an expert has no live replica: until rejoins are awaited
-        while bool((todo >= 0).any()):
+    def wait(self, ticket: Ticket) -> torch.Tensor:
+        """The routed-expert output [T, H] of ``ticket`` (in x's dtype); drives every ticket in
+        flight meanwhile. A server that fails is failed over for every ticket that owed it."""
+        started = time.monotonic()
+        try:
+            while ticket.queues or ticket.failed or ticket.needs_route or self._in_flight(ticket):
+                if ticket.error is not None:
+                    raise ticket.error
+                if ticket.needs_route:
+                    self._route(ticket, blocking=True)
+                if not self._pump():
+                    self._wait_any()
+            if ticket.error is not None:
+                raise ticket.error
+            return ticket.out.to(ticket.x.dtype)
+        finally:
+            self._forget(ticket)
+            self.counters.expert_seconds += time.monotonic() - started
+
+    def _forget(self, ticket: Ticket) -> None:
+        """Drops ``ticket``: its chunks not yet sent are never sent, an answer in flight for it is
+        read and thrown away (the slot must be free for the next request)."""
+        ticket.queues.clear()
+        if ticket in self._tickets:
+            self._tickets.remove(ticket)
+
+    def _route(self, ticket: Ticket, blocking: bool) -> None:
+        """Assigns ``ticket``'s owed entries to live replicas and queues them per server. With no
+        live replica of an expert: ``blocking`` waits for a rejoin (``unavailable_wait_s``, then
+        ``ExpertUnavailable``); otherwise the ticket is left for its waiter to route."""
+        while True:
             try:
-                assignment = self.table.assign(layer, todo, self.live)  # [T, K]
+                assignment = self.table.assign(ticket.layer, ticket.todo, self.live)  # [T, K]
+                break
             except ExpertUnavailable:
                 # Every replica down is often every slot freed at once, not every server gone: a
                 # client that hung past its Lease, or whose servers all restarted. They answer the
                 # rejoin handshake within rejoin_min_s; fail only if none does in time. A server
                 # in a long backoff (down for a while, back now) is tried at once, not when due.
-                if give_up_at is None:
+                ticket.needs_route = True
+                if not blocking:
+                    return
+                if ticket.give_up_at is None:
                     self._retry_now()
-                give_up_at = give_up_at or time.monotonic() + self.options.unavailable_wait_s
-                if not self._await_rejoin(give_up_at):
+                    ticket.give_up_at = time.monotonic() + self.options.unavailable_wait_s
+                if not self._await_rejoin(ticket.give_up_at):
                     raise
+        ticket.needs_route = False
+        ticket.assignment = assignment
+        for share in RoutingTable.split(assignment, ticket.todo):
+            ticket.queues[share.server] = self._chunks(share)
+
+    def _pump(self) -> bool:
+        """One pass over every server without blocking: takes the answers that are there (or
+        fails the servers that hung or broke), sends each free server the next chunk owed to it,
+        and re-routes the tickets whose round came back with failures. True if anything moved."""
+        moved = False
+        now = time.monotonic()
+        for server, flight in enumerate(self._flights):
+            if flight is None:
                 continue
-            failed_rows = self._exchange(layer, x, weights, RoutingTable.split(assignment, todo), out)
-            if not failed_rows:
-                break
-            redo = torch.zeros_like(todo, dtype=torch.bool)
-            for server, rows in failed_rows.items():
-                owed = torch.zeros_like(redo)
-                owed[rows] = assignment[rows] == server
-                redo |= owed
-                resent = int(owed.sum())
-                self.counters.resent_entries += resent
-                self.events.append(
-                    FailoverEvent(
-                        time.time(),
-                        "resent",
-                        self.table.ordinals[server],
-                        "share re-routed to replicas",
-                        layer,
-                        resent,
+            channel = self.connections[server].channel
+            assert channel is not None
+            if now < flight.deadline and not channel.answered():
+                hung = self._hung(server, flight, now)
+                if hung is not None:
+                    self._fail(server, hung)
+                    moved = True
+                continue
+            moved = True
+            self._flights[server] = None
+            ticket = flight.ticket
+            try:  # an answer already there is taken even past the deadline
+                y = channel.receive(flight.deadline)  # [T_s, H]
+                took = time.monotonic() - flight.sent_at
+                self.round_trips[server].observe(took)
+                self._answered[server] = True
+                if took > SLOW_ANSWER_S:
+                    self._slow(server, ticket.layer, took)
+                if ticket in self._tickets:
+                    ticket.out.index_add_(
+                        0, flight.rows.to(ticket.out.device), y.to(ticket.out.device, torch.float32)
                     )
+            except ChannelError as exc:
+                ticket.failed.setdefault(server, []).append(flight.rows)
+                self._fail(server, str(exc))
+            except RemoteError as exc:
+                ticket.error = ticket.error or RemoteError(
+                    exc.status, f"server {self.table.ordinals[server]}: {exc.message}"
                 )
-            todo = torch.where(redo, todo, -1)
-        return out.to(x.dtype)
+                ticket.queues.pop(server, None)
+        for server in range(len(self.connections)):
+            if self._flights[server] is None and self._send_next(server):
+                moved = True
+        for ticket in list(self._tickets):
+            if ticket.failed and not ticket.queues and not self._in_flight(ticket):
+                self._resend(ticket)
+                moved = True
+        return moved
 
-    def _exchange(
-        self, layer: int, x: torch.Tensor, weights: torch.Tensor, shares: list[Share], out: torch.Tensor
-    ) -> dict[int, torch.Tensor]:
-        """Sends every share (in slot-sized chunks, all servers at once), adds results into ``out``.
+    def _send_next(self, server: int) -> bool:
+        """Sends ``server`` the first chunk a ticket owes it (tickets in submission order)."""
+        ticket = next((t for t in self._tickets if t.queues.get(server) and t.error is None), None)
+        if ticket is None:
+            return False
+        chunks = ticket.queues[server]
+        rows, ids = chunks.pop(0)
+        if not chunks:
+            del ticket.queues[server]
+        x = ticket.x
+        channel = self.connections[server].channel
+        try:
+            if channel is None:
+                raise ChannelError("not connected")
+            on_device = rows.to(x.device)
+            staged = (  # (an autograd graph cannot write into it: x is then copied)
+                None if x.requires_grad else channel.staging(len(rows), x.shape[1], x.dtype, x.device)
+            )
+            # gathered straight into the transport's send memory where it has some: one copy fewer
+            share_x = x[on_device] if staged is None else torch.index_select(x, 0, on_device, out=staged)
+            channel.send(ticket.layer, share_x, ids, ticket.weights[on_device])
+        except ChannelError as exc:
+            ticket.failed.setdefault(server, []).append(rows)
+            self._fail(server, f"send failed: {exc}")
+            return True
+        sent_at = time.monotonic()
+        suspect = self.round_trips[server].suspect_after(self.options.suspect_floor_s)
+        self._flights[server] = Flight(
+            ticket, rows, sent_at, sent_at + self.options.request_timeout_s, sent_at + suspect
+        )
+        self.counters.requests += 1
+        self.counters.tokens_sent += int(rows.numel())
+        return True
 
-        Returns, per failed server, the rows whose results did not arrive.
-        """
-        queues = {share.server: self._chunks(share) for share in shares}
-        failed: dict[int, list[torch.Tensor]] = {}
-        remote_error: RemoteError | None = None
-        while queues:
-            in_flight: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-            for server, chunks in list(queues.items()):
-                rows, ids = chunks.pop(0)
-                if not chunks:
-                    del queues[server]
-                channel = self.connections[server].channel
-                try:
-                    if channel is None:
-                        raise ChannelError("not connected")
-                    on_device = rows.to(x.device)
-                    staged = (  # (an autograd graph cannot write into it: x is then copied)
-                        None if x.requires_grad else channel.staging(len(rows), x.shape[1], x.dtype, x.device)
-                    )
-                    if staged is None:
-                        share_x = x[on_device]
-                    else:  # gathered straight into the transport's send memory: one copy fewer
-                        share_x = torch.index_select(x, 0, on_device, out=staged)
-                    channel.send(layer, share_x, ids, weights[on_device])
-                    in_flight.append((server, rows, ids))
-                    self.counters.requests += 1
-                    self.counters.tokens_sent += int(rows.numel())
-                except ChannelError as exc:
-                    failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
-                    self._mark_dead(server, f"send failed: {exc}", layer)
-            sent_at = time.monotonic()
-            deadline = sent_at + self.options.request_timeout_s
-            waiting = {server: rows for server, rows, _ids in in_flight}
-            check_at = {
-                s: sent_at + self.round_trips[s].suspect_after(self.options.suspect_floor_s) for s in waiting
-            }
-            probes: dict[int, Future[str | None]] = {}
-            while waiting:  # every server at once: each answer is taken as it comes
-                now = time.monotonic()
-                for server, rows in list(waiting.items()):
-                    channel = self.connections[server].channel
-                    assert channel is not None
-                    if now < deadline and not channel.answered():
-                        hung = self._hung(server, sent_at, now, check_at, probes)
-                        if hung is not None:
-                            del waiting[server]
-                            failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
-                            self._mark_dead(server, hung, layer)
-                        continue
-                    del waiting[server]
-                    try:  # an answer already there is taken even past the deadline
-                        y = channel.receive(deadline)  # [T_s, H]
-                        took = time.monotonic() - sent_at
-                        self.round_trips[server].observe(took)
-                        self._answered[server] = True
-                        if took > SLOW_ANSWER_S:
-                            self._slow(server, layer, took)
-                        out.index_add_(0, rows.to(out.device), y.to(out.device, torch.float32))
-                    except ChannelError as exc:
-                        failed[server] = [rows] + [r for r, _ in queues.pop(server, [])]
-                        self._mark_dead(server, str(exc), layer)
-                    except RemoteError as exc:
-                        remote_error = remote_error or RemoteError(
-                            exc.status, f"server {self.table.ordinals[server]}: {exc.message}"
-                        )
-                        queues.pop(server, None)
-                if waiting:
-                    self._wait_any([self.connections[s].channel for s in waiting], deadline)
-            if remote_error is not None:
-                raise remote_error  # a refused request is a bug or a stale placement: never guess
-        return {server: torch.cat(rows) for server, rows in failed.items()}
+    def _fail(self, server: int, reason: str) -> None:
+        """Fails ``server`` over for every ticket: what it had in flight and what was queued for
+        it is owed again, and re-routed once its ticket's round has come back."""
+        flight, self._flights[server] = self._flights[server], None
+        if flight is not None:
+            flight.ticket.failed.setdefault(server, []).append(flight.rows)
+        layer = flight.ticket.layer if flight is not None else -1
+        for ticket in self._tickets:
+            queued = ticket.queues.pop(server, [])
+            if queued:
+                ticket.failed.setdefault(server, []).extend(rows for rows, _ in queued)
+        self._mark_dead(server, reason, layer)
+
+    def _in_flight(self, ticket: Ticket) -> bool:
+        return any(flight is not None and flight.ticket is ticket for flight in self._flights)
+
+    def _resend(self, ticket: Ticket) -> None:
+        """Routes the entries ``ticket`` is owed by failed servers to live replicas: exactly the
+        entries whose answers did not arrive, so none is summed twice."""
+        assert ticket.assignment is not None  # (a ticket with failures was routed)
+        redo = torch.zeros_like(ticket.todo, dtype=torch.bool)
+        for server, parts in ticket.failed.items():
+            rows = torch.cat(parts)
+            owed = torch.zeros_like(redo)
+            owed[rows] = ticket.assignment[rows] == server
+            redo |= owed
+            resent = int(owed.sum())
+            self.counters.resent_entries += resent
+            self.events.append(
+                FailoverEvent(
+                    time.time(),
+                    "resent",
+                    self.table.ordinals[server],
+                    "share re-routed to replicas",
+                    ticket.layer,
+                    resent,
+                )
+            )
+        ticket.failed = {}
+        ticket.todo = torch.where(redo, ticket.todo, -1)
+        self._route(ticket, blocking=False)
+
+    def _wait_any(self) -> None:
+        """Blocks until a server in flight may have its answer, or for a liveness check's slice."""
+        channels = [self.connections[s].channel for s, f in enumerate(self._flights) if f is not None]
+        waits = [(channel, channel.wakeup_fd()) for channel in channels if channel is not None]
+        if not waits:
+            return
+        fds = [fd for _, fd in waits if fd is not None]
+        if len(fds) < len(waits):  # a channel that cannot be waited on (GPU flags, NIXL): poll
+            pause(min(channel.poll_interval_s() for channel, fd in waits if fd is None))
+            return
+        deadline = min(f.deadline for f in self._flights if f is not None)
+        timeout = min(max(deadline - time.monotonic(), 0.0), WAIT_SLICE_S)
+        ready = set(select.select(fds, [], [], timeout)[0])
+        for channel, fd in waits:
+            if fd in ready:
+                channel.clear_wakeup()
 
     def _slow(self, server: int, layer: int, took: float) -> None:
         """Logs a late answer: where a step's time went when a client stalls without a failure."""
@@ -397,46 +534,26 @@ class RemoteExperts:
                 took,
             )
 
-    def _hung(
-        self,
-        server: int,
-        sent_at: float,
-        now: float,
-        check_at: dict[int, float],
-        probes: dict[int, Future[str | None]],
-    ) -> str | None:
+    def _hung(self, server: int, flight: Flight, now: float) -> str | None:
         """Why ``server`` counts as hung (its probe failed), or None while it may still answer.
 
         Past its check time the server is probed (off this thread); a probe that succeeds moves
         the next check to twice the time waited so far."""
-        waited = now - sent_at
-        if server not in probes:
-            if now >= check_at[server]:
+        waited = now - flight.sent_at
+        if flight.probe is None:
+            if now >= flight.check_at:
                 self.counters.probes += 1
                 connection = self.connections[server]
-                probes[server] = self._prober.submit(connection.probe, self.options.probe_timeout_s)
+                flight.probe = self._prober.submit(connection.probe, self.options.probe_timeout_s)
             return None
-        if not probes[server].done():
+        if not flight.probe.done():
             return None
-        reason = probes.pop(server).result()
+        reason = flight.probe.result()
+        flight.probe = None
         if reason is None:
-            check_at[server] = now + max(waited, self.options.suspect_floor_s)
+            flight.check_at = now + max(waited, self.options.suspect_floor_s)
             return None
         return f"no answer after {waited:.2f} s and no answer to its liveness probe ({reason})"
-
-    @staticmethod
-    def _wait_any(channels: list[Channel | None], deadline: float) -> None:
-        """Blocks until one of ``channels`` may have its answer, the deadline, or a liveness check."""
-        waits = [(channel, channel.wakeup_fd()) for channel in channels if channel is not None]
-        fds = [fd for _, fd in waits if fd is not None]
-        if len(fds) < len(waits):  # a channel that cannot be waited on (GPU flags, NIXL): poll
-            pause(min(channel.poll_interval_s() for channel, fd in waits if fd is None))
-            return
-        timeout = min(max(deadline - time.monotonic(), 0.0), WAIT_SLICE_S)
-        ready = set(select.select(fds, [], [], timeout)[0])
-        for channel, fd in waits:
-            if fd in ready:
-                channel.clear_wakeup()
 
     def _chunks(self, share: Share) -> list[tuple[torch.Tensor, torch.Tensor]]:
         size = self.connections[share.server].max_tokens

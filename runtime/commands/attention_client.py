@@ -236,6 +236,7 @@ def attention_client(
     structured_outputs_in_reasoning: bool,
     prefix_caching: bool,
     attention: str,
+    micro_batches: str,
     default_max_tokens: int | None,
     max_batch_size: int,
     api_keys: tuple[str, ...],
@@ -318,6 +319,7 @@ def attention_client(
         structured_outputs_in_reasoning=structured_outputs_in_reasoning,
         prefix_caching=prefix_caching,
         attention=attention,
+        micro_batches=micro_batches if micro_batches == "auto" else int(micro_batches),
         default_max_tokens=default_max_tokens,
         client=options,
     )

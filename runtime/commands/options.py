@@ -13,6 +13,8 @@ from typing import TypeVar
 import click
 
 from eaas.runtime import contract
+from eaas.runtime.serving.micro_batches import AUTO as MICRO_BATCHES_AUTO
+from eaas.runtime.serving.micro_batches import CHOICES as MICRO_BATCH_CHOICES
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -130,7 +132,8 @@ ATTENTION_PATHS = ("paged", "reference")
 
 def serving_feature_options(command: F) -> F:
     """``--tool-call-parser``, ``--reasoning-parser``, ``--structured-outputs-in-reasoning``,
-    ``--enable-prefix-caching/--no-...``, ``--default-max-tokens`` and ``--attention``."""
+    ``--enable-prefix-caching/--no-...``, ``--micro-batches``, ``--default-max-tokens`` and
+    ``--attention``."""
     command = click.option(
         "--attention",
         type=click.Choice(ATTENTION_PATHS),
@@ -149,6 +152,16 @@ def serving_feature_options(command: F) -> F:
         show_envvar=True,
         help="new tokens of a chat request that sets no max_tokens [default: the rest of the context, "
         "as OpenAI and vLLM]",
+    )(command)
+    command = click.option(
+        "--micro-batches",
+        type=click.Choice([*(str(m) for m in MICRO_BATCH_CHOICES), MICRO_BATCHES_AUTO]),
+        default="1",
+        show_default=True,
+        envvar=contract.ENV_MICRO_BATCHES,
+        show_envvar=True,
+        help="micro-batches a step is cut into, pipelined so one's attention runs while another's experts "
+        "compute (auto: tries each on live steps and keeps the fastest, logging what it picked)",
     )(command)
     command = click.option(
         "--enable-prefix-caching/--no-enable-prefix-caching",

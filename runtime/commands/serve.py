@@ -99,6 +99,7 @@ def serve(
     structured_outputs_in_reasoning: bool,
     prefix_caching: bool,
     attention: str,
+    micro_batches: str,
     default_max_tokens: int | None,
     log_level: str,
 ) -> None:
@@ -165,6 +166,7 @@ def serve(
                 structured_outputs_in_reasoning=structured_outputs_in_reasoning,
                 prefix_caching=prefix_caching,
                 attention=attention,
+                micro_batches=micro_batches if micro_batches == "auto" else int(micro_batches),
                 default_max_tokens=default_max_tokens,
                 client=ClientOptions(transport=transport, data_tokens=Tokens((data_token,))),
             )

@@ -17,6 +17,7 @@ import torch
 from eaas.runtime.client import AttentionClient, ClientOptions, FailoverEvent
 from eaas.runtime.local.cluster import LocalCluster
 from eaas.runtime.model import MoEExecutor
+from eaas.runtime.model.decoder import start_experts
 from eaas.runtime.placement import Placement
 
 DEMO_PROMPTS = (
@@ -47,6 +48,19 @@ class StepHook:
             self.step += 1
             self.on_step(self.step)
         return self.inner(layer, x, expert_ids, weights)
+
+    def submit(
+        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """The same, for micro-batches (one call per micro-batch reaching the layer)."""
+        if layer == self.first_moe_layer:
+            self.step += 1
+            self.on_step(self.step)
+        return start_experts(self.inner, layer, x, expert_ids, weights)
+
+    @staticmethod
+    def wait(ticket: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return ticket()
 
 
 @dataclass

@@ -2,13 +2,20 @@
 
 ``Decoder`` runs the attention side and hands each MoE layer's routed-expert work to a
 ``MoEExecutor``: in-process experts for the reference, remote expert servers for EaaS.
+
+Micro-batches (``hidden_micro_batches``): a step's batch cut into m independent batches, each
+with its own cache, run layer by layer in turn on this one thread. An executor that can start an
+exchange and return (``submit``/``wait``, as ``RemoteExperts`` does) computes micro-batch i's
+experts of layer l while micro-batch i + 1 runs attention of layer l; each row's numbers are the
+ones an unsplit batch gives it. An executor without ``submit`` is called where ``submit`` would be.
 Legend: B = batch, S = new tokens per sequence, T = valid tokens, H = hidden, K = top-k, V = vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +29,30 @@ class MoEExecutor(Protocol):
     ) -> torch.Tensor:
         """Routed-expert output [T, H] for x [T, H], expert ids [T, K], router weights [T, K]."""
         ...
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step: its rows' new tokens and the cache of those rows."""
+
+    tokens: torch.Tensor  # [B, S] int64, right-padded
+    num_new: torch.Tensor  # [B] valid tokens per row (>= 1)
+    cache: Cache
+
+
+def start_experts(
+    experts: MoEExecutor, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """Starts ``experts`` on one layer's x [T, H] (expert ids [T, K], router weights [T, K]);
+    returns what gives the routed output [T, H]. An executor with ``submit``/``wait`` computes
+    while the caller goes on; any other is called now."""
+    submit = getattr(experts, "submit", None)
+    if submit is None:
+        y = experts(layer, x, expert_ids, weights)
+        return lambda: y
+    ticket = submit(layer, x, expert_ids, weights)
+    wait: Callable[[Any], torch.Tensor] = experts.wait  # type: ignore[attr-defined]
+    return lambda: wait(ticket)
 
 
 class Decoder:
@@ -57,29 +88,53 @@ class Decoder:
     ) -> torch.Tensor:  # [B, S, H] the last layer's output (``side.logits`` turns it into logits)
         """The forward pass up to the final norm: callers that need the logits of more positions
         than each row's last (prompt log-probabilities) take them from here."""
-        batch, steps = tokens.shape
-        if batch == 0 or steps == 0:
-            raise ValueError("forward needs at least one sequence and one token")
-        if int(num_new.min()) < 1 or int(num_new.max()) > steps:
-            raise ValueError(f"num_new must be in [1, {steps}] for every sequence")
-        cache.check_room(steps)
-        valid = torch.arange(steps) < num_new[:, None]  # [B, S]
-        h = self.side.embed(tokens)  # [B, S, H]
+        return self.hidden_micro_batches([MicroBatch(tokens, num_new, cache)])[0]
+
+    @torch.inference_mode()
+    def hidden_micro_batches(self, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+        """``hidden`` of each micro-batch ([B_i, S_i, H] each), the micro-batches pipelined: at
+        every layer each runs its attention and starts its experts, then the next one does while
+        they compute; a micro-batch's expert answer is taken just before its next layer."""
+        states = []
+        for batch in batches:
+            tokens, num_new = batch.tokens, batch.num_new
+            rows, steps = tokens.shape
+            if rows == 0 or steps == 0:
+                raise ValueError("forward needs at least one sequence and one token")
+            if int(num_new.min()) < 1 or int(num_new.max()) > steps:
+                raise ValueError(f"num_new must be in [1, {steps}] for every sequence")
+            batch.cache.check_room(steps)
+            valid = torch.arange(steps) < num_new[:, None]  # [B, S]
+            states.append((self.side.embed(tokens), valid))  # [B, S, H]
+        pending: list[Callable[[], torch.Tensor] | None] = [None] * len(batches)
         for layer in range(self.config.num_layers):
-            h = self.side.attention(layer, h, cache)
-            x = self.side.ffn_norm(layer, h)[valid]  # [T, H]
-            h[valid] += self.ffn(layer, x)
-        cache.advance(num_new)
-        return h
+            for i, (batch, (h, valid)) in enumerate(zip(batches, states, strict=True)):
+                finish = pending[i]
+                if finish is not None:  # the previous layer's FFN of this micro-batch
+                    h[valid] += finish()
+                h = self.side.attention(layer, h, batch.cache)
+                states[i] = (h, valid)
+                pending[i] = self.start_ffn(layer, self.side.ffn_norm(layer, h)[valid])  # x [T, H]
+        for (h, valid), finish, batch in zip(states, pending, batches, strict=True):
+            assert finish is not None
+            h[valid] += finish()
+            batch.cache.advance(batch.num_new)
+        return [h for h, _ in states]
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The FFN half of ``layer`` for valid tokens x [T, H] -> [T, H]."""
+        return self.start_ffn(layer, x)()
+
+    def start_ffn(self, layer: int, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Starts the FFN half of ``layer`` for valid tokens x [T, H]: the routed experts are
+        started first, the shared expert computed while they run; the result gives [T, H]."""
         if not self.config.is_moe_layer(layer):
-            return self.side.dense_ffn(layer, x)
+            y = self.side.dense_ffn(layer, x)
+            return lambda: y
         expert_ids, weights = self.side.route(layer, x)
-        y = self.experts(layer, x, expert_ids, weights)
+        routed = start_experts(self.experts, layer, x, expert_ids, weights)
         shared = self.side.shared_expert(layer, x)
-        return y if shared is None else y + shared
+        return routed if shared is None else lambda: routed() + shared
 
     @torch.inference_mode()
     def generate(

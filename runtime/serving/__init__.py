@@ -2,7 +2,8 @@
 
 The engine (continuous batching over a paged KV cache): ``sampling`` (parameters and the sampler),
 ``blocks`` (the KV block allocator and prefix cache), ``scheduler`` (which sequences run each step),
-``engine`` (one decoder step at a time), ``grammar`` (structured outputs) — pure or single-threaded.
+``engine`` (one decoder step at a time, cut into ``micro_batches``), ``grammar`` (structured
+outputs) — pure or single-threaded.
 The front: ``serve`` (``AttentionService``: the HTTP service, placement swaps, readiness), ``http_api``
 (request parsing, limits, errors, probes), ``completions`` and ``chat`` (the two APIs),
 ``responses`` and ``response_output`` (OpenAI's Responses API over the chat path), ``tools`` and

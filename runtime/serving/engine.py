@@ -10,9 +10,13 @@ Blocks of computed prefixes are shared between sequences (prefix caching, ``bloc
 sequence starts computing after the longest cached prefix of its tokens, and each step names the
 blocks it filled.
 
-Each step runs the scheduler's plan as one ``Decoder.forward`` over a right-padded batch (prefill
-chunks and decodes mixed), so every MoE layer sends one request per expert server for everything
-running. A sequence whose prompt is fully through the model gets a token sampled; it finishes on
+Each step runs the scheduler's plan through the decoder as right-padded batches (prefill chunks
+and decodes mixed): one batch, so every MoE layer sends one request per expert server for
+everything running, or, with ``micro_batches`` m > 1, m micro-batches of about equal work
+(``micro_batches``) pipelined layer by layer (``Decoder.hidden_micro_batches``): one's attention
+runs while another's experts compute. A row's tokens do not depend on m.
+
+A sequence whose prompt is fully through the model gets a token sampled; it finishes on
 a stop token, at ``max_tokens``, or when aborted, and its blocks go back to the pool. A sequence
 with a grammar (structured outputs, ``grammar``) samples only what its grammar allows and ends
 with ``stop`` once the grammar can take nothing more. A failure tied to one sequence (its
@@ -34,15 +38,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from eaas.runtime.model.config import MoEConfig
-from eaas.runtime.model.decoder import Decoder
+from eaas.runtime.model.decoder import Decoder, MicroBatch
 from eaas.runtime.serving.blocks import BlockAllocator
 from eaas.runtime.serving.grammar import allowed_tokens, first_line
+from eaas.runtime.serving.micro_batches import AUTO, CHOICES, AutoMicroBatches, row_work, split_rows
 from eaas.runtime.serving.paged_cache import KVPool, PagedView
 from eaas.runtime.serving.sampling import Sampled, SamplingParams, new_generator, sample, score
 from eaas.runtime.serving.scheduler import Scheduler, Sequence
@@ -57,6 +63,8 @@ class EngineOptions:
     max_batch_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
     max_seqs: int = 64  # sequences running at once
     prefix_caching: bool = True  # reuse the computed KV blocks of shared prefixes (``blocks``)
+    # A step's rows cut into this many micro-batches, pipelined (``micro_batches``); "auto": measured.
+    micro_batches: int | str = 1
 
 
 class StepFailed(RuntimeError):
@@ -80,6 +88,9 @@ class Engine:
     def __init__(self, decoder: Decoder, options: EngineOptions | None = None) -> None:
         self.decoder = decoder
         self.options = o = options or EngineOptions()
+        if o.micro_batches not in (*CHOICES, AUTO):
+            raise ValueError(f"micro_batches: must be one of {[*CHOICES, AUTO]}, got {o.micro_batches!r}")
+        self.auto = AutoMicroBatches() if o.micro_batches == AUTO else None
         config = decoder.config
         num_blocks = self.pool_blocks(config, o, decoder.side.dtype)
         self.pool = KVPool(config, num_blocks, o.block_size, dtype=decoder.side.dtype)
@@ -148,32 +159,29 @@ class Engine:
         self.last_step_sequences = len(plan)
         if not plan:
             return []
-        steps = max(want for _, want in plan)
-        tokens = torch.zeros(len(plan), steps, dtype=torch.int64)
-        for row, (seq, want) in enumerate(plan):
-            chunk = seq.tokens[seq.num_computed : seq.num_computed + want]
-            tokens[row, :want] = torch.tensor(chunk, dtype=torch.int64)
-        view = PagedView(
-            self.pool,
-            [self.allocator.tables[seq.id] for seq, _ in plan],
-            [seq.num_computed for seq, _ in plan],
-            steps,
-        )
-        num_new = torch.tensor([want for _, want in plan], dtype=torch.int64)
-        scored = [row for row, (seq, want) in enumerate(plan) if self._to_score(seq, want)]
+        hidden_size = self.decoder.config.hidden_size
+        work = [row_work(want, seq.num_computed + want, hidden_size) for seq, want in plan]
+        count = self.auto.count(len(plan)) if self.auto is not None else int(self.options.micro_batches)
+        groups = split_rows(work, count)
+        started = time.monotonic()
         try:
-            if scored:  # the same pass: prompt positions' logits come from its hidden states
-                hidden = self.decoder.hidden(tokens, num_new, view)  # [B, S, H]
-                with torch.inference_mode():
-                    logits = self.decoder.side.logits(hidden[torch.arange(len(plan)), num_new - 1])
-                    for row in scored:
-                        self._score_prompt(plan[row][0], plan[row][1], hidden[row])
-            else:
-                logits = self.decoder.forward(tokens, num_new, view)  # [B, V]: each row's last new token
+            hiddens = self.decoder.hidden_micro_batches([self._micro_batch(plan, rows) for rows in groups])
+            with torch.inference_mode():
+                parts = []
+                for rows, hidden in zip(groups, hiddens, strict=True):  # hidden [B_i, S_i, H]
+                    last = torch.tensor([plan[row][1] - 1 for row in rows])
+                    parts.append(self.decoder.side.logits(hidden[torch.arange(len(rows)), last]))  # [B_i, V]
+                    for i, row in enumerate(rows):  # prompt positions' logits from the same pass
+                        if self._to_score(*plan[row]):
+                            self._score_prompt(plan[row][0], plan[row][1], hidden[i])
+                order = torch.tensor([row for rows in groups for row in rows])
+                logits = torch.cat(parts)[order.argsort()]  # [B, V] in the plan's row order
         except Exception as exc:  # the sequences of this step cannot go on; the others can
             for seq, _ in plan:
                 self._finish(seq, "error")
             raise StepFailed([seq for seq, _ in plan], exc) from exc
+        if self.auto is not None:
+            self._observe(len(groups), len(plan), time.monotonic() - started)
         ready = []
         finished: list[Event] = []
         for row, (seq, want) in enumerate(plan):
@@ -191,6 +199,30 @@ class Engine:
         for (_, seq), choice in self._sample(ready, logits, events):
             self._take(seq, choice, events)
         return events
+
+    def _observe(self, count: int, rows: int, seconds: float) -> None:
+        """Tells ``auto`` what a step took; logs the count it picks after its trials."""
+        assert self.auto is not None
+        trying = self.auto.trying
+        self.auto.observe(count, rows, seconds)
+        if trying and not self.auto.trying:
+            measured = ", ".join(f"{m}: {1e3 * s:.2f}" for m, s in self.auto.last_pick.items())
+            log.info("micro-batches auto: %d (ms per row of a step with %s)", self.auto.chosen, measured)
+
+    def _micro_batch(self, plan: list[tuple[Sequence, int]], rows: list[int]) -> MicroBatch:
+        """The decoder's input for ``rows`` of ``plan``: their chunks right-padded, their cache."""
+        steps = max(plan[row][1] for row in rows)
+        tokens = torch.zeros(len(rows), steps, dtype=torch.int64)  # [B_i, S_i]
+        for i, row in enumerate(rows):
+            seq, want = plan[row]
+            tokens[i, :want] = torch.tensor(seq.tokens[seq.num_computed : seq.num_computed + want])
+        view = PagedView(
+            self.pool,
+            [self.allocator.tables[plan[row][0].id] for row in rows],
+            [plan[row][0].num_computed for row in rows],
+            steps,
+        )
+        return MicroBatch(tokens, torch.tensor([plan[row][1] for row in rows], dtype=torch.int64), view)
 
     def _sample(
         self, ready: list[tuple[int, Sequence]], logits: torch.Tensor, events: list[Event]

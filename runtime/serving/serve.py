@@ -119,6 +119,7 @@ class ServeOptions:
     batching: str = "continuous"  # or "static": one generate() call per batch (the baseline)
     kv_cache_bytes: int = 256 << 20  # continuous: the paged KV cache
     prefix_caching: bool = True  # continuous: reuse the KV blocks of shared prefixes
+    micro_batches: int | str = 1  # continuous: micro-batches per step (1, 2, 3 or "auto"; ``micro_batches``)
     block_size: int = 16  # continuous: positions per KV block
     attention: str = "paged"  # how attention reads the cache (``attention.PATHS``; reference: the oracle)
     request_timeout_s: float = 300.0  # a request still unanswered after this gets 504
@@ -686,6 +687,7 @@ class AttentionService:
             max_batch_tokens=o.max_batch_tokens,
             max_seqs=o.max_batch_size,
             prefix_caching=o.prefix_caching,
+            micro_batches=o.micro_batches,
         )
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

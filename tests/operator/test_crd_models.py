@@ -86,6 +86,7 @@ def test_tiny_manifest_is_a_cpu_tcp_service(moes_spec: MoEServiceSpec) -> None:
         # Not offered until the runtime has it (it once was, and a pool reported Ready without it).
         ({"transport": "nvshmem"}, "spec.transport: Input should be 'tcp', 'shm', 'cuda_ipc' or 'nixl'"),
         ({"transport": "cuda_ipc"}, "transport cuda_ipc needs expertPool.gpusPerPod = 1"),
+        ({"attentionPool.microBatches": 4}, "spec.attentionPool.microBatches: microBatches must be 0 (auto"),
         ({"heartbeat.intervalSeconds": 10}, "timeoutSeconds must be greater than intervalSeconds"),
         (
             {"model.checkpoint.persistentVolumeClaim": {"claimName": "w"}},

@@ -247,6 +247,23 @@ def test_attention_clients_read_api_keys_from_the_users_secret(
     assert "value" not in entry  # the key itself never appears in the Deployment
 
 
+def test_attention_clients_get_their_micro_batches(
+    moes_body: dict[str, Any], moes_spec: MoEServiceSpec
+) -> None:
+    def micro_batches(count: int) -> str:
+        custom = moes_spec.model_copy(
+            update={"attention_pool": moes_spec.attention_pool.model_copy(update={"micro_batches": count})}
+        )
+        pool = moeservice.attention_pool(moes_body, custom)
+        pool["metadata"]["uid"] = "attention-uid"
+        spec = AttentionPoolSpec.from_k8s(pool["spec"])
+        (found,) = attentionpool.deployment(pool, spec)["spec"]["template"]["spec"]["containers"]
+        return env_of(found)[naming.ENV_MICRO_BATCHES]
+
+    assert moes_spec.attention_pool.micro_batches == 1 and micro_batches(1) == "1"
+    assert micro_batches(3) == "3" and micro_batches(0) == "auto"  # what eaas attention-client takes
+
+
 def test_merge_patch_turns_old_into_new() -> None:
     old = {"a": 1, "keep": {"x": 1, "gone": 2}, "list": [1, 2], "drop": {"y": 1}}
     new = {"a": 2, "keep": {"x": 1}, "list": [1], "add": {"z": 3}}

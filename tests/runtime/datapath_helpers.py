@@ -35,6 +35,15 @@ def in_process_servers(
         yield servers
 
 
+@contextmanager
+def drill_cluster(checkpoint: Path, workdir: Path) -> Iterator[LocalCluster]:
+    """Three expert-server processes, every expert on two of them, offering shm, tcp and nixl."""
+    config = CheckpointReader(checkpoint).config
+    placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
+    with LocalCluster(checkpoint, placement, workdir, transports=("shm", "tcp", "nixl")) as cluster:
+        yield cluster
+
+
 def urls(servers: dict[int, ExpertServer]) -> dict[int, str]:
     return {ordinal: server.url for ordinal, server in servers.items()}
 

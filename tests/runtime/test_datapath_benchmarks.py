@@ -60,6 +60,25 @@ def test_e2e_decode_quick(tmp_path: Path) -> None:
     assert last["targets"]["failed_requests_under_kill"]["met"] is True
 
 
+def test_e2e_decode_micro_batches_quick(tmp_path: Path) -> None:
+    last = run_quick("e2e_decode.py", tmp_path, "--micro-batches", "1,2", "--steps", "2", "--reps", "1")
+    simulated = [row for row in last["results"] if not row["run"].startswith("torch_engine")]
+    runs = {(row["run"], row["ratio_expert_to_attention"]): row for row in simulated}
+    assert set(runs) == {(f"{m}BO", ratio) for m in (1, 2) for ratio in (1.0, 2.0)}
+    engine = {row["run"]: row for row in last["results"] if row["run"].startswith("torch_engine")}
+    assert set(engine) == {"torch_engine_1BO", "torch_engine_2BO", "torch_engine_auto"}
+    assert last["targets"]["auto_vs_1BO_torch_backend"]["value"] == engine["torch_engine_auto"]["vs_1BO"]
+    for (_, ratio), row in runs.items():
+        assert row["tokens_per_s"] > 0 and row["cpu_s_per_token"] >= row["client_cpu_s_per_token"] > 0
+        assert row["vs_1BO"] == row["tokens_per_s"] / runs[("1BO", ratio)]["tokens_per_s"]
+        assert row["simulated_backend"].startswith("simulated:0:")
+    assert set(last["targets"]) == {
+        "2BO_vs_1BO_tokens_per_s_rt_eq_attention", "2BO_vs_1BO_p99_inter_token", "failed_requests",
+        "auto_vs_1BO_torch_backend",
+    }  # fmt: skip
+    assert last["targets"]["failed_requests"]["met"] is True  # 2BO's tokens are 1BO's
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the run without CUDA")
 @pytest.mark.parametrize("script", ["gpu_rtt.py", "gpu_mechanisms.py", "nixl_gpu_rtt.py"])
 def test_gpu_benchmarks_report_nothing_measured_without_cuda(script: str, tmp_path: Path) -> None:

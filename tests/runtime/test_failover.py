@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from datapath_helpers import MAX_NEW_TOKENS, PROMPTS, generate_concurrently, in_process_servers, urls
+from datapath_helpers import (
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    drill_cluster,
+    generate_concurrently,
+    in_process_servers,
+    urls,
+)
 
 from e2e.waiting import wait_until
 from eaas.runtime.client import AttentionClient, ClientOptions, ExpertUnavailable, HandshakeError
@@ -37,11 +44,7 @@ FAMILY = "deepseek_v3"  # dense layer + shared expert + grouped routing: the mos
 def cluster(
     tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    checkpoint = tiny_checkpoints[FAMILY]
-    config = CheckpointReader(checkpoint).config
-    placement = round_robin(config.moe_layers, config.num_experts, 3, replication=2)
-    workdir = tmp_path_factory.mktemp("cluster")
-    with LocalCluster(checkpoint, placement, workdir, transports=("shm", "tcp", "nixl")) as cluster:
+    with drill_cluster(tiny_checkpoints[FAMILY], tmp_path_factory.mktemp("cluster")) as cluster:
         yield cluster
 
 

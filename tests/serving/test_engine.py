@@ -3,6 +3,7 @@ with decodes, a paged KV cache small enough to preempt, every attention variant.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 from eaas.runtime.model import load_reference
-from eaas.runtime.model.decoder import Decoder
+from eaas.runtime.model.decoder import Decoder, MicroBatch
 from eaas.runtime.serving import engine as engine_module
 from eaas.runtime.serving.engine import Engine, EngineOptions
+from eaas.runtime.serving.micro_batches import row_work, split_rows
 from eaas.runtime.serving.paged_cache import KVPool
 from eaas.runtime.serving.sampling import SamplingParams
 from eaas.runtime.serving.scheduler import Sequence
@@ -114,10 +116,13 @@ class NanOnMarker:
         self.decoder = decoder
         self.config, self.side = decoder.config, decoder.side
 
-    def forward(self, tokens: torch.Tensor, num_new: torch.Tensor, view: Any) -> torch.Tensor:
-        logits = self.decoder.forward(tokens, num_new, view)  # [B, V]
-        last = tokens.gather(1, (num_new - 1)[:, None])[:, 0]  # [B]
-        return logits.masked_fill((last == NAN_TOKEN)[:, None], float("nan"))
+    def hidden_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        hiddens = self.decoder.hidden_micro_batches(batches)  # [B, S, H] each
+        for batch, hidden in zip(batches, hiddens, strict=True):
+            last = batch.tokens.gather(1, (batch.num_new - 1)[:, None])[:, 0]  # [B]
+            with torch.inference_mode():
+                hidden.masked_fill_((last == NAN_TOKEN)[:, None, None], float("nan"))
+        return hiddens
 
 
 class BrokenMatcher:
@@ -167,3 +172,32 @@ def test_a_row_that_cannot_be_sampled_fails_its_sequence_alone(
         assert seq.finish_reason == "error" and seq.server_fault and seq.output == []
         assert seq.error is not None and "sampling failed" in seq.error and why in seq.error
     assert engine.allocator.used_fraction == 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_moe"])
+def test_micro_batches_give_the_tokens_of_one_batch(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """The same staggered run (chunked prefill mixed with decodes, greedy and seeded rows) with a
+    step cut into 1, 2 and 3 pipelined micro-batches, and "auto" (trying each): the same tokens."""
+    decoder = load_reference(tiny_checkpoints[family])
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=7 + i)
+        if i % 2
+        else SamplingParams(max_tokens=n)
+        for i, n in enumerate(NEW_TOKENS)
+    ]
+    outputs: dict[int | str, list[list[int]]] = {}
+    for micro_batches in (1, 2, 3, "auto"):
+        options = replace(options_for(decoder, 64), micro_batches=micro_batches)
+        outputs[micro_batches] = [seq.output for seq in run_staggered(Engine(decoder, options), params)]
+    assert outputs[2] == outputs[1] and outputs[3] == outputs[1] and outputs["auto"] == outputs[1]
+
+
+def test_micro_batches_are_balanced_in_work_not_rows(tiny_checkpoints: dict[str, Path]) -> None:
+    decodes = [row_work(1, 500, 64)] * 6
+    prefill = row_work(40, 40, 64)
+    groups = split_rows([prefill, *decodes], 2)
+    assert groups == [[0], [1, 2, 3, 4, 5, 6]]  # a long chunk alone, the decodes together
+    assert split_rows(decodes, 3) == [[0, 3], [1, 4], [2, 5]]
+    assert split_rows(decodes[:2], 3) == [[0], [1]]  # never an empty micro-batch
+    with pytest.raises(ValueError, match="micro_batches"):
+        Engine(load_reference(tiny_checkpoints["mixtral"]), EngineOptions(micro_batches=4))
