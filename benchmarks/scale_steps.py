@@ -124,16 +124,15 @@ def main() -> None:
         )
     targets = {}
     for r in runs:
-        key = f"{r.shape}.{r.direction}"
         if r.bound == 0:
-            targets[f"{key}.commits"] = _common.target(r.commits, 8, higher_is_better=False)
+            targets[f"commits@{r.shape}.{r.direction}"] = _common.target(r.commits, 8, higher_is_better=False)
     for name, *_ in shapes:
         batched = {r.direction: r for r in runs if r.shape == name and r.bound == 0}
         single = {r.direction: r for r in runs if r.shape == name and r.bound == 1}
         for direction, one in single.items():
             ratio = batched[direction].planner_s / one.planner_s
             print(f"{name} {direction}: batched planner time / one-at-a-time = {ratio:.3f}")
-            targets[f"{name}.{direction}.planner_vs_single"] = _common.target(
+            targets[f"planner_vs_single@{name}.{direction}"] = _common.target(
                 ratio, 1.0, higher_is_better=False
             )
     _common.emit("scale_steps", [vars(r) for r in runs], targets, args.json_out)
