@@ -38,15 +38,18 @@ def test_prerequisites_are_created_once_then_made_sure_of_every_few_minutes(
         refresh=Refresh(clock=lambda: now[0]),
     )
     ensure_pod_prerequisites(context, moes_body)
-    assert sorted(kube.creates) == ["RoleBinding", "Secret", "ServiceAccount"]
+    # The ServiceAccount, its RoleBinding to the runtime's ClusterRole, the Role that reads the
+    # placement ConfigMaps and its RoleBinding, the data-token Secret.
+    made = ["Role", "RoleBinding", "RoleBinding", "Secret", "ServiceAccount"]
+    assert sorted(kube.creates) == made
     for _ in range(10):  # resyncs: nothing asked of the API server
         now[0] += 10
         ensure_pod_prerequisites(context, moes_body)
-    assert len(kube.creates) == 3
+    assert len(kube.creates) == len(made)
     del kube.objects[("Secret", f"{moes_body['metadata']['name']}-data-token")]  # someone deletes it
     now[0] = 1000.0 + PREREQUISITES_EVERY_S
     ensure_pod_prerequisites(context, moes_body)
-    assert len(kube.creates) == 6
+    assert len(kube.creates) == 2 * len(made)
     assert ("Secret", f"{moes_body['metadata']['name']}-data-token") in kube.objects  # back
 
 
