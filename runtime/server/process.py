@@ -190,12 +190,20 @@ class ExpertServerProcess:
             else None
         )
 
+        # What the placement said when SIGTERM came. A server that keeps a Lease leaves on the
+        # operator's word (its release, written once every live client routes by a placement
+        # without it), not on its own reading of the watched placement: a client that reads its
+        # placement late may still attach here until then.
+        at_sigterm: list[bool | None] = []
+
         def named() -> bool | None:
             """Whether a placement still names this server: not once the operator wrote on its Lease
-            that a committed one does not (a terminating pod's mounted files are not refreshed any
-            more, and its watch may be cut off), else as the placement last said."""
+            that a committed one does not; with a Lease, otherwise as the placement said at SIGTERM;
+            without one, as the placement last said."""
             if beats is not None and beats.released:
                 return False
+            if beats is not None and at_sigterm:
+                return at_sigterm[0]
             return watcher.named if watcher is not None else None
 
         departure = (
@@ -210,6 +218,8 @@ class ExpertServerProcess:
         )
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            if signum == signal.SIGTERM and watcher is not None and not at_sigterm:
+                at_sigterm.append(watcher.named)
             if signum == signal.SIGTERM and departure is not None and departure.begin():
                 return  # leaving: serves on until its experts are taken over (departure.py)
             server.loop.stop_event.set()

@@ -115,8 +115,8 @@ def test_kill_of_an_attention_pod_fails_only_its_in_flight_requests(system: Syst
         before_start = time.monotonic()
         time.sleep(3)
         lost.stop_new()  # what was sent to the doomed pod is in flight; nothing more is sent there
-        struck = time.monotonic()
         os.kill(pid, signal.SIGKILL)
+        struck = time.monotonic()  # after the kill: a request that ended just before it ended whole
         system.cluster.core.delete_namespaced_pod(
             doomed.metadata.name, system.namespace, grace_period_seconds=0
         )
