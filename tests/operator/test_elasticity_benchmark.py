@@ -3,35 +3,22 @@ and the savings arithmetic (no servers; the measured Part A runs only in the ben
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from benchmark_runs import benchmark_module
 
 from eaas.operator.api.moeservice import AutoscalingSpec
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def elasticity() -> Iterator[ModuleType]:
     """benchmarks/elasticity.py as a module (it imports its siblings ``_common`` and ``_load``)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("elasticity_benchmark", BENCHMARKS / "elasticity.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    yield module
-    sys.modules.pop("elasticity_benchmark", None)
+    with benchmark_module("elasticity.py") as module:
+        yield module
 
 
 def test_trace_is_reproducible_and_shaped(elasticity: ModuleType) -> None:

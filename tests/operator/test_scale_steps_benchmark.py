@@ -3,32 +3,19 @@ up and down in batches (few commits), and one server per change when bounded to 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_runs import benchmark_module
 
 from eaas.operator import planning
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def scale_steps() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("scale_steps_benchmark", BENCHMARKS / "scale_steps.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    yield module
-    sys.modules.pop("scale_steps_benchmark", None)
+    with benchmark_module("scale_steps.py") as module:
+        yield module
 
 
 SHAPE = planning.PoolShape(layers=tuple(range(4)), num_experts=16, replication=2)
